@@ -1,0 +1,105 @@
+"""Argument checks shared by the semaphore and the Celery glue.
+
+Each check raises :class:`~celery_semaphore.errors.SemaphoreValidationError` naming the
+argument, so a caller sees which option is wrong before anything is written to Redis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from .errors import SemaphoreValidationError
+
+
+def _finite_seconds(value: object) -> float | None:
+    """``value`` as float seconds if it is a finite int or float, else None."""
+    # bool is an int subclass; True as a lease or a delay is always a mistake.
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    seconds = float(value)
+    return seconds if math.isfinite(seconds) else None
+
+
+def check_key(key: object, name: str = "key") -> str:
+    """Return ``key`` if it is a non-empty str, else raise."""
+    if not isinstance(key, str) or not key:
+        raise SemaphoreValidationError(f"{name} must be a non-empty str, got {key!r}")
+    return key
+
+
+def check_limit(limit: object, name: str = "limit") -> int:
+    """Return ``limit`` if it is an int >= 1 (bool excluded), else raise."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise SemaphoreValidationError(f"{name} must be an int >= 1, got {limit!r}")
+    return limit
+
+
+def lease_ms(lease: object, name: str = "lease") -> int:
+    """Convert a lease in float seconds to whole milliseconds, the unit Redis scores use.
+
+    Raises:
+        SemaphoreValidationError: ``lease`` is not a finite number > 0, or rounds to 0 ms.
+    """
+    seconds = _finite_seconds(lease)
+    if seconds is None or seconds <= 0:
+        raise SemaphoreValidationError(
+            f"{name} must be a finite number of seconds > 0, got {lease!r}"
+        )
+    ms = round(seconds * 1000)
+    if ms < 1:
+        raise SemaphoreValidationError(f"{name} must be at least 0.001 seconds, got {lease!r}")
+    return ms
+
+
+def check_retries(retries: object, name: str = "retries") -> int:
+    """Return ``retries`` if it is an int >= 0 (bool excluded), else raise."""
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise SemaphoreValidationError(f"{name} must be an int >= 0, got {retries!r}")
+    return retries
+
+
+def check_delay(delay: object, name: str = "retry_delay") -> float:
+    """Return ``delay`` as float seconds if it is a finite number >= 0, else raise."""
+    seconds = _finite_seconds(delay)
+    if seconds is None or seconds < 0:
+        raise SemaphoreValidationError(
+            f"{name} must be a finite number of seconds >= 0, got {delay!r}"
+        )
+    return seconds
+
+
+def heartbeat_interval(heartbeat: object, lease: float, name: str = "heartbeat") -> float | None:
+    """Resolve the renewal interval in float seconds, or ``None`` when renewal is off.
+
+    ``None`` means the default, a quarter of the lease (at least 1 ms): three renewals in a
+    row may fail before the slot could lapse. ``False`` turns renewal off. An explicit value
+    must be at most half the lease, since a longer interval lets the first tick arrive at or
+    after expiry (the rule and the quarter default come from the leased-semaphore spec).
+
+    Raises:
+        SemaphoreValidationError: ``heartbeat`` is not None/False/a finite number > 0, or
+            is above ``lease / 2``.
+    """
+    if heartbeat is None:
+        return max(0.001, lease / 4)
+    if heartbeat is False:
+        return None
+    seconds = _finite_seconds(heartbeat)
+    if seconds is None or seconds <= 0:
+        raise SemaphoreValidationError(
+            f"{name} must be None, False or a finite number of seconds > 0, got {heartbeat!r}"
+        )
+    if seconds > lease / 2:
+        raise SemaphoreValidationError(
+            f"{name} must be at most half of lease ({lease / 2:g}s), got {heartbeat!r}"
+        )
+    return seconds
+
+
+def check_callback(callback: object, name: str) -> Callable[..., Any] | None:
+    """Return ``callback`` if it is None or callable, else raise."""
+    if callback is not None and not callable(callback):
+        raise SemaphoreValidationError(f"{name} must be callable or None, got {callback!r}")
+    return callback

@@ -1,0 +1,125 @@
+"""The renewal thread that keeps a held slot alive while its body runs.
+
+Loss is detected two ways (the leased-semaphore spec's "two-pronged" rule): a renewal that
+answers "gone", or a whole lease passing without a renewal that succeeded. The second prong
+must work even when a renewal round trip hangs (a paused server, a half-open TCP connection,
+a client with no socket timeout), so each round trip runs in a short-lived daemon thread and
+the heartbeat waits for it only until the slot's deadline. An abandoned round trip is
+harmless: extend never re-creates a member that is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .semaphore import Slot
+
+RenewErrorCallback = Callable[[BaseException], object]
+
+
+class _RoundTrip:
+    """One renewal running in its own daemon thread; ``done`` is set when it answers."""
+
+    def __init__(self, slot: Slot, done: threading.Event) -> None:
+        self.ok: bool | None = None
+        self.error: BaseException | None = None
+        self._slot = slot
+        self._done = done
+        thread = threading.Thread(target=self._run, name="semaphore-renew", daemon=True)
+        thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.ok = self._slot._renew()
+        except BaseException as exc:  # handed to on_renew_error; never kills the heartbeat
+            self.error = exc
+        finally:
+            self._done.set()
+
+
+class Heartbeat:
+    """Renews ``slot`` every ``interval`` seconds from a daemon thread until stopped.
+
+    Args:
+        slot (Slot): the slot to keep alive; its ``lost`` event is set when loss is detected.
+        interval (float): seconds between renewals.
+        on_renew_error (Callable[[BaseException], object] | None): called, in the heartbeat
+            thread, with each renewal round trip that failed without saying the slot is
+            gone. Such a failure is not a loss; the next tick tries again. An exception raised
+            by the callback is swallowed.
+
+    The thread is started by :meth:`start`, never on construction, so a slot acquired before
+    a fork does not leave a thread behind in the parent.
+    """
+
+    def __init__(
+        self, slot: Slot, interval: float, on_renew_error: RenewErrorCallback | None = None
+    ) -> None:
+        self._slot = slot
+        self._interval = interval
+        self._on_renew_error = on_renew_error
+        self._stop = threading.Event()
+        # Set by whichever comes first: a round trip answering, or stop().
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="semaphore-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start renewing in the background."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing and wait for the heartbeat thread to end.
+
+        Returns at once even if a renewal round trip is still in flight: that round trip is
+        abandoned, and its answer can no longer mark the slot lost.
+        """
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _loop(self) -> None:
+        slot = self._slot
+        while not self._stop.wait(self._interval):
+            if slot.lost.is_set() or not self._tick():
+                return
+
+    def _tick(self) -> bool:
+        """One renewal. False when renewing is over (the slot is lost, or we were stopped)."""
+        slot = self._slot
+        self._wake.clear()
+        if self._stop.is_set():
+            return False
+        remaining = slot._deadline - time.monotonic()
+        if remaining <= 0:
+            slot._mark_lost("no renewal succeeded within one lease")
+            return False
+        trip = _RoundTrip(slot, self._wake)
+        self._wake.wait(remaining)
+        if self._stop.is_set():
+            return False
+        if not self._wake.is_set():
+            slot._mark_lost("a renewal got no answer within one lease")
+            return False
+        if trip.error is not None:
+            self._report(trip.error)
+            if time.monotonic() >= slot._deadline:
+                slot._mark_lost("no renewal succeeded within one lease")
+                return False
+            return True
+        if not trip.ok:
+            slot._mark_lost("a renewal found the slot gone")
+            return False
+        return True
+
+    def _report(self, error: BaseException) -> None:
+        if self._on_renew_error is None:
+            return
+        # A broken telemetry hook must not stop renewal.
+        with contextlib.suppress(Exception):
+            self._on_renew_error(error)

@@ -1,0 +1,54 @@
+-- acquire: take one slot of a leased counting semaphore, if one is free.
+--
+-- KEYS[1]  slots    sorted set: member = holder token, score = lease expiry (ms, Redis TIME)
+-- KEYS[2]  holders  hash: holder token -> "<acquired_at_ms>|<metadata JSON>"
+-- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1)
+-- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
+-- ARGV[3]  token      unique per acquisition
+-- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
+--
+-- Returns {1, expires_at_ms, now_ms} when the token holds a slot, or
+--         {0, live_holders, now_ms}  when every slot is held by others.
+--
+-- Expired holders are pruned here, so a crashed holder's slot comes back on the next
+-- acquire with no sweeper. A token that already holds a live slot is answered with that slot
+-- and nothing more is taken, so a client that resends the call after a lost reply cannot
+-- leak a slot. Every reply element is an integer (RESP2/RESP3 safe).
+local slots = KEYS[1]
+local holders = KEYS[2]
+local limit = tonumber(ARGV[1])
+local lease_ms = tonumber(ARGV[2])
+local token = ARGV[3]
+local metadata = ARGV[4]
+
+-- Scripts that write after TIME need effect replication on Redis < 7; a no-op later.
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+
+local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
+  redis.call('HDEL', holders, unpack(expired))
+end
+
+local mine = redis.call('ZSCORE', slots, token)
+if mine then
+  return {1, tonumber(mine), now_ms}
+end
+
+local live = redis.call('ZCARD', slots)
+if live >= limit then
+  return {0, live, now_ms}
+end
+
+local expires_at_ms = now_ms + lease_ms
+redis.call('ZADD', slots, expires_at_ms, token)
+redis.call('HSET', holders, token, now_ms .. '|' .. metadata)
+-- Both keys outlive every live lease, so an abandoned semaphore disappears by itself.
+-- (PEXPIRE ... GT would say this in one call, but needs Redis 7.)
+if redis.call('PTTL', slots) < lease_ms then
+  redis.call('PEXPIRE', slots, lease_ms)
+  redis.call('PEXPIRE', holders, lease_ms)
+end
+return {1, expires_at_ms, now_ms}

@@ -1,0 +1,13 @@
+-- force_release_all: free every slot of one semaphore (an operator's recovery tool).
+--
+-- KEYS[1]  slots    sorted set (see acquire.lua)
+-- KEYS[2]  holders  hash (see acquire.lua)
+--
+-- Returns how many LIVE holders were displaced (lapsed ones are not counted). Each
+-- displaced holder learns of it at its next extend or release, which will answer "gone".
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local live = redis.call('ZCOUNT', KEYS[1], '(' .. now_ms, '+inf')
+redis.call('DEL', KEYS[1], KEYS[2])
+return live

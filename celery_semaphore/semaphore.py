@@ -1,0 +1,529 @@
+"""The leased counting semaphore: acquire a slot, keep it alive, give it back.
+
+This module is the policy: leases, renewal, and when a slot counts as lost. The atomic
+operations live in :mod:`celery_semaphore.scripts` (and its ``lua/`` files); the renewal
+thread in :mod:`celery_semaphore.heartbeat`. Nothing here imports Celery.
+
+Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
+by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
+and two-pronged loss detection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from . import _validation as check
+from .errors import (
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    SemaphoreValidationError,
+)
+from .heartbeat import Heartbeat, RenewErrorCallback
+from .scripts import Admitted, Keys, Scripts, backend_errors
+
+logger = logging.getLogger("celery_semaphore")
+
+T = TypeVar("T")
+
+DEFAULT_PREFIX = "semaphore"
+DEFAULT_LEASE = 60.0
+DEFAULT_SOCKET_TIMEOUT = 5.0
+
+
+def redis_keys(prefix: str, key: str) -> Keys:
+    """The two Redis keys of semaphore ``key``: ``<prefix>:{<key>}`` and ``...:holders``.
+
+    The braces are a Redis Cluster hash tag, so both keys live in one cluster slot and each
+    script can touch them atomically.
+    """
+    slots = f"{prefix}:{{{key}}}"
+    return slots, f"{slots}:holders"
+
+
+def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """Make a redis-py client for ``url`` with settings a semaphore needs.
+
+    Unless the URL or ``kwargs`` say otherwise, socket and connect timeouts are
+    ``DEFAULT_SOCKET_TIMEOUT`` seconds, and a failed connection is retried twice with a short
+    backoff (never a timed-out command, which may already have run), so a dead server
+    surfaces as :class:`SemaphoreBackendError` within seconds instead of after redis-py's
+    default ten retries.
+
+    Args:
+        url (str): a redis-py URL (``redis://``, ``rediss://``, ``unix://``).
+        **kwargs: passed to :meth:`redis.Redis.from_url`.
+
+    Returns:
+        redis.Redis: a new client with its own connection pool.
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "retry": Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
+        ),
+    }
+    options.update(kwargs)
+    return redis.Redis.from_url(url, **options)
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One live holder of a semaphore, as Redis records it.
+
+    Attributes:
+        token (str): the acquisition's unique token.
+        acquired_at (float): when the slot was taken, epoch seconds by the Redis clock.
+        expires_at (float): when the lease lapses unless extended, epoch seconds (Redis clock).
+        expires_in (float): seconds from the server's "now" to ``expires_at``.
+        held_for (float): seconds from ``acquired_at`` to the server's "now".
+        metadata (Mapping[str, Any]): ``host``, ``pid`` and ``limit`` of the holder, plus
+            whatever it attached (a Celery task's id and name, say).
+    """
+
+    token: str
+    acquired_at: float
+    expires_at: float
+    expires_in: float
+    held_for: float
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Slot:
+    """One held slot of a semaphore, returned by :meth:`Semaphore.acquire`.
+
+    Attributes:
+        key (str): the semaphore's key.
+        limit (int): the limit the slot was taken under.
+        token (str): unique to this acquisition; proves ownership to Redis.
+        lease (float): seconds the slot lives without an extend (updated by ``extend``).
+        lost (threading.Event): set the moment the slot is known to be gone. Long bodies can
+            poll ``slot.lost.is_set()`` or wait on it, to stop instead of running over the
+            limit.
+        acquired_at (float): epoch seconds, Redis clock.
+        expires_at (float): epoch seconds, Redis clock, as of the last successful extend.
+
+    A slot from :meth:`Semaphore.acquire` is not renewed in the background: call
+    :meth:`extend` yourself, or use :meth:`Semaphore.hold` / :meth:`Semaphore.run`. A slot is
+    also a context manager that releases it on exit.
+    """
+
+    def __init__(
+        self,
+        semaphore: Semaphore,
+        key: str,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+    ) -> None:
+        self.key = key
+        self.limit = semaphore.limit
+        self.token = token
+        self.lease = lease
+        self.lost = threading.Event()
+        self.acquired_at = admitted.now_ms / 1000
+        self.expires_at = admitted.expires_at_ms / 1000
+        self._semaphore = semaphore
+        self._keys = redis_keys(semaphore.prefix, key)
+        # Local monotonic time at which the last successful acquire/extend was *sent*: the
+        # lease began no earlier than that, so the slot is surely ours until _deadline.
+        self._renewed_at = sent_at
+        self._lost_reason = ""
+        self._released: bool | None = None
+
+    def __repr__(self) -> str:
+        state = "held" if self._released is None else "released"
+        if self.lost.is_set():
+            state = "lost"
+        return f"<Slot key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
+
+    @property
+    def _deadline(self) -> float:
+        return self._renewed_at + self.lease
+
+    def _mark_lost(self, reason: str) -> None:
+        if not self.lost.is_set():
+            self._lost_reason = reason
+            self.lost.set()
+
+    def _check_deadline(self) -> None:
+        if time.monotonic() >= self._deadline:
+            self._mark_lost("no renewal succeeded within one lease")
+
+    def _renew(self, lease: float | None = None) -> bool:
+        """One extend round trip; does not mark the slot lost (the caller decides)."""
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        sent_at = time.monotonic()
+        with backend_errors(self.key, self.limit):
+            expires_at_ms = self._semaphore._scripts.extend(self._keys, self.token, ms)
+        if expires_at_ms is None:
+            return False
+        self.lease = seconds
+        self.expires_at = expires_at_ms / 1000
+        self._renewed_at = max(self._renewed_at, sent_at)
+        return True
+
+    def extend(self, lease: float | None = None) -> bool:
+        """Renew the lease for ``lease`` seconds from now (one round trip).
+
+        Args:
+            lease (float | None): new lease in seconds; None keeps the current one.
+
+        Returns:
+            bool: True when the slot was still ours and is extended; False when it is gone
+            (lapsed, or taken by :meth:`Semaphore.force_release_all`), in which case
+            :attr:`lost` is set. False without a round trip once the slot was released.
+
+        Raises:
+            SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
+            SemaphoreBackendError: the round trip failed; the slot may well still be ours.
+        """
+        if lease is not None:
+            check.lease_ms(lease)
+        if self._released is not None:
+            return False
+        if self._renew(lease):
+            return True
+        self._mark_lost("extend found the slot gone")
+        return False
+
+    def release(self) -> bool:
+        """Give the slot back (one round trip; later calls repeat the first answer).
+
+        Returns:
+            bool: True when the slot was ours up to now. False when it had lapsed or been
+            taken away: the bound did not hold for the whole time it was used, and
+            :attr:`lost` is set.
+
+        Raises:
+            SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
+        """
+        if self._released is None:
+            with backend_errors(self.key, self.limit):
+                self._released = self._semaphore._scripts.release(self._keys, self.token)
+            if not self._released:
+                self._mark_lost("release found the slot already gone")
+        return self._released
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports this slot's loss, naming why it was judged lost."""
+        reason = self._lost_reason or "the slot was lost"
+        return SemaphoreLeaseLostError(
+            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
+            self.key,
+            self.limit,
+        )
+
+
+class Semaphore:
+    """A counting semaphore in Redis whose slots are held by leases.
+
+    At most ``limit`` holders hold a slot of one key at once, across every process that uses
+    the same Redis and prefix. A holder that crashes frees its slot when its lease runs out;
+    one that keeps working keeps its slot by renewing.
+
+    Args:
+        redis (redis.Redis | str): a redis-py client, or a URL to make one from (see
+            :func:`client_from_url` for the timeouts such a client gets).
+        limit (int): how many holders at once, per key. Required; >= 1.
+        lease (float): default seconds a slot lives without an extend. Default 60.0.
+        prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
+            ``"semaphore"``; must be non-empty and free of braces.
+
+    Raises:
+        SemaphoreValidationError: any argument is invalid (before any connection is made).
+
+    Example::
+
+        sem = Semaphore("redis://localhost:6379/0", limit=20)
+        with sem.hold("openai") as slot:
+            call_model(prompt)
+    """
+
+    def __init__(
+        self,
+        redis: redis.Redis | str,
+        limit: int,
+        lease: float = DEFAULT_LEASE,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        self.limit = check.check_limit(limit)
+        check.lease_ms(lease)
+        self.lease = float(lease)
+        check.check_key(prefix, "prefix")
+        if "{" in prefix or "}" in prefix:
+            raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
+        self.prefix = prefix
+        if isinstance(redis, str):
+            client = client_from_url(redis)
+        elif hasattr(redis, "register_script"):
+            client = redis
+        else:
+            raise SemaphoreValidationError(
+                f"redis must be a redis.Redis client or a URL, got {type(redis).__name__}"
+            )
+        self.client = client
+        self._scripts = Scripts(client)
+        self._identity = {"host": socket.gethostname()}
+
+    def __repr__(self) -> str:
+        return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
+
+    def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise SemaphoreValidationError(
+                f"metadata must be a mapping or None, got {type(metadata).__name__}"
+            )
+        record = {**self._identity, "pid": os.getpid(), "limit": self.limit, **(metadata or {})}
+        try:
+            return json.dumps(record, separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
+
+    def acquire(
+        self,
+        key: str,
+        *,
+        lease: float | None = None,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Slot | None:
+        """Take a slot of ``key`` (one round trip per attempt), or None when all are held.
+
+        Args:
+            key (str): the semaphore's key; any non-empty str.
+            lease (float | None): seconds the slot lives without an extend; None uses the
+                semaphore's lease.
+            retries (int): further attempts when every slot is held. 0 (the default) fails
+                fast. Retries are a bounded spin, not a fair queue: waiters are not served
+                in arrival order.
+            retry_delay (float): seconds between attempts. Default 0.1.
+            metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
+                shown by :meth:`holders` beside ``host``, ``pid`` and ``limit``.
+
+        Returns:
+            Slot | None: the slot, which the caller must release; None if every attempt found
+            all ``limit`` slots held.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        check.check_key(key)
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        attempts = check.check_retries(retries) + 1
+        delay = check.check_delay(retry_delay)
+        info = self._metadata(metadata)
+        keys = redis_keys(self.prefix, key)
+        token = secrets.token_hex(16)
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(delay)
+            sent_at = time.monotonic()
+            with backend_errors(key, self.limit):
+                reply = self._scripts.acquire(keys, self.limit, ms, token, info)
+            if isinstance(reply, Admitted):
+                return Slot(self, key, token, float(seconds), reply, sent_at)
+        return None
+
+    @contextlib.contextmanager
+    def hold(
+        self,
+        key: str,
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Iterator[Slot]:
+        """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
+
+        Args:
+            key, retries, retry_delay, lease, metadata: as for :meth:`acquire`.
+            heartbeat (float | bool | None): seconds between renewals. None (default): a
+                quarter of the lease, at least 0.001. False: no renewal; the slot lapses a
+                lease after it was taken. An explicit value must be at most half the lease.
+            on_renew_error (Callable[[BaseException], object] | None): called with each
+                renewal round trip that failed (a dropped connection, a timeout). That is not
+                a loss: the next tick retries. Without it such errors are dropped.
+
+        Yields:
+            Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (checked before acquiring).
+            SemaphoreNotAcquiredError: every attempt found all slots held.
+            SemaphoreLeaseLostError: the slot was lost while the block ran, even if the block
+                itself succeeded. If the block raised, its exception propagates instead and
+                ``slot.lost`` tells the loss.
+            SemaphoreBackendError: Redis failed while acquiring.
+        """
+        check.check_key(key)
+        seconds = self.lease if lease is None else lease
+        check.lease_ms(seconds)
+        interval = check.heartbeat_interval(heartbeat, float(seconds))
+        check.check_callback(on_renew_error, "on_renew_error")
+        slot = self.acquire(
+            key, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
+        )
+        if slot is None:
+            raise SemaphoreNotAcquiredError(
+                f"semaphore {key!r} has all {self.limit} slots held", key, self.limit
+            )
+        with guard(slot, interval, on_renew_error):
+            yield slot
+
+    def run(
+        self,
+        key: str,
+        fn: Callable[[Slot], T],
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> T:
+        """Call ``fn(slot)`` while holding a slot of ``key``; return what it returns.
+
+        Arguments, renewal and errors are those of :meth:`hold`.
+        """
+        with self.hold(
+            key,
+            retries=retries,
+            retry_delay=retry_delay,
+            lease=lease,
+            heartbeat=heartbeat,
+            on_renew_error=on_renew_error,
+            metadata=metadata,
+        ) as slot:
+            return fn(slot)
+
+    def count(self, key: str) -> int:
+        """How many live holders ``key`` has now; lapsed leases are not counted.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        check.check_key(key)
+        with backend_errors(key, self.limit):
+            return self._scripts.count(redis_keys(self.prefix, key))
+
+    def available(self, key: str) -> int:
+        """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
+        return max(0, self.limit - self.count(key))
+
+    def holders(self, key: str) -> list[Holder]:
+        """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
+        check.check_key(key)
+        with backend_errors(key, self.limit):
+            now_ms, rows = self._scripts.holders(redis_keys(self.prefix, key))
+        return [_holder(token, expires_at_ms, info, now_ms) for token, expires_at_ms, info in rows]
+
+    def force_release_all(self, key: str) -> int:
+        """Free every slot of ``key`` at once (an operator's recovery tool).
+
+        The displaced holders keep running; each learns of it at its next renewal or release,
+        which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
+
+        Returns:
+            int: how many live holders were displaced.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        check.check_key(key)
+        with backend_errors(key, self.limit):
+            return self._scripts.force_release_all(redis_keys(self.prefix, key))
+
+
+def _holder(token: str, expires_at_ms: int, info: str, now_ms: int) -> Holder:
+    acquired, _, raw = info.partition("|")
+    try:
+        metadata = json.loads(raw) if raw else {}
+    except ValueError:
+        metadata = {"raw": raw}
+    acquired_ms = int(acquired) if acquired.isdigit() else now_ms
+    return Holder(
+        token=token,
+        acquired_at=acquired_ms / 1000,
+        expires_at=expires_at_ms / 1000,
+        expires_in=(expires_at_ms - now_ms) / 1000,
+        held_for=(now_ms - acquired_ms) / 1000,
+        metadata=metadata,
+    )
+
+
+@contextlib.contextmanager
+def guard(
+    slot: Slot, interval: float | None, on_renew_error: RenewErrorCallback | None = None
+) -> Iterator[Slot]:
+    """Renew ``slot`` while the block runs, then release it and judge whether it held.
+
+    The heartbeat is stopped and joined before the release, so a renewal racing an
+    intentional release is never mistaken for a loss. The loss deadline is checked again
+    when the block ends (a body that never yields the GIL can starve the heartbeat), and the
+    release's own answer is consulted.
+
+    Args:
+        slot (Slot): a freshly acquired slot; released on every path out of the block.
+        interval (float | None): seconds between renewals; None for no renewal.
+        on_renew_error: see :meth:`Semaphore.hold`.
+
+    Raises:
+        SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
+    """
+    beat = Heartbeat(slot, interval, on_renew_error) if interval is not None else None
+    if beat is not None:
+        beat.start()
+    failed = True
+    try:
+        yield slot
+        failed = False
+    finally:
+        if beat is not None:
+            beat.stop()
+        slot._check_deadline()
+        try:
+            slot.release()
+        except Exception:
+            # The lease runs out by itself; a failed release must not mask the body's outcome.
+            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+    if not failed and slot.lost.is_set():
+        raise slot.lease_lost_error()

