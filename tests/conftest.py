@@ -1,0 +1,56 @@
+"""Fixtures: real redis-server processes on free loopback ports, owned by the tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from celery_semaphore import Semaphore
+from celery_semaphore.testing import RedisServer
+
+
+@pytest.fixture(scope="session")
+def shared_redis() -> Iterator[RedisServer]:
+    """One server for tests that only need a clean dataset."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_server(shared_redis: RedisServer) -> Iterator[RedisServer]:
+    """The shared server, flushed before the test."""
+    client = shared_redis.client()
+    client.flushall()
+    client.close()
+    return shared_redis
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A server of the test's own, which it may stop, kill, pause or restart."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    c = redis_server.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def make_semaphore(redis_server: RedisServer) -> Iterator[type[Semaphore]]:
+    """``make_semaphore(limit=..., lease=...)`` on the shared server."""
+    made: list[Semaphore] = []
+
+    def make(**kwargs: object) -> Semaphore:
+        sem = Semaphore(redis_server.url, **kwargs)  # type: ignore[arg-type]
+        made.append(sem)
+        return sem
+
+    yield make  # type: ignore[misc]
+    for sem in made:
+        sem.client.close()

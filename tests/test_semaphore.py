@@ -1,0 +1,373 @@
+"""The core semaphore against a real redis-server."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreBackendError,
+    SemaphoreError,
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    SemaphoreValidationError,
+    Slot,
+)
+from celery_semaphore.testing import RedisServer
+
+from .helpers import InFlight
+
+MakeSemaphore = Callable[..., Semaphore]
+
+
+def test_25_callers_on_limit_20_get_exactly_20_slots(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=20)
+    barrier = threading.Barrier(25)
+    results: list[Slot | None] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        barrier.wait()
+        slot = sem.acquire("openai")
+        with lock:
+            results.append(slot)
+
+    threads = [threading.Thread(target=caller) for _ in range(25)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    slots = [s for s in results if s is not None]
+    assert len(slots) == 20
+    assert results.count(None) == 5
+    assert sem.count("openai") == 20
+    assert sem.available("openai") == 0
+    assert len({s.token for s in slots}) == 20
+    for s in slots:
+        assert s.release() is True
+    assert sem.count("openai") == 0
+
+
+def test_50_threads_on_limit_5_with_retries_never_exceed_5(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=5, lease=10.0)
+    inflight = InFlight()
+    done: list[int] = []
+
+    def body(slot: Slot) -> None:
+        with inflight:
+            time.sleep(0.01)  # the body's own work, not a synchronisation wait
+        done.append(1)
+
+    def caller() -> None:
+        sem.run("legacy-api", body, retries=10_000, retry_delay=0.005)
+
+    threads = [threading.Thread(target=caller) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 50
+    assert inflight.entered == 50
+    assert 1 <= inflight.peak <= 5
+    assert sem.count("legacy-api") == 0
+
+
+def test_retries_exhausted_returns_none_and_hold_raises(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1)
+    held = sem.acquire("k")
+    assert held is not None
+    assert sem.acquire("k", retries=2, retry_delay=0.01) is None
+    with pytest.raises(SemaphoreNotAcquiredError) as info, sem.hold("k"):
+        pytest.fail("body must not run")
+    assert info.value.key == "k"
+    assert info.value.limit == 1
+    with pytest.raises(SemaphoreNotAcquiredError):
+        sem.run("k", lambda slot: None)
+    held.release()
+
+
+def test_killed_holder_frees_its_slot_within_one_lease(redis_server: RedisServer) -> None:
+    lease = 2.0
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from celery_semaphore import Semaphore
+        sem = Semaphore({redis_server.url!r}, limit=1, lease={lease})
+        slot = sem.acquire("crash")
+        assert slot is not None
+        print("acquired", flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "acquired"
+        taken_by = time.monotonic()
+        sem = Semaphore(redis_server.url, limit=1, lease=lease)
+        assert sem.acquire("crash") is None
+        proc.kill()
+        proc.wait()
+        slot = sem.acquire("crash", retries=1000, retry_delay=0.02)
+        assert slot is not None
+        # The child's lease started before it printed; allow generous scheduling slack.
+        assert time.monotonic() - taken_by < lease + 1.5
+        slot.release()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_hold_keeps_its_slot_through_a_body_three_times_the_lease(
+    make_semaphore: MakeSemaphore,
+) -> None:
+    sem = make_semaphore(limit=1, lease=1.0)
+    intruders: list[Slot] = []
+    with sem.hold("long") as slot:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            other = sem.acquire("long")
+            if other is not None:
+                intruders.append(other)
+            assert not slot.lost.wait(0.1)
+    assert intruders == []
+    assert not slot.lost.is_set()
+    assert sem.count("long") == 0
+
+
+def test_without_heartbeat_a_long_body_loses_its_lease(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1, lease=1.0)
+    with pytest.raises(SemaphoreLeaseLostError) as info, sem.hold("long", heartbeat=False) as slot:
+        time.sleep(1.6)
+    assert slot.lost.is_set()
+    assert info.value.key == "long"
+    assert info.value.limit == 1
+
+
+def test_force_release_all_makes_the_next_renewal_report_loss(
+    make_semaphore: MakeSemaphore,
+) -> None:
+    sem = make_semaphore(limit=3, lease=2.0)
+    admin = make_semaphore(limit=3)
+    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
+        assert admin.force_release_all("shared") == 1
+        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
+    assert "gone" in str(slot.lease_lost_error())
+    assert admin.force_release_all("shared") == 0
+
+
+def test_a_failing_body_keeps_its_own_exception_even_when_the_slot_was_lost(
+    make_semaphore: MakeSemaphore,
+) -> None:
+    sem = make_semaphore(limit=1, lease=2.0)
+    with pytest.raises(KeyError), sem.hold("k", heartbeat=0.1) as slot:
+        sem.force_release_all("k")
+        assert slot.lost.wait(10)
+        raise KeyError("the body's own failure")
+    assert slot.lost.is_set()
+
+
+def test_a_body_that_raises_releases_its_slot(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1)
+    with pytest.raises(RuntimeError), sem.hold("k"):
+        raise RuntimeError("boom")
+    assert sem.count("k") == 0
+
+
+def test_run_returns_the_body_result_and_passes_the_slot(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=2)
+    assert sem.run("k", lambda slot: (slot.key, slot.limit, sem.count("k"))) == ("k", 2, 1)
+    assert sem.count("k") == 0
+
+
+def test_extend_release_and_context_manager(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1, lease=5.0)
+    slot = sem.acquire("k")
+    assert slot is not None
+    before = slot.expires_at
+    assert slot.extend(lease=10.0) is True
+    assert slot.lease == 10.0
+    assert slot.expires_at > before
+    with slot:
+        assert sem.count("k") == 1
+    assert sem.count("k") == 0
+    assert slot.release() is True  # repeats the first answer, no new round trip
+    assert slot.extend() is False
+    assert not slot.lost.is_set()
+
+
+def test_release_after_the_lease_lapsed_reports_false(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1, lease=0.2)
+    slot = sem.acquire("k")
+    assert slot is not None
+    other = sem.acquire("k", retries=200, retry_delay=0.01)  # admitted once the lease lapses
+    assert other is not None
+    assert slot.extend() is False
+    assert slot.lost.is_set()
+    assert slot.release() is False
+    assert other.release() is True
+
+
+def test_holders_show_metadata_and_times(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=2, lease=30.0)
+    slot = sem.acquire("k", metadata={"task_id": "abc", "task_name": "tasks.add"})
+    assert slot is not None
+    [holder] = sem.holders("k")
+    assert holder.token == slot.token
+    assert holder.metadata["task_id"] == "abc"
+    assert holder.metadata["task_name"] == "tasks.add"
+    assert holder.metadata["limit"] == 2
+    assert isinstance(holder.metadata["pid"], int)
+    assert 29.0 < holder.expires_in <= 30.0
+    assert 0 <= holder.held_for < 1.0
+    assert holder.expires_at - holder.acquired_at == pytest.approx(30.0, abs=0.01)
+    slot.release()
+    assert sem.holders("k") == []
+
+
+def test_keys_get_a_ttl_and_an_empty_semaphore_is_deleted(
+    make_semaphore: MakeSemaphore, client: redis.Redis
+) -> None:
+    sem = make_semaphore(limit=2, lease=5.0, prefix="app")
+    slot = sem.acquire("k")
+    assert slot is not None
+    assert sorted(client.keys("*")) == [b"app:{k}", b"app:{k}:holders"]
+    assert 0 < client.pttl("app:{k}") <= 5000
+    assert 0 < client.pttl("app:{k}:holders") <= 5000
+    slot.release()
+    assert client.keys("*") == []
+
+
+@pytest.mark.parametrize(
+    "key", ["ünïcødé ✓", "with spaces", "a:b:c", "{braces}", "}lead", "{", "x" * 300]
+)
+def test_any_non_empty_key_works_and_keys_are_independent(
+    make_semaphore: MakeSemaphore, key: str
+) -> None:
+    sem = make_semaphore(limit=1)
+    slot = sem.acquire(key)
+    assert slot is not None
+    assert sem.acquire(key) is None
+    other = sem.acquire(key + "-other")
+    assert other is not None
+    assert sem.holders(key)[0].token == slot.token
+    assert slot.release()
+    assert other.release()
+    assert sem.count(key) == 0
+
+
+def test_a_resent_acquire_with_the_same_token_takes_no_second_slot(
+    make_semaphore: MakeSemaphore,
+) -> None:
+    # What a client retry after a lost reply does: the same call, same token, twice.
+    from celery_semaphore.scripts import Admitted
+    from celery_semaphore.semaphore import redis_keys
+
+    sem = make_semaphore(limit=2)
+    keys = redis_keys(sem.prefix, "k")
+    first = sem._scripts.acquire(keys, 2, 5000, "tok", "{}")
+    again = sem._scripts.acquire(keys, 2, 5000, "tok", "{}")
+    assert isinstance(first, Admitted)
+    assert isinstance(again, Admitted)
+    assert again.expires_at_ms == first.expires_at_ms
+    assert sem.count("k") == 1
+
+
+@pytest.mark.parametrize("options", [{"protocol": 3}, {"decode_responses": True}])
+def test_resp3_and_decoding_clients(redis_server: RedisServer, options: dict[str, object]) -> None:
+    sem = Semaphore(redis_server.client(**options), limit=1, lease=5.0)
+    slot = sem.acquire("k", metadata={"n": 1})
+    assert slot is not None
+    assert sem.acquire("k") is None
+    assert sem.holders("k")[0].metadata["n"] == 1
+    assert slot.extend() is True
+    assert slot.release() is True
+    assert sem.force_release_all("k") == 0
+
+
+def test_renew_errors_are_reported_and_do_not_lose_the_slot(own_redis: RedisServer) -> None:
+    # A 0.2 s socket timeout and a 0.7 s CLIENT PAUSE make one renewal round trip fail.
+    sem = Semaphore(own_redis.client(socket_timeout=0.2, retry=None), limit=1, lease=3.0)
+    admin = own_redis.client()
+    errors: list[BaseException] = []
+    seen_error = threading.Event()
+
+    def on_renew_error(error: BaseException) -> None:
+        errors.append(error)
+        seen_error.set()
+
+    with sem.hold("k", heartbeat=0.3, on_renew_error=on_renew_error) as slot:
+        admin.execute_command("CLIENT", "PAUSE", "700", "WRITE")
+        assert seen_error.wait(10)
+        expires = slot.expires_at
+        deadline = time.monotonic() + 10
+        while slot.expires_at == expires and time.monotonic() < deadline:
+            assert not slot.lost.wait(0.05)
+        assert slot.expires_at > expires, "no renewal succeeded after the pause"
+    assert not slot.lost.is_set()
+    assert isinstance(errors[0], SemaphoreBackendError)
+    assert isinstance(errors[0].__cause__, redis.TimeoutError)
+
+
+def test_a_renewal_that_hangs_is_a_loss_by_the_deadline(own_redis: RedisServer) -> None:
+    # No socket timeout at all: the renewal round trip hangs for as long as Redis is frozen.
+    sem = Semaphore(own_redis.client(socket_timeout=None, retry=None), limit=1, lease=1.0)
+    with pytest.raises(SemaphoreLeaseLostError), sem.hold("k") as slot:
+        own_redis.pause()
+        try:
+            started = time.monotonic()
+            assert slot.lost.wait(10)
+            assert time.monotonic() - started < 5
+        finally:
+            own_redis.resume()
+    assert "within one lease" in str(slot.lease_lost_error())
+
+
+def test_redis_down_raises_backend_error_promptly(own_redis: RedisServer) -> None:
+    sem = Semaphore(own_redis.url, limit=1)
+    own_redis.stop()
+    started = time.monotonic()
+    with pytest.raises(SemaphoreBackendError) as info:
+        sem.acquire("k")
+    assert time.monotonic() - started < 5
+    assert info.value.key == "k"
+    assert isinstance(info.value.__cause__, redis.ConnectionError)
+    with pytest.raises(SemaphoreBackendError):
+        sem.count("k")
+
+
+def test_a_key_of_the_wrong_type_is_a_backend_error(
+    make_semaphore: MakeSemaphore, client: redis.Redis
+) -> None:
+    client.set("semaphore:{k}", "not a sorted set")
+    sem = make_semaphore(limit=1)
+    with pytest.raises(SemaphoreBackendError) as info:
+        sem.acquire("k")
+    assert isinstance(info.value.__cause__, redis.ResponseError)
+    assert "WRONGTYPE" in str(info.value)
+
+
+def test_errors_pickle_with_their_context() -> None:
+    for cls in (SemaphoreNotAcquiredError, SemaphoreLeaseLostError, SemaphoreValidationError):
+        error = cls("message", "key", 3)
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is cls
+        assert (str(copy), copy.key, copy.limit) == ("message", "key", 3)
+        assert isinstance(copy, SemaphoreError)
+    assert isinstance(SemaphoreValidationError("x"), ValueError)
+
+
+def test_package_exports() -> None:
+    import celery_semaphore
+
+    for name in celery_semaphore.__all__:
+        assert getattr(celery_semaphore, name) is not None

@@ -1,0 +1,113 @@
+"""Every bad input is a SemaphoreValidationError, raised before anything reaches Redis."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_semaphore import Semaphore, SemaphoreValidationError
+from celery_semaphore.testing import RedisServer
+
+BAD_LIMITS = [0, -1, 1.5, True, "5", None]
+BAD_LEASES = [0, -1, math.nan, math.inf, -math.inf, 0.0004, True, "1", None]
+BAD_DELAYS = [-0.1, math.nan, math.inf, True, "0.1", None]
+BAD_RETRIES = [-1, 1.5, True, "3", None]
+BAD_KEYS = ["", None, 5, b"bytes"]
+BAD_HEARTBEATS = [0, -1, math.nan, math.inf, True, "1", 0.6]  # lease is 1.0 here
+
+
+@pytest.fixture
+def untouched(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """Asserts, after the test, that no script ran and no key was written."""
+    client = redis_server.client()
+    client.config_resetstat()
+    yield client
+    stats = client.info("commandstats")
+    assert not any(name.startswith(("cmdstat_eval", "cmdstat_script")) for name in stats), stats
+    assert client.dbsize() == 0
+    client.close()
+
+
+def raises(fn: Callable[[], Any], needle: str) -> None:
+    with pytest.raises(SemaphoreValidationError) as info:
+        fn()
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("limit", BAD_LIMITS)
+def test_bad_limit(untouched: redis.Redis, redis_server: RedisServer, limit: Any) -> None:
+    raises(lambda: Semaphore(redis_server.url, limit=limit), "limit")
+
+
+@pytest.mark.parametrize("lease", BAD_LEASES)
+def test_bad_lease(untouched: redis.Redis, redis_server: RedisServer, lease: Any) -> None:
+    raises(lambda: Semaphore(redis_server.url, limit=1, lease=lease), "lease")
+    if lease is None:
+        return  # None is "the semaphore's lease" everywhere but the constructor
+    sem = Semaphore(redis_server.url, limit=1)
+    raises(lambda: sem.acquire("k", lease=lease), "lease")
+    raises(lambda: sem.hold("k", lease=lease).__enter__(), "lease")
+    raises(lambda: sem.run("k", lambda slot: None, lease=lease), "lease")
+
+
+@pytest.mark.parametrize("delay", BAD_DELAYS)
+def test_bad_retry_delay(untouched: redis.Redis, redis_server: RedisServer, delay: Any) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    raises(lambda: sem.acquire("k", retry_delay=delay), "retry_delay")
+    raises(lambda: sem.run("k", lambda slot: None, retry_delay=delay), "retry_delay")
+
+
+@pytest.mark.parametrize("retries", BAD_RETRIES)
+def test_bad_retries(untouched: redis.Redis, redis_server: RedisServer, retries: Any) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    raises(lambda: sem.acquire("k", retries=retries), "retries")
+    raises(lambda: sem.run("k", lambda slot: None, retries=retries), "retries")
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_bad_key(untouched: redis.Redis, redis_server: RedisServer, key: Any) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    for call in (sem.acquire, sem.count, sem.available, sem.holders, sem.force_release_all):
+        raises(lambda call=call: call(key), "key")  # type: ignore[misc]
+    raises(lambda: sem.run(key, lambda slot: None), "key")
+
+
+@pytest.mark.parametrize("heartbeat", BAD_HEARTBEATS)
+def test_bad_heartbeat(untouched: redis.Redis, redis_server: RedisServer, heartbeat: Any) -> None:
+    sem = Semaphore(redis_server.url, limit=1, lease=1.0)
+    raises(lambda: sem.run("k", lambda slot: None, heartbeat=heartbeat), "heartbeat")
+
+
+def test_heartbeat_at_half_the_lease_is_allowed(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=1, lease=1.0)
+    assert sem.run("k", lambda slot: "ok", heartbeat=0.5) == "ok"
+
+
+@pytest.mark.parametrize("prefix", ["", "a{b", "a}b", None])
+def test_bad_prefix(untouched: redis.Redis, redis_server: RedisServer, prefix: Any) -> None:
+    raises(lambda: Semaphore(redis_server.url, limit=1, prefix=prefix), "prefix")
+
+
+@pytest.mark.parametrize("metadata", [["not", "a", "mapping"], {"x": object()}])
+def test_bad_metadata(untouched: redis.Redis, redis_server: RedisServer, metadata: Any) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    raises(lambda: sem.acquire("k", metadata=metadata), "metadata")
+
+
+def test_bad_callback_and_client(untouched: redis.Redis, redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    raises(lambda: sem.run("k", lambda slot: None, on_renew_error="print"), "on_renew_error")
+    raises(lambda: Semaphore(42, limit=1), "redis")  # type: ignore[arg-type]
+
+
+def test_bad_extend_lease(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    slot = sem.acquire("k")
+    assert slot is not None
+    for lease in BAD_LEASES[:-1]:
+        raises(lambda lease=lease: slot.extend(lease=lease), "lease")  # type: ignore[misc]
+    assert slot.release() is True
