@@ -147,6 +147,8 @@ class Slot:
         self._renewed_at = sent_at
         self._lost_reason = ""
         self._released: bool | None = None
+        self._lost_callbacks: list[Callable[[Slot], object]] = []
+        self._callbacks_lock = threading.Lock()
 
     def __repr__(self) -> str:
         state = "held" if self._released is None else "released"
@@ -159,9 +161,29 @@ class Slot:
         return self._renewed_at + self.lease
 
     def _mark_lost(self, reason: str) -> None:
-        if not self.lost.is_set():
+        with self._callbacks_lock:
+            if self.lost.is_set():
+                return
             self._lost_reason = reason
             self.lost.set()
+            callbacks, self._lost_callbacks = self._lost_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("lost-slot callback %r failed", callback)
+
+    def when_lost(self, callback: Callable[[Slot], object]) -> None:
+        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
+
+        It runs in whichever thread detects the loss (usually the heartbeat), or at once in
+        the caller's thread if the slot is already lost. Exceptions it raises are logged.
+        """
+        with self._callbacks_lock:
+            if not self.lost.is_set():
+                self._lost_callbacks.append(callback)
+                return
+        callback(self)
 
     def _check_deadline(self) -> None:
         if time.monotonic() >= self._deadline:
@@ -454,6 +476,21 @@ class Semaphore:
         with backend_errors(key, self.limit):
             now_ms, rows = self._scripts.holders(redis_keys(self.prefix, key))
         return [_holder(token, expires_at_ms, info, now_ms) for token, expires_at_ms, info in rows]
+
+    def force_release(self, key: str, token: str) -> bool:
+        """Free one holder's slot by its token (from :meth:`holders`), as an operator would.
+
+        Returns:
+            bool: True when that holder was live until now.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``token`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        check.check_key(key)
+        check.check_key(token, "token")
+        with backend_errors(key, self.limit):
+            return self._scripts.release(redis_keys(self.prefix, key), token)
 
     def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).

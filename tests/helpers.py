@@ -24,3 +24,33 @@ class InFlight:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self.current -= 1
+
+
+def peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """Most intervals open at one instant (an interval ending as another starts: not both)."""
+    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
+                    key=lambda event: (event[0], event[1]))  # fmt: skip
+    peak = current = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+def read_intervals(client: object, key: str) -> list[tuple[float, float]]:
+    """Intervals that bodies recorded with RPUSH as b"<start> <end>"."""
+    raw = client.lrange(key, 0, -1)  # type: ignore[attr-defined]
+    pairs = [item.decode().split() for item in raw]
+    return [(float(a), float(b)) for a, b in pairs]
+
+
+def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate()`` until it is truthy or ``timeout`` seconds pass."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(interval)
+    return bool(predicate())  # type: ignore[operator]

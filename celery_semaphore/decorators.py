@@ -1,0 +1,69 @@
+"""``@bounded``: put a semaphore in front of a function, a Celery task's or any other.
+
+Usage::
+
+    @app.task
+    @bounded("legacy-api", 5)
+    def fetch_report(tenant_id): ...
+
+    @bounded("tenant:{tenant_id}", 2, retries=50, retry_delay=0.2)   # a plain function
+    def sync(tenant_id): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from celery import Celery
+
+from .bounded import Bounded
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def bounded(
+    semaphore: str | Callable[..., str],
+    limit: int,
+    *,
+    app: Celery | None = None,
+    redis: Any = None,
+    retries: int = 0,
+    retry_delay: float = 0.1,
+    **options: Any,
+) -> Callable[[F], F]:
+    """Decorate a function so that each call holds a slot of ``semaphore``.
+
+    Put it *under* ``@app.task``. As a task, the function behaves exactly as with
+    :class:`~celery_semaphore.SemaphoreTask` (shed by retry in a worker, wait in eager mode).
+    Called as a plain function, it fails fast with :class:`SemaphoreNotAcquiredError`, or
+    retries as ``retries`` says.
+
+    Args:
+        semaphore (str | Callable[..., str]): the key, a ``str.format`` template over the
+            function's arguments, or a callable taking them.
+        limit (int): slots per key.
+        app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the
+            current app. A task always uses its own app.
+        redis (redis.Redis | str | None): a client or URL to use instead of the app's
+            ``semaphore_url``.
+        retries (int): plain calls only: further attempts when every slot is held.
+        retry_delay (float): plain calls only: seconds between attempts.
+        **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``on_lease_lost``,
+            ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
+            ``shed_max_retries``, ``shed_timeout``, ``interrupt``); see
+            :class:`celery_semaphore.config.Policy`.
+
+    Returns:
+        Callable[[F], F]: the decorator.
+
+    Raises:
+        SemaphoreValidationError: at decoration time, when an option is invalid.
+    """
+
+    def decorate(fn: F) -> F:
+        guard = Bounded(fn, semaphore, limit, options, app, redis, retries, retry_delay)
+        wrapped: F = guard.wrap(fn)  # type: ignore[assignment]
+        return wrapped
+
+    return decorate

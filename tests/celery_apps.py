@@ -1,0 +1,114 @@
+"""A Celery app with bounded tasks, shared by in-process and subprocess workers in the tests.
+
+Bodies record when they start and end (``time.monotonic``, which is system-wide on Linux) in
+Redis through a client of their own, so the test can count concurrency without the library.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_semaphore import SemaphoreTask, bounded, current_slot
+
+
+def interval_key(label: str) -> str:
+    return f"test:intervals:{label}"
+
+
+def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Celery:
+    app = Celery("csem_tests", broker=broker_url or redis_url, backend=redis_url,
+                 set_as_current=False)  # fmt: skip
+    app.conf.update(
+        semaphore_url=redis_url,
+        semaphore_shed_countdown=0.05,
+        semaphore_shed_max_countdown=0.3,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_backend_max_retries=2,
+        **conf,
+    )
+    recorder = redis.Redis.from_url(redis_url)
+
+    @contextmanager
+    def record(label: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            recorder.rpush(interval_key(label), f"{start} {time.monotonic()}")
+
+    @app.task(base=SemaphoreTask, semaphore="provider", limit=3, bind=True, max_retries=0,
+              shared=False, name="csem.provider_call")  # fmt: skip
+    def provider_call(self: Any, n: int, duration: float = 0.1) -> dict[str, Any]:
+        with record("provider"):
+            time.sleep(duration)
+        headers = self.request.headers or {}
+        return {"n": n, "retries": self.request.retries, "sheds": headers.get("semaphore_sheds")}
+
+    @app.task(base=SemaphoreTask, semaphore="tenant:{tenant_id}", limit=1,
+              shared=False, name="csem.per_tenant")  # fmt: skip
+    def per_tenant(tenant_id: str, duration: float = 0.1) -> str:
+        with record(f"tenant:{tenant_id}"):
+            time.sleep(duration)
+        return tenant_id
+
+    @app.task(shared=False, name="csem.legacy")
+    @bounded("legacy", 2)
+    def legacy(n: int, duration: float = 0.05) -> int:
+        with record("legacy"):
+            time.sleep(duration)
+        return n
+
+    @app.task(base=SemaphoreTask, semaphore="boom", limit=1, shared=False, name="csem.failing")
+    def failing() -> None:
+        raise ValueError("the body failed")
+
+    @app.task(base=SemaphoreTask, semaphore="again", limit=1, bind=True, max_retries=2,
+              shared=False, name="csem.self_retry")  # fmt: skip
+    def self_retry(self: Any) -> int:
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.05)
+        return int(self.request.retries)
+
+    def hold_until_lost(marker: str) -> str:
+        slot = current_slot()
+        assert slot is not None
+        recorder.set(marker, slot.token)
+        if not slot.lost.wait(20):
+            return "never lost"
+        return "body finished"
+
+    @app.task(base=SemaphoreTask, semaphore="lost-raise", limit=1, lease=2.0, heartbeat=0.1,
+              shared=False, name="csem.lost_raise")  # fmt: skip
+    def lost_raise() -> str:
+        return hold_until_lost("test:lost-raise")
+
+    @app.task(base=SemaphoreTask, semaphore="lost-retry", limit=1, lease=2.0, heartbeat=0.1,
+              on_lease_lost="retry", bind=True, shared=False, name="csem.lost_retry")  # fmt: skip
+    def lost_retry(self: Any) -> str:
+        if (self.request.headers or {}).get("semaphore_sheds"):
+            return "second run"
+        return hold_until_lost("test:lost-retry")
+
+    @app.task(base=SemaphoreTask, semaphore="sleepy", limit=1, lease=30.0,
+              shared=False, name="csem.sleepy")  # fmt: skip
+    def sleepy(seconds: float) -> str:
+        slot = current_slot()
+        assert slot is not None
+        recorder.set("test:sleepy", os.getpid())
+        time.sleep(seconds)
+        return "woke"
+
+    return app
+
+
+# The module-level app for `celery -A tests.celery_apps worker`.
+if "CSEM_TEST_REDIS_URL" in os.environ:
+    app = make_app(os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"))

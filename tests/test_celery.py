@@ -1,0 +1,271 @@
+"""The Celery integration against real workers (in-process and subprocess) and real Redis."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    SemaphoreTask,
+    current_slot,
+)
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import interval_key, make_app
+from .helpers import peak_overlap, read_intervals, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    app = make_app(redis_server.url)
+    yield app
+    # Drop AsyncResults (whose __del__ talks to the backend) while the server still runs.
+    gc.collect()
+    app.close()
+
+
+@pytest.fixture
+def threads_worker(app: Celery) -> Iterator[Celery]:
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False):
+        yield app
+
+
+@pytest.fixture
+def solo_worker(app: Celery) -> Iterator[Celery]:
+    with start_worker(app, pool="solo", perform_ping_check=False):
+        yield app
+
+
+def _spawn_worker(redis_url: str, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    name = f"prefork-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+    env = {**os.environ, "CSEM_TEST_REDIS_URL": redis_url}
+    command = [sys.executable, "-m", "celery", "-A", "tests.celery_apps", "worker",
+               "-P", "prefork", "-c", "4", "-n", name, "--loglevel=INFO",
+               "--without-gossip", "--without-mingle", *extra]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return proc, name
+
+
+@pytest.fixture
+def prefork_worker(app: Celery, redis_server: RedisServer, tmp_path: Path) -> Iterator[Celery]:
+    log = tmp_path / "worker.log"
+    proc, name = _spawn_worker(redis_server.url, log)
+    try:
+        ready = wait_for(
+            lambda: (
+                proc.poll() is not None or bool(app.control.ping(destination=[name], timeout=0.5))
+            ),
+            timeout=60,
+        )
+        assert ready, log.read_text()
+        assert proc.poll() is None, log.read_text()
+        yield app
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+WORKERS = ["threads_worker", "prefork_worker"]
+
+
+def _semaphore(app: Celery, limit: int = 1) -> Semaphore:
+    return Semaphore(app.conf.semaphore_url, limit=limit)
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_30_tasks_on_limit_3_never_exceed_3(
+    worker: str, request: pytest.FixtureRequest, client: redis.Redis
+) -> None:
+    app: Celery = request.getfixturevalue(worker)
+    task = app.tasks["csem.provider_call"]
+    results = [task.delay(n, 0.2) for n in range(30)]
+    values = [r.get(timeout=120) for r in results]
+    assert sorted(v["n"] for v in values) == list(range(30))
+    intervals = read_intervals(client, interval_key("provider"))
+    assert len(intervals) == 30
+    assert peak_overlap(intervals) <= 3
+    assert peak_overlap(intervals) >= 2, "the worker never ran tasks side by side"
+    # Shedding happened, and none of it counted against max_retries=0.
+    assert any(v["sheds"] for v in values)
+    assert all(v["retries"] == 0 for v in values)
+    assert _semaphore(app).count("provider") == 0
+
+
+def test_solo_pool_runs_bounded_tasks(solo_worker: Celery, client: redis.Redis) -> None:
+    task = solo_worker.tasks["csem.provider_call"]
+    assert [r.get(timeout=60)["n"] for r in [task.delay(n, 0.01) for n in range(5)]] == [
+        0,
+        1,
+        2,
+        3,
+        4,
+    ]
+    assert _semaphore(solo_worker).count("provider") == 0
+
+
+def test_decorator_bounds_a_plain_task(threads_worker: Celery, client: redis.Redis) -> None:
+    task = threads_worker.tasks["csem.legacy"]
+    assert sorted(r.get(timeout=60) for r in [task.delay(n, 0.1) for n in range(12)]) == list(
+        range(12)
+    )
+    assert peak_overlap(read_intervals(client, interval_key("legacy"))) <= 2
+
+
+def test_key_templates_give_each_tenant_its_own_limit(
+    threads_worker: Celery, client: redis.Redis
+) -> None:
+    task = threads_worker.tasks["csem.per_tenant"]
+    results = [task.delay(tenant, 0.2) for tenant in ["a", "b"] * 4]
+    assert sorted(r.get(timeout=60) for r in results) == ["a"] * 4 + ["b"] * 4
+    a = read_intervals(client, interval_key("tenant:a"))
+    b = read_intervals(client, interval_key("tenant:b"))
+    assert peak_overlap(a) == 1
+    assert peak_overlap(b) == 1
+    assert peak_overlap(a + b) == 2, "tenants a and b never ran at the same time"
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_task_that_raises_releases_its_slot(worker: str, request: pytest.FixtureRequest) -> None:
+    app: Celery = request.getfixturevalue(worker)
+    result = app.tasks["csem.failing"].delay()
+    with pytest.raises(ValueError, match="the body failed"):
+        result.get(timeout=60)
+    assert _semaphore(app).count("boom") == 0
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_task_that_retries_itself_releases_its_slot(
+    worker: str, request: pytest.FixtureRequest
+) -> None:
+    app: Celery = request.getfixturevalue(worker)
+    # limit=1: the second run could not start if the first had kept its slot.
+    assert app.tasks["csem.self_retry"].delay().get(timeout=60) == 1
+    assert _semaphore(app).count("again") == 0
+
+
+def test_lease_lost_fails_the_task_by_default(threads_worker: Celery, client: redis.Redis) -> None:
+    result = threads_worker.tasks["csem.lost_raise"].delay()
+    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    assert _semaphore(threads_worker).force_release_all("lost-raise") == 1
+    with pytest.raises(SemaphoreLeaseLostError) as info:
+        result.get(timeout=60)
+    assert "lost-raise" in str(info.value)
+
+
+def test_lease_lost_can_shed_the_task_to_run_again(
+    threads_worker: Celery, client: redis.Redis
+) -> None:
+    result = threads_worker.tasks["csem.lost_retry"].delay()
+    assert wait_for(lambda: client.get("test:lost-retry"), timeout=30)
+    assert _semaphore(threads_worker).force_release_all("lost-retry") == 1
+    assert result.get(timeout=60) == "second run"
+
+
+def test_a_killed_prefork_child_frees_its_slot_long_before_its_lease(
+    prefork_worker: Celery, client: redis.Redis
+) -> None:
+    from billiard.exceptions import WorkerLostError
+
+    result = prefork_worker.tasks["csem.sleepy"].delay(120)
+    assert wait_for(lambda: client.get("test:sleepy"), timeout=60)
+    sem = _semaphore(prefork_worker)
+    [holder] = sem.holders("sleepy")
+    assert holder.metadata["task_id"] == result.id
+    child = int(client.get("test:sleepy") or 0)
+    assert holder.metadata["pid"] == child
+    os.kill(child, signal.SIGKILL)
+    # The lease is 30 s; the worker's main process frees the slot as soon as it sees the death.
+    assert wait_for(lambda: sem.count("sleepy") == 0, timeout=15)
+    with pytest.raises(WorkerLostError):
+        result.get(timeout=30)
+
+
+def test_eager_and_direct_calls_wait_then_raise(redis_server: RedisServer) -> None:
+    app = make_app(redis_server.url, task_always_eager=True, semaphore_shed_timeout=0.3)
+    task: Any = app.tasks["csem.per_tenant"]
+    assert task.delay("x", 0).get() == "x"
+    assert task("x", 0) == "x"
+    holder = _semaphore(app).acquire("tenant:x")
+    assert holder is not None
+    with pytest.raises(SemaphoreNotAcquiredError, match="outside a worker"):
+        task.delay("x", 0).get()
+    with pytest.raises(SemaphoreNotAcquiredError):
+        task("x", 0)
+    with pytest.raises(SemaphoreNotAcquiredError):
+        task.apply(("x", 0)).get()
+    assert task("y", 0) == "y"
+    holder.release()
+
+
+def test_current_slot_outside_a_bounded_body_is_none() -> None:
+    assert current_slot() is None
+
+
+def test_the_body_can_be_interrupted_when_its_slot_is_lost(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    app = make_app(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore="spin", limit=1, lease=2.0, heartbeat=0.1,
+              interrupt=True, shared=False, name="csem.spin")  # fmt: skip
+    def spin() -> str:
+        client.set("test:spin", 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pass  # pure Python: the interrupt lands at the next bytecode
+        return "ran to the end"
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        result = spin.delay()
+        assert wait_for(lambda: client.get("test:spin"), timeout=30)
+        _semaphore(app).force_release_all("spin")
+        with pytest.raises(SemaphoreLeaseLostError):
+            result.get(timeout=20)
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+def test_works_with_a_rabbitmq_broker(redis_server: RedisServer, client: redis.Redis) -> None:
+    queue = f"csem-test-{uuid.uuid4().hex[:8]}"
+    app = make_app(
+        redis_server.url,
+        broker_url="amqp://guest:guest@127.0.0.1:5672//",
+        task_default_queue=queue,
+    )
+    with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False):
+        task = app.tasks["csem.provider_call"]
+        values = [r.get(timeout=120) for r in [task.delay(n, 0.1) for n in range(12)]]
+    assert sorted(v["n"] for v in values) == list(range(12))
+    assert peak_overlap(read_intervals(client, interval_key("provider"))) <= 3
+    assert any(v["sheds"] for v in values)
