@@ -106,6 +106,15 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         time.sleep(seconds)
         return "woke"
 
+    @app.task(base=SemaphoreTask, semaphore="long", limit=1, lease=1.0, shared=False,
+              name="csem.long_body")  # fmt: skip
+    def long_body(seconds: float) -> str:
+        slot = current_slot()
+        assert slot is not None
+        recorder.set("test:long", 1)
+        time.sleep(seconds)
+        return "lost" if slot.lost.is_set() else "kept"
+
     return app
 
 

@@ -67,7 +67,10 @@ def _spawn_worker(redis_url: str, log: Path, *extra: str) -> tuple[subprocess.Po
 
 
 @pytest.fixture
-def prefork_worker(app: Celery, redis_server: RedisServer, tmp_path: Path) -> Iterator[Celery]:
+def prefork_process(
+    app: Celery, redis_server: RedisServer, tmp_path: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A `celery worker -P prefork -c 4` subprocess, ready to take tasks."""
     log = tmp_path / "worker.log"
     proc, name = _spawn_worker(redis_server.url, log)
     try:
@@ -79,7 +82,7 @@ def prefork_worker(app: Celery, redis_server: RedisServer, tmp_path: Path) -> It
         )
         assert ready, log.read_text()
         assert proc.poll() is None, log.read_text()
-        yield app
+        yield proc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -87,6 +90,11 @@ def prefork_worker(app: Celery, redis_server: RedisServer, tmp_path: Path) -> It
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def prefork_worker(app: Celery, prefork_process: subprocess.Popen[bytes]) -> Celery:
+    return app
 
 
 WORKERS = ["threads_worker", "prefork_worker"]
@@ -202,6 +210,18 @@ def test_a_killed_prefork_child_frees_its_slot_long_before_its_lease(
     assert wait_for(lambda: sem.count("sleepy") == 0, timeout=15)
     with pytest.raises(WorkerLostError):
         result.get(timeout=30)
+
+
+def test_warm_shutdown_lets_a_running_task_finish_and_keep_renewing(
+    app: Celery, prefork_process: subprocess.Popen[bytes], client: redis.Redis
+) -> None:
+    # A 1 s lease and a 4 s body: without renewal during the drain the slot would lapse.
+    result = app.tasks["csem.long_body"].delay(4.0)
+    assert wait_for(lambda: client.get("test:long"), timeout=60)
+    prefork_process.send_signal(signal.SIGTERM)
+    assert result.get(timeout=60) == "kept"
+    assert prefork_process.wait(timeout=60) == 0
+    assert _semaphore(app).count("long") == 0
 
 
 def test_eager_and_direct_calls_wait_then_raise(redis_server: RedisServer) -> None:

@@ -1,0 +1,121 @@
+"""Task options and app settings: checked at bind time, resolved with the right precedence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_semaphore import SemaphoreTask, SemaphoreValidationError, bounded
+from celery_semaphore.config import Policy, app_settings, countdown
+from celery_semaphore.worker import bounded_of
+
+# No Redis is contacted by anything here: options fail before any connection is made.
+URL = "redis://127.0.0.1:1/0"
+
+BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    ("limit", {"limit": 0}),
+    ("limit", {"limit": "5"}),
+    ("limit", {"limit": None}),
+    ("semaphore", {"semaphore": None}),
+    ("semaphore", {"semaphore": ""}),
+    ("semaphore", {"semaphore": 42}),
+    ("semaphore", {"semaphore": "tenant:{}"}),
+    ("semaphore", {"semaphore": "tenant:{0}"}),
+    ("semaphore", {"semaphore": "tenant:{nope}"}),
+    ("semaphore", {"semaphore": "tenant:{tenant_id"}),
+    ("lease", {"lease": 0}),
+    ("lease", {"lease": float("nan")}),
+    ("heartbeat", {"heartbeat": 40.0}),  # above half the default 60 s lease
+    ("heartbeat", {"heartbeat": -1}),
+    ("on_full", {"on_full": "wait"}),
+    ("on_lease_lost", {"on_lease_lost": "ignore"}),
+    ("shed_countdown", {"shed_countdown": -1}),
+    ("shed_backoff", {"shed_backoff": "yes"}),
+    ("shed_max_countdown", {"shed_max_countdown": float("inf")}),
+    ("shed_max_retries", {"shed_max_retries": -1}),
+    ("shed_timeout", {"shed_timeout": -5}),
+    ("interrupt", {"interrupt": 1}),
+]
+
+
+def _options(overrides: dict[str, Any]) -> dict[str, Any]:
+    return {"semaphore": "tenant:{tenant_id}", "limit": 2, **overrides}
+
+
+@pytest.mark.parametrize(("name", "overrides"), BAD_OPTIONS)
+def test_bad_task_option_fails_at_bind_naming_it(name: str, overrides: dict[str, Any]) -> None:
+    app = Celery("bad", broker=URL, set_as_current=False)
+    with pytest.raises(SemaphoreValidationError, match=name) as info:
+
+        @app.task(base=SemaphoreTask, shared=False, name="bad.task", **_options(overrides))
+        def task(tenant_id: str) -> None: ...
+
+        app.finalize()
+    assert "bad.task" in str(info.value)
+
+
+@pytest.mark.parametrize(("name", "overrides"), BAD_OPTIONS)
+def test_bad_decorator_option_fails_at_decoration(name: str, overrides: dict[str, Any]) -> None:
+    options = _options(overrides)
+    with pytest.raises(SemaphoreValidationError, match=name):
+
+        @bounded(options.pop("semaphore"), options.pop("limit"), **options)
+        def fn(tenant_id: str) -> None: ...
+
+
+def test_unknown_decorator_option_is_named() -> None:
+    with pytest.raises(SemaphoreValidationError, match="leese"):
+
+        @bounded("k", 1, leese=5.0)
+        def fn() -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("semaphore_lease", -1), ("semaphore_on_full", "block"), ("semaphore_url", "amqp://x//")],
+)
+def test_bad_app_setting_is_named(setting: str, value: Any) -> None:
+    app = Celery("bad", broker=URL, set_as_current=False)
+    app.conf[setting] = value
+    with pytest.raises(SemaphoreValidationError, match=setting):
+        app_settings(app)
+
+
+def test_url_defaults_to_a_redis_broker_then_a_redis_backend() -> None:
+    assert app_settings(Celery("a", broker=URL, set_as_current=False)).url == URL
+    amqp_app = Celery("b", broker="amqp://guest@127.0.0.1//", backend=URL, set_as_current=False)
+    assert app_settings(amqp_app).url == URL
+    neither = Celery("c", broker="amqp://guest@127.0.0.1//", set_as_current=False)
+    with pytest.raises(SemaphoreValidationError, match="semaphore_url"):
+        app_settings(neither)
+
+
+def test_precedence_task_option_over_app_setting_over_default() -> None:
+    app = Celery("p", broker=URL, set_as_current=False)
+    app.conf.semaphore_lease = 30.0
+    app.conf.semaphore_shed_countdown = 2.0
+
+    @app.task(base=SemaphoreTask, semaphore="k", limit=3, lease=10.0, shared=False, name="p.t")
+    def t() -> None: ...
+
+    found = bounded_of(app.tasks["p.t"])
+    assert found is not None
+    semaphore, policy = found[0].resolve(app)
+    assert policy.lease == 10.0  # task option
+    assert policy.shed_countdown == 2.0  # app setting
+    assert policy.on_full == "retry"  # default
+    assert semaphore.lease == 10.0
+    assert semaphore.limit == 3
+    assert semaphore.prefix == "semaphore"
+
+
+def test_countdown_backs_off_with_full_jitter_under_the_cap() -> None:
+    policy = Policy(shed_countdown=1.0, shed_max_countdown=8.0)
+    assert countdown(policy, 0, 0.5) == 0.5
+    assert countdown(policy, 2, 0.5) == 2.0
+    assert countdown(policy, 10, 0.999) == pytest.approx(8.0 * 0.999)
+    assert countdown(policy, 10_000, 1.0) == 8.0
+    flat = Policy(shed_countdown=3.0, shed_backoff=False)
+    assert countdown(flat, 7, 0.1) == 3.0
