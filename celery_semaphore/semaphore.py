@@ -475,7 +475,7 @@ class Semaphore:
         check.check_key(key)
         with backend_errors(key, self.limit):
             now_ms, rows = self._scripts.holders(redis_keys(self.prefix, key))
-        return [_holder(token, expires_at_ms, info, now_ms) for token, expires_at_ms, info in rows]
+        return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
 
     def force_release(self, key: str, token: str) -> bool:
         """Free one holder's slot by its token (from :meth:`holders`), as an operator would.
@@ -510,7 +510,8 @@ class Semaphore:
             return self._scripts.force_release_all(redis_keys(self.prefix, key))
 
 
-def _holder(token: str, expires_at_ms: int, info: str, now_ms: int) -> Holder:
+def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) -> Holder:
+    """A :class:`Holder` from one row of holders.lua's reply (see its contract)."""
     acquired, _, raw = info.partition("|")
     try:
         metadata = json.loads(raw) if raw else {}
