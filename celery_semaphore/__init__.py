@@ -4,7 +4,9 @@ A leased counting semaphore in Redis (:class:`Semaphore`), and the Celery glue t
 in front of a task (:class:`SemaphoreTask`, :func:`bounded`).
 """
 
-from . import worker as _worker  # noqa: F401  connects the worker-side signal handlers
+# Imported for their effects: the worker-side signal handlers and the inspect command.
+from . import control as _control  # noqa: F401
+from . import worker as _worker  # noqa: F401
 from .bounded import current_slot
 from .decorators import bounded
 from .errors import (

@@ -37,7 +37,7 @@ from celery.exceptions import Retry
 from celery.utils.log import get_task_logger
 
 from . import _validation as check
-from .config import POLICY_FIELDS, Policy, app_settings, countdown
+from .config import POLICY_FIELDS, Policy, app_settings, client_for, countdown
 from .errors import (
     SemaphoreBackendError,
     SemaphoreLeaseLostError,
@@ -45,7 +45,16 @@ from .errors import (
     SemaphoreValidationError,
 )
 from .interrupt import Interrupter
-from .semaphore import Semaphore, Slot, client_from_url, guard
+from .semaphore import DEFAULT_PREFIX, Semaphore, Slot, guard
+from .signals import (
+    semaphore_acquired,
+    semaphore_lease_lost,
+    semaphore_released,
+    semaphore_renew_failed,
+    semaphore_shed,
+    send_event,
+)
+from .stats import bump
 
 logger = get_task_logger("celery_semaphore")
 
@@ -208,18 +217,30 @@ class Bounded:
     def __repr__(self) -> str:
         return f"<Bounded limit={self.limit} options={self.options}>"
 
-    def resolve(self, app: Celery) -> tuple[Semaphore, Policy]:
-        """The semaphore and the effective policy for runs under ``app`` (cached)."""
+    def resolve(self, app: Celery | None) -> tuple[Semaphore, Policy]:
+        """The semaphore and the effective policy for runs under ``app`` (cached).
+
+        With no app (a plain call of a function given ``redis=``), the built-in defaults
+        stand in for the app's settings.
+
+        Raises:
+            SemaphoreValidationError: an app setting is invalid, or conflicts with this
+                task's options (say an app-wide heartbeat above half the task's lease).
+        """
         found = self._resolved.get(id(app))
         if found is not None:
             return found
         with self._lock:
             found = self._resolved.get(id(app))
             if found is None:
-                settings = app_settings(app)
-                policy = settings.policy.with_options(self.options)
-                client = self.redis if self.redis is not None else _client(app, settings.url)
-                semaphore = Semaphore(client, self.limit, policy.lease, settings.prefix)
+                if app is None:
+                    prefix, defaults = DEFAULT_PREFIX, Policy()
+                else:
+                    settings = app_settings(app)
+                    prefix, defaults = settings.prefix, settings.policy
+                policy = defaults.with_options(self.options)
+                client = self.redis if self.redis is not None else client_for(app)
+                semaphore = Semaphore(client, self.limit, policy.lease, prefix)
                 found = self._resolved[id(app)] = (semaphore, policy)
             return found
 
@@ -261,12 +282,14 @@ class Bounded:
     # -- the three modes ---------------------------------------------------------------
 
     def _call_plain(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
-        semaphore, policy = self.resolve(self.app or get_current_app())
+        app = self.app if self.app is not None or self.redis is not None else get_current_app()
+        semaphore, policy = self.resolve(app)
         key = self.key_for(args, kwargs)
+        started = time.monotonic()
         slot = semaphore.acquire(key, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
             raise _full_error(key, self.limit)
-        return self._run(slot, policy, fn, args, kwargs)
+        return self._run(None, slot, policy, time.monotonic() - started, fn, args, kwargs)
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         semaphore, policy = self.resolve(task.app)
@@ -274,6 +297,7 @@ class Bounded:
         budget = policy.wait_budget()
         delay = min(0.1, budget) if budget else 0.0
         retries = math.ceil(budget / delay) if delay else 0
+        started = time.monotonic()
         slot = semaphore.acquire(
             key, retries=retries, retry_delay=delay, metadata=_task_metadata(task)
         )
@@ -284,38 +308,51 @@ class Bounded:
                 key,
                 self.limit,
             )
-        return self._run(slot, policy, fn, args, kwargs)
+        return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
 
     def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         semaphore, policy = self.resolve(task.app)
         key = self.key_for(args, kwargs)
+        started = time.monotonic()
         try:
             slot = semaphore.acquire(key, metadata=_task_metadata(task))
         except SemaphoreBackendError as exc:
             if policy.on_full == "raise":
                 raise
-            logger.warning("semaphore %r unreachable for task %s: %s", key, task.request.id, exc)
-            slot = None
+            _shed(task, policy, key, self.limit, f"Redis unreachable: {exc}")
         if slot is None:
             if policy.on_full == "raise":
                 raise _full_error(key, self.limit)
             _shed(task, policy, key, self.limit, "all slots held")
         try:
-            return self._run(slot, policy, fn, args, kwargs)
+            return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
         except SemaphoreLeaseLostError:
-            if policy.on_lease_lost != "retry":
+            if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
-            _shed(task, policy, key, self.limit, "slot lost while running", budgeted=False)
+            _shed(task, policy, key, self.limit, "slot lost while running")
 
     # -- running the body --------------------------------------------------------------
 
     def _run(
-        self, slot: Slot, policy: Policy, fn: Callable[..., Any], args: Any, kwargs: Any
+        self,
+        task: Task | None,
+        slot: Slot,
+        policy: Policy,
+        waited: float,
+        fn: Callable[..., Any],
+        args: Any,
+        kwargs: Any,
     ) -> Any:
+        """Run the body holding ``slot``; report the moments of its life (see signals)."""
         interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
         interrupter = Interrupter(slot) if policy.interrupt else None
+        semaphore_acquired.send(
+            sender=task, key=slot.key, limit=slot.limit, slot=slot, waited=waited
+        )
+        send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
+        started = time.monotonic()
         try:
-            with guard(slot, interval, _log_renew_error(slot)):
+            with guard(slot, interval, _renew_failed(task, slot)):
                 token = _current_slot.set(slot)
                 try:
                     if interrupter is None:
@@ -324,14 +361,21 @@ class Bounded:
                         return fn(*args, **kwargs)
                 finally:
                     _current_slot.reset(token)
-        except SemaphoreLeaseLostError as exc:
-            logger.error(
-                "semaphore %r (limit %d): slot lost while its body ran: %s",
-                slot.key,
-                slot.limit,
-                exc,
-            )
+        except SemaphoreLeaseLostError:
+            if not slot.lost.is_set():
+                raise  # another semaphore's loss, inside the body: not ours to restate
             raise slot.lease_lost_error() from None
+        finally:
+            semaphore_released.send(
+                sender=task,
+                key=slot.key,
+                limit=slot.limit,
+                slot=slot,
+                held=time.monotonic() - started,
+                lost=slot.lost.is_set(),
+            )
+            if slot.lost.is_set():
+                _lease_lost(task, slot)
 
 
 def _unwrap_run(task: Task) -> Any:
@@ -348,16 +392,29 @@ def _task_metadata(task: Task) -> dict[str, Any]:
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}
 
 
-def _log_renew_error(slot: Slot) -> Callable[[BaseException], None]:
+def _renew_failed(task: Task | None, slot: Slot) -> Callable[[BaseException], None]:
     def report(error: BaseException) -> None:
         logger.warning("semaphore %r: a renewal failed and will be retried: %s", slot.key, error)
+        semaphore_renew_failed.send(
+            sender=task, key=slot.key, limit=slot.limit, slot=slot, error=error
+        )
 
     return report
 
 
-def _shed(
-    task: Task, policy: Policy, key: str, limit: int, reason: str, budgeted: bool = True
-) -> NoReturn:
+def _lease_lost(task: Task | None, slot: Slot) -> None:
+    reason = slot.lease_lost_error().message
+    task_id = task.request.id if task is not None else None
+    logger.error(
+        "semaphore %r (limit %d): task %s lost its slot: %s", slot.key, slot.limit, task_id, reason
+    )
+    semaphore_lease_lost.send(sender=task, key=slot.key, limit=slot.limit, slot=slot, reason=reason)
+    send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
+    if task is not None:
+        bump(task.app, task.request.hostname, "lease_lost")
+
+
+def _shed(task: Task, policy: Policy, key: str, limit: int, reason: str) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 
     Raises:
@@ -369,18 +426,17 @@ def _shed(
     headers = dict(request.headers or {})
     sheds = int(headers.get(SHEDS_HEADER) or 0)
     first = float(headers.get(FIRST_SHED_HEADER) or time.time())
-    if budgeted:
-        spent = ""
-        if policy.shed_max_retries is not None and sheds >= policy.shed_max_retries:
-            spent = f"shed {sheds} times (shed_max_retries={policy.shed_max_retries})"
-        elif policy.shed_timeout is not None and time.time() - first >= policy.shed_timeout:
-            spent = f"shed for {time.time() - first:.1f}s (shed_timeout={policy.shed_timeout:g})"
-        if spent:
-            raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {limit} slots held; task {request.id} {spent}",
-                key,
-                limit,
-            )
+    spent = ""
+    if policy.shed_max_retries is not None and sheds >= policy.shed_max_retries:
+        spent = f"shed {sheds} times (shed_max_retries={policy.shed_max_retries})"
+    elif policy.shed_timeout is not None and time.time() - first >= policy.shed_timeout:
+        spent = f"shed for {time.time() - first:.1f}s (shed_timeout={policy.shed_timeout:g})"
+    if spent:
+        raise SemaphoreNotAcquiredError(
+            f"semaphore {key!r} (limit {limit}): {reason}; task {request.id} {spent}",
+            key,
+            limit,
+        )
     delay = countdown(policy, sheds, random.random())
     headers.update({SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first})
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
@@ -392,13 +448,9 @@ def _shed(
         reason,
         delay,
     )
+    semaphore_shed.send(
+        sender=task, key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason
+    )
+    send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
+    bump(task.app, request.hostname, "shed")
     raise Retry(f"semaphore {key!r} {reason}", when=delay)
-
-
-def _client(app: Celery, url: str) -> Any:
-    """One redis-py client per app and URL (redis-py resets its pool after a fork)."""
-    clients: dict[str, Any] = app.__dict__.setdefault("_semaphore_clients", {})
-    client = clients.get(url)
-    if client is None:
-        client = clients[url] = client_from_url(url)
-    return client

@@ -34,15 +34,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from celery import Celery
 
 from . import _validation as check
 from .errors import SemaphoreValidationError
-from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX
+from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX, client_from_url
 
 ON_FULL = ("retry", "raise")
 ON_LEASE_LOST = ("raise", "retry")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+socket://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class Policy:
             ``"raise"`` fails it with :class:`SemaphoreNotAcquiredError`.
         on_lease_lost (str): ``"raise"`` fails the task with
             :class:`SemaphoreLeaseLostError` even if the body returned; ``"retry"`` sheds it
-            so it runs again.
+            so it runs again (such sheds count against the shed budget).
         shed_countdown (float): seconds before the first re-run of a shed task.
         shed_backoff (bool): grow the countdown exponentially with each shed, with full jitter
             (a uniform draw between 0 and the exponential value).
@@ -67,8 +68,8 @@ class Policy:
             :class:`SemaphoreNotAcquiredError`; None: no limit.
         shed_timeout (float | None): seconds after the first shed after which the task fails
             instead of being shed again; None: no limit. Outside a worker (eager mode, a
-            direct call) this is how long to wait for a slot; with neither budget set such a
-            call waits up to one lease.
+            direct call) this is how long to wait for a slot; when it is None such a call
+            waits up to one lease.
         interrupt (bool): when the slot is lost, raise an exception inside the running body
             (at its next Python bytecode; a body blocked in C code notices when it returns).
     """
@@ -177,6 +178,22 @@ def app_settings(app: Celery) -> AppSettings:
     settings = AppSettings(url=str(url), prefix=prefix, policy=policy)
     app._semaphore_settings = settings
     return settings
+
+
+def client_for(app: Celery) -> redis.Redis:
+    """The redis-py client for the app's ``semaphore_url``, made once per app.
+
+    Sharing it across a fork is safe: redis-py gives a child process fresh connections.
+
+    Raises:
+        SemaphoreValidationError: as :func:`app_settings`.
+    """
+    url = app_settings(app).url
+    clients: dict[str, redis.Redis] = app.__dict__.setdefault("_semaphore_clients", {})
+    client = clients.get(url)
+    if client is None:
+        client = clients[url] = client_from_url(url)
+    return client
 
 
 def countdown(policy: Policy, sheds: int, draw: float) -> float:

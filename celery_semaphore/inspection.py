@@ -102,15 +102,20 @@ def held_by_worker(
 ) -> list[dict[str, Any]]:
     """Every live slot whose holder recorded ``worker`` (a Celery node name) as its worker.
 
+    A holder that recorded the bare host part of the node name matches too: tasks run by
+    Celery's in-process test worker (``celery.contrib.testing``) see only that in
+    ``request.hostname``.
+
     Returns:
         list[dict[str, Any]]: one dict a slot: key, task_id, task_name, pid, held_for,
         expires_in (seconds), token.
     """
+    names = {worker, worker.partition("@")[2] or worker}
     rows = []
     for sem in views(client, prefix=prefix):
         for holder in sem.holders:
             meta = holder.metadata
-            if meta.get("worker") == worker:
+            if meta.get("worker") in names:
                 rows.append(
                     {
                         "key": sem.key,

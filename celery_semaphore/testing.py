@@ -23,6 +23,8 @@ import time
 from types import TracebackType
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 __all__ = ["RedisServer", "find_redis_server"]
 
@@ -57,7 +59,7 @@ class RedisServer:
     Args:
         port (int | None): TCP port; None picks a free one.
         binary (str | None): path of ``redis-server``; None uses :func:`find_redis_server`.
-        extra_args (Sequence[str]): more ``redis-server`` arguments, e.g.
+        extra_args (tuple[str, ...]): more ``redis-server`` arguments, e.g.
             ``("--maxmemory-policy", "allkeys-lru")``.
         startup_timeout (float): seconds to wait for the server to answer PING.
 
@@ -84,8 +86,13 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self, **kwargs: object) -> redis.Redis:
-        """A new redis-py client for this server (short timeouts, no retries)."""
-        options: dict[str, object] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        """A new redis-py client for this server: 5 s timeouts, no retries (a test that stops
+        the server wants the error at once); ``kwargs`` override."""
+        options: dict[str, object] = {
+            "socket_timeout": 5.0,
+            "socket_connect_timeout": 5.0,
+            "retry": Retry(NoBackoff(), 0),
+        }
         options.update(kwargs)
         return redis.Redis(host="127.0.0.1", port=self.port, **options)  # type: ignore[arg-type]
 

@@ -1,4 +1,4 @@
-"""Worker-side cleanup: free the slot of a task whose process died under it.
+"""Worker-side hooks: free the slot of a task whose process died under it.
 
 A prefork child killed by SIGKILL, the OOM killer or a hard time limit cannot release its
 slot; without help the slot stays held until its lease runs out. The worker's main process
@@ -24,6 +24,7 @@ from celery.utils.log import get_logger
 
 from .bounded import Bounded
 from .errors import SemaphoreError
+from .stats import bump
 
 logger = get_logger("celery_semaphore")
 
@@ -57,8 +58,10 @@ def release_dead_run(
         released = 0
         for holder in semaphore.holders(key):
             meta = holder.metadata
-            if meta.get("task_id") == task_id and meta.get("host") == _HOST:
-                released += semaphore.force_release(key, holder.token)
+            mine = meta.get("task_id") == task_id and meta.get("host") == _HOST
+            if mine and semaphore.force_release(key, holder.token):
+                released += 1
+                bump(task.app, meta.get("worker"), "dead_released")
     except (SemaphoreError, TypeError) as exc:
         logger.warning("could not release the slot of dead task %s: %s", task_id, exc)
         return 0

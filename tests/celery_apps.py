@@ -115,6 +115,15 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         time.sleep(seconds)
         return "lost" if slot.lost.is_set() else "kept"
 
+    @app.task(base=SemaphoreTask, semaphore="held", limit=2, shared=False, name="csem.hold_until")
+    def hold_until(flag: str) -> str:
+        """Holds its slot until the test sets ``flag`` in Redis (at most 60 s)."""
+        recorder.rpush("test:holding", flag)
+        deadline = time.monotonic() + 60
+        while not recorder.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return flag
+
     return app
 
 

@@ -9,8 +9,9 @@
 --         {0, now_ms}        when it is gone.
 --
 -- Presence is not ownership: a member whose expiry has passed stays in the set until some
--- acquire prunes it, and by then another caller may have been admitted in its place. So
--- the score must still be in the future; a lapsed member is removed here, never revived.
+-- acquire prunes it, yet from the moment it lapsed every acquire has counted its slot as
+-- free. Reviving it would put the semaphore over its limit, so the score must still be in
+-- the future; a lapsed member is removed here, never renewed.
 local slots = KEYS[1]
 local holders = KEYS[2]
 local token = ARGV[1]

@@ -1,0 +1,139 @@
+"""``celery -A proj semaphore ...``: see and manage slots from the command line.
+
+Installed through Celery's ``celery.commands`` entry point, so it is a subcommand of the
+``celery`` program and gets the app from ``-A``::
+
+    celery -A proj semaphore status [KEY...] [--json]
+    celery -A proj semaphore release-all KEY [--yes]
+    celery -A proj semaphore watch [KEY...] [--interval 1.0]
+    celery -A proj semaphore flower [flower options]
+
+Every view reads Redis, so it also shows slots held by a worker that has died and whose
+lease has not run out yet.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+from celery import Celery
+
+from .config import app_settings, client_for
+from .errors import SemaphoreError
+from .inspection import SemaphoreView, release_all, views
+
+
+def _app(ctx: click.Context) -> Celery:
+    obj = ctx.find_root().obj
+    app = getattr(obj, "app", None)
+    if app is None:
+        raise click.UsageError("no Celery app: run it as `celery -A proj semaphore ...`")
+    return app
+
+
+def _views(app: Celery, keys: tuple[str, ...]) -> list[SemaphoreView]:
+    try:
+        settings = app_settings(app)
+        return views(client_for(app), keys or None, settings.prefix)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f}s"
+
+
+def render(semaphores: list[SemaphoreView]) -> str:
+    """The text table that ``status`` and ``watch`` print."""
+    if not semaphores:
+        return "No slot is held."
+    lines = []
+    for sem in semaphores:
+        limit = "?" if sem.limit is None else str(sem.limit)
+        lines.append(f"{sem.key}  {sem.in_use}/{limit} in use")
+        rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
+        for holder in sem.holders:
+            meta = holder.metadata
+            rows.append(
+                (
+                    str(meta.get("task_id") or "-"),
+                    str(meta.get("task_name") or "-"),
+                    str(meta.get("worker") or meta.get("host") or "-"),
+                    str(meta.get("pid") or "-"),
+                    _seconds(holder.held_for),
+                    _seconds(holder.expires_in),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines.extend(
+            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows
+        )
+    return "\n".join(lines)
+
+
+@click.group(name="semaphore")
+def semaphore() -> None:
+    """See and manage celery-semaphore slots (reads the app's semaphore_url)."""
+
+
+@semaphore.command()
+@click.argument("keys", nargs=-1)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.pass_context
+def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool) -> None:
+    """Every semaphore (or the KEYS given): limit, slots in use, and who holds them."""
+    found = _views(_app(ctx), keys)
+    if as_json:
+        click.echo(json.dumps([sem.as_dict() for sem in found], indent=2, sort_keys=True))
+    else:
+        click.echo(render(found))
+
+
+@semaphore.command(name="release-all")
+@click.argument("key")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.pass_context
+def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
+    """Free every slot of KEY. Running holders keep running and learn at their next renewal."""
+    app = _app(ctx)
+    [sem] = _views(app, (key,))
+    click.echo(render([sem]))
+    if not yes:
+        click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
+    try:
+        displaced = release_all(client_for(app), key, app_settings(app).prefix)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"Released {key!r}: {displaced} live holder(s) displaced.")
+
+
+@semaphore.command()
+@click.argument("keys", nargs=-1)
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--count", type=int, default=None, help="Stop after this many refreshes.")
+@click.pass_context
+def watch(ctx: click.Context, keys: tuple[str, ...], interval: float, count: int | None) -> None:
+    """A live view of `status`, refreshed every --interval seconds (Ctrl-C stops)."""
+    app = _app(ctx)
+    shown = 0
+    try:
+        while count is None or shown < count:
+            if shown:
+                time.sleep(interval)
+            click.clear()
+            click.echo(time.strftime("%H:%M:%S") + "\n" + render(_views(app, keys)))
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+
+
+@semaphore.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def flower(ctx: click.Context) -> None:
+    """Start Flower with an added Semaphores page (/semaphores, /api/semaphores)."""
+    from .flower import start_flower
+
+    start_flower(_app(ctx), list(ctx.args))

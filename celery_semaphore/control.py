@@ -1,0 +1,92 @@
+"""What a worker tells about its slots: ``celery inspect semaphores`` and ``inspect stats``.
+
+Both read Redis (see :mod:`celery_semaphore.inspection`), filtered to the holders that
+recorded this worker's node name, so they show slots held by any of its pool processes.
+Both run in the worker's main process, between messages: they cost one SCAN pass and one
+round trip per semaphore.
+
+The inspect command is registered when this module is imported (``import celery_semaphore``
+does it), which must happen in the ``celery`` CLI process too, since the CLI checks command
+names: importing the app module that uses :class:`SemaphoreTask` or ``@bounded`` is enough.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery, bootsteps
+from celery.signals import worker_init
+from celery.worker.control import inspect_command
+
+from . import stats
+from .config import app_settings, client_for
+from .inspection import held_by_worker
+from .semaphore import logger
+from .worker import bounded_of
+
+
+def worker_report(app: Celery, worker: str) -> dict[str, Any]:
+    """The slots ``worker``'s tasks hold now, and its counters.
+
+    Returns:
+        dict[str, Any]: ``{"held": [...], "counters": {...}}``, or ``{"error": "..."}`` when
+        the semaphore store cannot be read (never raises: it answers remote control).
+    """
+    try:
+        prefix = app_settings(app).prefix
+        return {
+            "held": held_by_worker(client_for(app), worker, prefix),
+            "counters": stats.read(app, worker),
+        }
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def semaphores(state: Any, **_: Any) -> dict[str, Any]:
+    """Remote control: this worker's held slots (key, task id and name, pid, times)."""
+    consumer = state.consumer
+    return worker_report(consumer.app, consumer.hostname)
+
+
+inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(
+    semaphores
+)
+
+
+class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: checks the bounded tasks, resets the counters, feeds ``inspect stats``.
+
+    Creating the step resolves every bounded task's options against the app's
+    ``semaphore_*`` settings, so a bad setting, or a task option that conflicts with one,
+    stops the worker at start-up with a :class:`SemaphoreValidationError` naming it instead
+    of failing the task's first run.
+    """
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        app = worker.app
+        for task in list(app.tasks.values()):
+            found = bounded_of(task)
+            if found is not None:
+                found[0].resolve(app)
+
+    def start(self, worker: Any) -> None:
+        try:
+            stats.reset(worker.app, worker.hostname)
+        except Exception:  # the counters are telemetry: never stop a worker over them
+            logger.warning("could not reset semaphore counters", exc_info=True)
+
+    def info(self, worker: Any) -> dict[str, Any]:
+        return {"semaphore": worker_report(worker.app, worker.hostname)}
+
+
+def _add_step(sender: Any = None, **_: Any) -> None:
+    # worker_init is sent before the worker builds its blueprint from app.steps.
+    steps = sender.app.steps["worker"]
+    if SemaphoreStep not in steps:
+        steps.add(SemaphoreStep)
+
+
+worker_init.connect(_add_step, weak=False)

@@ -1,0 +1,27 @@
+"""Run Flower with the Semaphores page for the tests, in a process of its own.
+
+``python -m tests.flower_helper REDIS_URL [FLOWER_OPTION ...]`` runs
+:func:`celery_semaphore.flower.start_flower` for ``tests.celery_apps.make_app(REDIS_URL)``
+until SIGTERM. ``CSEM_FLOWER_SEMAPHORE_URL``, when set, points the page at another Redis (a
+dead one, say) while Flower itself keeps using REDIS_URL as its broker.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from celery_semaphore.flower import start_flower
+
+from .celery_apps import make_app
+
+
+def main(argv: list[str]) -> None:
+    app = make_app(argv[0])
+    if "CSEM_FLOWER_SEMAPHORE_URL" in os.environ:
+        app.conf.semaphore_url = os.environ["CSEM_FLOWER_SEMAPHORE_URL"]
+    start_flower(app, argv[1:])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,207 @@
+"""Seeing who holds what: the CLI, celery inspect, worker stats, signals and task events."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import Semaphore, SemaphoreLeaseLostError, SemaphoreValidationError
+from celery_semaphore import signals as sem_signals
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import make_app
+from .helpers import wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def celery_cli(url: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CSEM_TEST_REDIS_URL": url}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.celery_apps", *args],
+        cwd=ROOT, env=env, input=stdin, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def worker(redis_server: RedisServer) -> Iterator[tuple[Celery, str]]:
+    app = make_app(redis_server.url, worker_send_task_events=True)
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False) as w:
+        yield app, w.hostname
+
+
+def test_status_shows_every_semaphore_and_its_holders(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=3)
+    first = sem.acquire("openai", metadata={"task_id": "t-1", "task_name": "tasks.call"})
+    second = sem.acquire("tenant:{acme}")
+    assert first is not None
+    assert second is not None
+    text = celery_cli(redis_server.url, "semaphore", "status")
+    assert text.returncode == 0, text.stderr
+    assert "openai  1/3 in use" in text.stdout
+    assert "t-1" in text.stdout
+    assert "tasks.call" in text.stdout
+    assert "tenant:{acme}  1/3 in use" in text.stdout
+    only = celery_cli(redis_server.url, "semaphore", "status", "openai", "--json")
+    [view] = json.loads(only.stdout)
+    assert view["key"] == "openai"
+    assert view["limit"] == 3
+    assert view["holders"][0]["metadata"]["task_id"] == "t-1"
+    assert 0 < view["holders"][0]["expires_in"] <= 60
+    first.release()
+    second.release()
+    assert "No slot is held." in celery_cli(redis_server.url, "semaphore", "status").stdout
+
+
+def test_a_dead_holders_unexpired_slot_shows_in_status(redis_server: RedisServer) -> None:
+    code = textwrap.dedent(
+        f"""
+        import time
+        from celery_semaphore import Semaphore
+        slot = Semaphore({redis_server.url!r}, limit=1, lease=60.0).acquire("orphan")
+        print("acquired", flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "acquired"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = celery_cli(redis_server.url, "semaphore", "status", "--json").stdout
+    [view] = json.loads(out)
+    assert view["key"] == "orphan"
+    assert view["holders"][0]["metadata"]["pid"] == proc.pid
+
+
+def test_release_all_asks_then_displaces_a_running_holder(
+    worker: tuple[Celery, str], client: redis.Redis, redis_server: RedisServer
+) -> None:
+    app, _ = worker
+    result = app.tasks["csem.lost_raise"].delay()
+    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    refused = celery_cli(redis_server.url, "semaphore", "release-all", "lost-raise", stdin="n\n")
+    assert refused.returncode != 0
+    assert "Aborted" in refused.stdout + refused.stderr
+    done = celery_cli(redis_server.url, "semaphore", "release-all", "lost-raise", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "1 live holder(s) displaced" in done.stdout
+    with pytest.raises(SemaphoreLeaseLostError):
+        result.get(timeout=60)
+
+
+def test_inspect_and_stats_list_a_held_slot_until_it_is_released(
+    worker: tuple[Celery, str], client: redis.Redis, redis_server: RedisServer
+) -> None:
+    app, hostname = worker
+    result = app.tasks["csem.hold_until"].delay("test:go")
+    assert wait_for(lambda: client.llen("test:holding") == 1, timeout=30)
+
+    def semaphores() -> Any:
+        [reply] = app.control.broadcast("semaphores", reply=True, destination=[hostname], timeout=5)
+        return reply[hostname]
+
+    [held] = semaphores()["held"]
+    assert held["key"] == "held"
+    assert held["task_id"] == result.id
+    assert held["task_name"] == "csem.hold_until"
+    assert held["pid"] == os.getpid()
+    assert 0 < held["expires_in"] <= 60
+
+    stats = app.control.inspect(timeout=5).stats()[hostname]["semaphore"]
+    assert [h["task_id"] for h in stats["held"]] == [result.id]
+    assert set(stats["counters"]) == {"shed", "lease_lost", "dead_released"}
+
+    cli = celery_cli(redis_server.url, "inspect", "semaphores", "--timeout", "5")
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert result.id in cli.stdout
+
+    client.set("test:go", 1)
+    assert result.get(timeout=30) == "test:go"
+    assert semaphores()["held"] == []
+
+
+def test_signals_and_task_events_report_acquire_shed_and_release(
+    worker: tuple[Celery, str],
+) -> None:
+    app, _ = worker
+    seen: dict[str, list[dict[str, Any]]] = {"acquired": [], "shed": [], "released": []}
+    lock = threading.Lock()
+
+    def recorder(name: str) -> Any:
+        def handler(sender: Any = None, **kwargs: Any) -> None:
+            with lock:
+                seen[name].append({"task": getattr(sender, "name", None), **kwargs})
+
+        return handler
+
+    handlers = {name: recorder(name) for name in seen}
+    sem_signals.semaphore_acquired.connect(handlers["acquired"])
+    sem_signals.semaphore_shed.connect(handlers["shed"])
+    sem_signals.semaphore_released.connect(handlers["released"])
+    events: list[dict[str, Any]] = []
+
+    def listen() -> None:
+        with app.connection_for_read() as conn:
+            receiver = app.events.Receiver(conn, handlers={"*": events.append})
+            with contextlib.suppress(Exception):  # the capture's own timeout ends it
+                receiver.capture(limit=None, timeout=60, wakeup=False)
+
+    def event_ids(kind: str) -> set[str]:
+        return {e["uuid"] for e in list(events) if e.get("type") == kind}
+
+    threading.Thread(target=listen, daemon=True).start()
+    task = app.tasks["csem.provider_call"]
+    # Events sent before the receiver has bound its queue are lost: wait until one arrives.
+    warm: list[Any] = []
+    while not wait_for(lambda: event_ids("task-semaphore-acquired") & {r.id for r in warm}, 0.5):
+        assert len(warm) < 100, "the event receiver never started"
+        warm.append(task.delay(-1, 0))
+        warm[-1].get(timeout=30)
+    for name in seen:
+        seen[name].clear()
+    try:
+        results = [task.delay(n, 0.2) for n in range(8)]
+        [r.get(timeout=60) for r in results]
+    finally:
+        sem_signals.semaphore_acquired.disconnect(handlers["acquired"])
+        sem_signals.semaphore_shed.disconnect(handlers["shed"])
+        sem_signals.semaphore_released.disconnect(handlers["released"])
+    ids = {r.id for r in results}
+    assert len([s for s in seen["acquired"] if s["slot"].token]) >= 8
+    assert len(seen["released"]) >= 8
+    assert seen["shed"], "8 tasks on a limit of 3 with 4 threads: some must be shed"
+    assert all(s["key"] == "provider" and s["limit"] == 3 for s in seen["acquired"])
+    assert all(s["held"] >= 0.2 and not s["lost"] for s in seen["released"])
+    assert all(s["countdown"] >= 0 and s["sheds"] >= 1 for s in seen["shed"])
+
+    assert wait_for(lambda: ids <= event_ids("task-semaphore-acquired"), timeout=30)
+    shed_ids = event_ids("task-semaphore-shed")
+    assert shed_ids, "no task-semaphore-shed event"
+    assert shed_ids <= ids | {r.id for r in warm}
+
+
+def test_a_worker_will_not_start_with_a_setting_that_breaks_a_task(
+    redis_server: RedisServer,
+) -> None:
+    # The app-wide heartbeat is above half of csem.long_body's 1 s lease.
+    app = make_app(redis_server.url, semaphore_heartbeat=5.0)
+    with (
+        pytest.raises(SemaphoreValidationError, match="heartbeat"),
+        start_worker(app, pool="solo", perform_ping_check=False),
+    ):
+        pass
