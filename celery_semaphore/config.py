@@ -165,6 +165,12 @@ def app_settings(app: Celery) -> AppSettings:
     if isinstance(cached, AppSettings):
         return cached
     conf = app.conf
+    known = {"semaphore_url", "semaphore_prefix", *(f"semaphore_{n}" for n in POLICY_FIELDS)}
+    unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
+    if unknown:
+        raise SemaphoreValidationError(
+            f"unknown setting(s) {', '.join(unknown)}; celery-semaphore knows {sorted(known)}"
+        )
     url = conf.get("semaphore_url") or _default_url(conf)
     if not _is_redis(url):
         raise SemaphoreValidationError(f"semaphore_url must be a Redis URL, got {url!r}")

@@ -15,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from celery import Celery
+from celery import Celery, Task
 
 from .bounded import Bounded
+from .errors import SemaphoreValidationError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,6 +63,11 @@ def bounded(
     """
 
     def decorate(fn: F) -> F:
+        if isinstance(fn, Task) or hasattr(fn, "apply_async"):
+            raise SemaphoreValidationError(
+                "@bounded must go under @app.task (applied to the function first), "
+                f"not above it: got the task {getattr(fn, 'name', fn)!r}"
+            )
         guard = Bounded(fn, semaphore, limit, options, app, redis, retries, retry_delay)
         wrapped: F = guard.wrap(fn)  # type: ignore[assignment]
         return wrapped

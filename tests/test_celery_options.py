@@ -119,3 +119,20 @@ def test_countdown_backs_off_with_full_jitter_under_the_cap() -> None:
     assert countdown(policy, 10_000, 1.0) == 8.0
     flat = Policy(shed_countdown=3.0, shed_backoff=False)
     assert countdown(flat, 7, 0.1) == 3.0
+
+
+def test_a_misspelt_setting_is_named() -> None:
+    app = Celery("typo", broker=URL, set_as_current=False)
+    app.conf.semaphore_leese = 5.0
+    with pytest.raises(SemaphoreValidationError, match="semaphore_leese"):
+        app_settings(app)
+
+
+def test_bounded_above_app_task_is_refused() -> None:
+    app = Celery("order", broker=URL, set_as_current=False)
+
+    @app.task(shared=False, name="order.t")
+    def t() -> None: ...
+
+    with pytest.raises(SemaphoreValidationError, match=r"under @app\.task"):
+        bounded("k", 1)(t)
