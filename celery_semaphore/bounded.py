@@ -117,9 +117,11 @@ class KeyTemplate:
                 )
 
     @property
-    def is_static(self) -> bool:
-        """True when every call uses the same key."""
-        return self._call is None and self._signature is None
+    def source(self) -> str:
+        """The option as written: the template (or key), or the callable's qualified name."""
+        if self._call is not None:
+            return str(getattr(self._call, "__qualname__", self._call))
+        return self._template
 
     def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The key for one call.

@@ -16,7 +16,7 @@ import redis
 
 from . import _validation as check
 from .scripts import Scripts, backend_errors
-from .semaphore import DEFAULT_PREFIX, Holder, holder_from_reply, redis_keys
+from .semaphore import DEFAULT_PREFIX, Holder, holder_from_reply, logger, redis_keys
 
 _GLOB = re.compile(r"([*?\[\]\\])")
 
@@ -139,4 +139,8 @@ def release_all(client: redis.Redis, key: str, prefix: str = DEFAULT_PREFIX) -> 
     """
     check.check_key(key)
     with backend_errors(key):
-        return Scripts(client).force_release_all(redis_keys(prefix, key))
+        displaced = Scripts(client).force_release_all(redis_keys(prefix, key))
+    logger.warning(
+        "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
+    )
+    return displaced

@@ -36,6 +36,7 @@ from .errors import (
 )
 from .heartbeat import Heartbeat, RenewErrorCallback
 from .scripts import Admitted, Keys, Scripts, backend_errors
+from .tracing import acquire_span
 
 logger = logging.getLogger("celery_semaphore")
 
@@ -369,14 +370,17 @@ class Semaphore:
         info = self._metadata(metadata)
         keys = redis_keys(self.prefix, key)
         token = secrets.token_hex(16)
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(delay)
-            sent_at = time.monotonic()
-            with backend_errors(key, self.limit):
-                reply = self._scripts.acquire(keys, self.limit, ms, token, info)
-            if isinstance(reply, Admitted):
-                return Slot(self, key, token, float(seconds), reply, sent_at)
+        with acquire_span(key, self.limit) as record:
+            for attempt in range(attempts):
+                if attempt:
+                    time.sleep(delay)
+                sent_at = time.monotonic()
+                with backend_errors(key, self.limit):
+                    reply = self._scripts.acquire(keys, self.limit, ms, token, info)
+                if isinstance(reply, Admitted):
+                    record(attempt + 1, "acquired")
+                    return Slot(self, key, token, float(seconds), reply, sent_at)
+            record(attempts, "full")
         return None
 
     @contextlib.contextmanager
@@ -490,7 +494,15 @@ class Semaphore:
         check.check_key(key)
         check.check_key(token, "token")
         with backend_errors(key, self.limit):
-            return self._scripts.release(redis_keys(self.prefix, key), token)
+            live = self._scripts.release(redis_keys(self.prefix, key), token)
+        logger.warning(
+            "semaphore %r (limit %d): holder %s force-released (was live: %s)",
+            key,
+            self.limit,
+            token,
+            live,
+        )
+        return live
 
     def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).
@@ -507,7 +519,14 @@ class Semaphore:
         """
         check.check_key(key)
         with backend_errors(key, self.limit):
-            return self._scripts.force_release_all(redis_keys(self.prefix, key))
+            displaced = self._scripts.force_release_all(redis_keys(self.prefix, key))
+        logger.warning(
+            "semaphore %r (limit %d): every slot force-released, %d live holder(s) displaced",
+            key,
+            self.limit,
+            displaced,
+        )
+        return displaced
 
 
 def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) -> Holder:

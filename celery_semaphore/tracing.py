@@ -1,0 +1,42 @@
+"""An OpenTelemetry span around each acquire, when ``opentelemetry-api`` is installed.
+
+The span is ``semaphore.acquire`` with attributes ``semaphore.key``, ``semaphore.limit``,
+``semaphore.attempts`` and ``semaphore.outcome`` (``acquired`` or ``full``; a Redis failure
+is recorded as the span's exception). Without an SDK configured the API's spans are no-ops,
+and without the package installed nothing is imported: ``pip install
+'celery-semaphore[tracing]'`` to have it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+try:
+    from opentelemetry import trace
+except ImportError:  # the optional extra is not installed
+    trace: Any = None  # type: ignore[no-redef]
+
+Record = Callable[[int, str], None]
+
+
+def _ignore(attempts: int, outcome: str) -> None:
+    """What records an acquire's end when there is no tracer."""
+
+
+@contextlib.contextmanager
+def acquire_span(key: str, limit: int) -> Iterator[Record]:
+    """Wrap one acquire (all its attempts) in a span; yields ``record(attempts, outcome)``."""
+    if trace is None:
+        yield _ignore
+        return
+    tracer = trace.get_tracer("celery_semaphore")
+    attributes: dict[str, str | int] = {"semaphore.key": key, "semaphore.limit": limit}
+    with tracer.start_as_current_span("semaphore.acquire", attributes=attributes) as span:
+
+        def record(attempts: int, outcome: str) -> None:
+            span.set_attribute("semaphore.attempts", attempts)
+            span.set_attribute("semaphore.outcome", outcome)
+
+        yield record

@@ -1,0 +1,104 @@
+"""Prometheus metrics and OpenTelemetry spans, fed by real tasks on a real worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from prometheus_client import CollectorRegistry
+
+from celery_semaphore import Semaphore, SemaphoreLeaseLostError, metrics
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import make_app
+from .helpers import wait_for
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    registry = CollectorRegistry()
+    installed = metrics.install(registry)
+    yield registry
+    installed.uninstall()
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    app = make_app(redis_server.url)
+    with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False):
+        yield app
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    found = registry.get_sample_value(name, labels)
+    return 0.0 if found is None else found
+
+
+def test_metrics_count_acquisitions_sheds_and_holds(
+    registry: CollectorRegistry, app: Celery
+) -> None:
+    task = app.tasks["csem.provider_call"]
+    [r.get(timeout=60) for r in [task.delay(n, 0.2) for n in range(9)]]
+    key = {"key": "provider"}
+    assert value(registry, "semaphore_acquisitions_total", outcome="acquired", **key) == 9
+    sheds = value(registry, "semaphore_sheds_total", **key)
+    assert sheds > 0
+    assert value(registry, "semaphore_acquisitions_total", outcome="shed", **key) == sheds
+    assert value(registry, "semaphore_hold_seconds_count", **key) == 9
+    assert value(registry, "semaphore_hold_seconds_sum", **key) >= 9 * 0.2
+    assert value(registry, "semaphore_wait_seconds_count", **key) == 9
+    assert value(registry, "semaphore_slots_held", **key) == 0
+
+
+def test_templated_keys_are_labelled_by_their_template(
+    registry: CollectorRegistry, app: Celery
+) -> None:
+    task = app.tasks["csem.per_tenant"]
+    [r.get(timeout=60) for r in [task.delay(t, 0) for t in ["a", "b", "c"]]]
+    labels = {"key": "tenant:{tenant_id}", "outcome": "acquired"}
+    assert value(registry, "semaphore_acquisitions_total", **labels) == 3
+    assert value(registry, "semaphore_acquisitions_total", key="tenant:a", outcome="acquired") == 0
+
+
+def test_lease_loss_is_counted(
+    registry: CollectorRegistry, app: Celery, client: redis.Redis, redis_server: RedisServer
+) -> None:
+    result = app.tasks["csem.lost_raise"].delay()
+    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    Semaphore(redis_server.url, limit=1).force_release_all("lost-raise")
+    with pytest.raises(SemaphoreLeaseLostError):
+        result.get(timeout=60)
+    assert value(registry, "semaphore_lease_lost_total", key="lost-raise") == 1
+    assert value(registry, "semaphore_slots_held", key="lost-raise") == 0
+
+
+def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisServer) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        pytest.skip("another test set the global tracer provider first")
+    sem = Semaphore(redis_server.url, limit=1)
+    slot = sem.acquire("traced")
+    assert slot is not None
+    assert sem.acquire("traced", retries=2, retry_delay=0.01) is None
+    slot.release()
+    first, second = exporter.get_finished_spans()
+    assert first.name == second.name == "semaphore.acquire"
+    assert dict(first.attributes or {}) == {
+        "semaphore.key": "traced",
+        "semaphore.limit": 1,
+        "semaphore.attempts": 1,
+        "semaphore.outcome": "acquired",
+    }
+    assert (second.attributes or {})["semaphore.attempts"] == 3
+    assert (second.attributes or {})["semaphore.outcome"] == "full"
