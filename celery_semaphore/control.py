@@ -20,7 +20,7 @@ from celery.worker.control import inspect_command
 
 from . import stats
 from .config import app_settings, client_for
-from .inspection import held_by_worker
+from .inspection import held_by_worker, server_warnings
 from .semaphore import logger
 from .worker import bounded_of
 
@@ -75,8 +75,10 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, worker: Any) -> None:
         try:
             stats.reset(worker.app, worker.hostname)
-        except Exception:  # the counters are telemetry: never stop a worker over them
-            logger.warning("could not reset semaphore counters", exc_info=True)
+            for warning in server_warnings(client_for(worker.app)):
+                logger.warning("%s", warning)
+        except Exception:  # telemetry and advice: never stop a worker over them
+            logger.warning("could not check the semaphore store", exc_info=True)
 
     def info(self, worker: Any) -> dict[str, Any]:
         return {"semaphore": worker_report(worker.app, worker.hostname)}

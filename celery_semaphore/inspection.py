@@ -130,6 +130,33 @@ def held_by_worker(
     return rows
 
 
+def server_warnings(client: redis.Redis) -> list[str]:
+    """What about the server could break the semaphore's promise, for a start-up log.
+
+    An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so even
+    the ``volatile-*`` policies pick them), which silently resets the count to zero and lets
+    up to ``limit`` more holders in. Only ``noeviction`` is safe. Servers that refuse
+    ``CONFIG GET`` (some managed services) yield no warning.
+
+    Returns:
+        list[str]: one sentence a problem; empty when none is found.
+    """
+    try:
+        reply = client.config_get("maxmemory-policy")
+    except redis.RedisError:
+        return []
+    policy: Any = reply.get("maxmemory-policy")
+    if isinstance(policy, bytes):
+        policy = policy.decode()
+    if policy and policy != "noeviction":
+        return [
+            f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
+            "semaphore's key, resetting its count and admitting more than its limit; "
+            "use 'noeviction' for the semaphore store"
+        ]
+    return []
+
+
 def release_all(client: redis.Redis, key: str, prefix: str = DEFAULT_PREFIX) -> int:
     """Free every slot of ``key``; how many live holders were displaced.
 

@@ -26,13 +26,15 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     app = Celery("csem_tests", broker=broker_url or redis_url, backend=redis_url,
                  set_as_current=False)  # fmt: skip
     app.conf.update(
-        semaphore_url=redis_url,
-        semaphore_shed_countdown=0.05,
-        semaphore_shed_max_countdown=0.3,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-        result_backend_max_retries=2,
-        **conf,
+        {
+            "semaphore_url": redis_url,
+            "semaphore_shed_countdown": 0.05,
+            "semaphore_shed_max_countdown": 0.3,
+            "broker_connection_retry_on_startup": True,
+            "worker_hijack_root_logger": False,
+            "result_backend_max_retries": 2,
+            **conf,
+        }
     )
     recorder = redis.Redis.from_url(redis_url)
 

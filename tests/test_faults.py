@@ -1,0 +1,208 @@
+"""Faults: the semaphore under a frozen, restarted or unreachable Redis, and killed bodies."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import Semaphore, SemaphoreError, SemaphoreLeaseLostError
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import make_app
+from .helpers import peak_overlap, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rapid_cycles_with_short_leases_report_no_spurious_loss(
+    redis_server: RedisServer,
+) -> None:
+    sem = Semaphore(redis_server.url, limit=3, lease=0.2)
+    errors: list[BaseException] = []
+    lost = []
+
+    def cycle() -> None:
+        for _ in range(250):
+            try:
+                with sem.hold("rapid", retries=1000, retry_delay=0.001) as slot:
+                    pass
+                lost.append(slot.lost.is_set())
+            except BaseException as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=cycle) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(lost) == 1000
+    assert not any(lost)
+    assert sem.count("rapid") == 0
+
+
+def test_after_a_pause_longer_than_the_lease_the_limit_holds_again(
+    own_redis: RedisServer,
+) -> None:
+    limit, lease = 2, 1.0
+    sem = Semaphore(own_redis.client(socket_timeout=None), limit=limit, lease=lease)
+    intervals: list[tuple[float, float, bool]] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                with sem.hold("paused", retries=50, retry_delay=0.02) as slot:
+                    start = time.monotonic()
+                    slot.lost.wait(random.uniform(0.02, 0.1))
+                    end = time.monotonic()
+            except SemaphoreError:
+                continue
+            with lock:
+                intervals.append((start, end, slot.lost.is_set()))
+
+    threads = [threading.Thread(target=worker) for _ in range(5)]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: len(intervals) > 20, timeout=30)
+        own_redis.pause()
+        time.sleep(2.5 * lease)  # the fault itself: Redis frozen for longer than a lease
+        own_redis.resume()
+        resumed = time.monotonic()
+        assert wait_for(
+            lambda: sum(1 for s, _, _ in list(intervals) if s > resumed) > 20, timeout=60
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    # Bodies that kept their slot never overlapped beyond the limit, before or after.
+    assert peak_overlap([(s, e) for s, e, lost in intervals if not lost]) <= limit
+
+
+def test_a_restart_without_persistence_is_a_loss_for_every_holder(
+    own_redis: RedisServer,
+) -> None:
+    sem = Semaphore(own_redis.url, limit=3, lease=3.0)
+    outcomes: list[str] = []
+    holding = threading.Barrier(4)
+
+    def holder() -> None:
+        try:
+            with sem.hold("restarted", heartbeat=0.2) as slot:
+                holding.wait()
+                slot.lost.wait(30)
+            outcomes.append("kept")
+        except SemaphoreLeaseLostError:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=holder) for _ in range(3)]
+    for t in threads:
+        t.start()
+    holding.wait()
+    own_redis.restart()
+    for t in threads:
+        t.join(timeout=60)
+    assert outcomes == ["lost"] * 3
+    # The empty server admits new holders, and counts them right (scripts reload by themselves).
+    slots = [sem.acquire("restarted") for _ in range(4)]
+    assert [s is not None for s in slots] == [True, True, True, False]
+    assert sem.count("restarted") == 3
+
+
+def test_a_task_is_shed_while_redis_is_unreachable_and_runs_once_it_is_back(
+    redis_server: RedisServer, own_redis: RedisServer
+) -> None:
+    # The broker stays up; only the semaphore's Redis goes away.
+    app = make_app(redis_server.url, semaphore_url=own_redis.url)
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        own_redis.stop()
+        result = app.tasks["csem.provider_call"].delay(1, 0)
+        client = redis.Redis.from_url(redis_server.url)
+        assert wait_for(lambda: result.state == "RETRY", timeout=60)
+        own_redis.start()
+        value = result.get(timeout=60)
+    assert value["n"] == 1
+    assert value["sheds"] >= 1
+    client.close()
+
+
+@pytest.fixture
+def prefork(redis_server: RedisServer, tmp_path: Path) -> Iterator[Celery]:
+    app = make_app(redis_server.url)
+    name = f"faults-{uuid.uuid4().hex[:8]}@%h"
+    env = {**os.environ, "CSEM_TEST_REDIS_URL": redis_server.url}
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.celery_apps", "worker", "-P",
+             "prefork", "-c", "2", "-n", name, "--without-gossip", "--without-mingle"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        assert wait_for(lambda: bool(app.control.ping(timeout=0.5)), timeout=60), log.read_text()
+        yield app
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hard_time_limit_frees_the_slot_at_once(prefork: Celery, client: redis.Redis) -> None:
+    from celery.exceptions import TimeLimitExceeded
+
+    result = prefork.tasks["csem.sleepy"].apply_async((120,), time_limit=3)
+    assert wait_for(lambda: client.get("test:sleepy"), timeout=60)
+    sem = Semaphore(prefork.conf.semaphore_url, limit=1)
+    assert sem.count("sleepy") == 1
+    with pytest.raises(TimeLimitExceeded):
+        result.get(timeout=60)
+    # The lease is 30 s: only the worker's main process can have freed it this soon.
+    assert wait_for(lambda: sem.count("sleepy") == 0, timeout=15)
+
+
+def test_revoke_with_terminate_frees_the_slot(prefork: Celery, client: redis.Redis) -> None:
+    result = prefork.tasks["csem.sleepy"].delay(120)
+    assert wait_for(lambda: client.get("test:sleepy"), timeout=60)
+    sem = Semaphore(prefork.conf.semaphore_url, limit=1)
+    assert sem.count("sleepy") == 1
+    result.revoke(terminate=True, signal="SIGKILL")
+    assert wait_for(lambda: sem.count("sleepy") == 0, timeout=15)
+    assert wait_for(lambda: result.state == "REVOKED", timeout=30)
+
+
+def test_an_evicting_redis_is_warned_about_when_a_worker_starts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with RedisServer(extra_args=("--maxmemory-policy", "allkeys-lru")) as server:
+        app = make_app(server.url)
+        with (
+            caplog.at_level("WARNING", logger="celery_semaphore"),
+            start_worker(app, pool="solo", perform_ping_check=False),
+        ):
+            pass
+    assert any("allkeys-lru" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_noeviction_redis_gets_no_warning(redis_server: RedisServer) -> None:
+    from celery_semaphore.inspection import server_warnings
+
+    assert server_warnings(redis_server.client()) == []
