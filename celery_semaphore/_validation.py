@@ -12,21 +12,34 @@ from typing import Any
 
 from .errors import SemaphoreValidationError
 
+MAX_SECONDS = 366 * 24 * 3600.0
+"""Longest duration any option accepts (a year). Far longer values overflow Redis expiry
+times, thread waits or Celery ETAs, and are never what was meant."""
+
 
 def _finite_seconds(value: object) -> float | None:
-    """``value`` as float seconds if it is a finite int or float, else None."""
+    """``value`` as float seconds if it is a finite int or float within a year, else None."""
     # bool is an int subclass; True as a lease or a delay is always a mistake.
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
-    seconds = float(value)
-    return seconds if math.isfinite(seconds) else None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return seconds if math.isfinite(seconds) and abs(seconds) <= MAX_SECONDS else None
 
 
 def check_key(key: object, name: str = "key") -> str:
-    """Return ``key`` if it is a non-empty str, else raise."""
+    """Return ``key`` as a plain str if it is a non-empty str that UTF-8 can encode, else
+    raise (a str subclass is reduced to its characters, so it names one Redis key)."""
     if not isinstance(key, str) or not key:
         raise SemaphoreValidationError(f"{name} must be a non-empty str, got {key!r}")
-    return key
+    plain = str.__str__(key)
+    try:
+        plain.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SemaphoreValidationError(f"{name} must be valid Unicode text: {exc}") from None
+    return plain
 
 
 def check_limit(limit: object, name: str = "limit") -> int:
@@ -45,7 +58,7 @@ def lease_ms(lease: object, name: str = "lease") -> int:
     seconds = _finite_seconds(lease)
     if seconds is None or seconds <= 0:
         raise SemaphoreValidationError(
-            f"{name} must be a finite number of seconds > 0, got {lease!r}"
+            f"{name} must be a number of seconds > 0 and at most {MAX_SECONDS:g}, got {lease!r}"
         )
     ms = round(seconds * 1000)
     if ms < 1:
@@ -65,7 +78,7 @@ def check_delay(delay: object, name: str = "retry_delay") -> float:
     seconds = _finite_seconds(delay)
     if seconds is None or seconds < 0:
         raise SemaphoreValidationError(
-            f"{name} must be a finite number of seconds >= 0, got {delay!r}"
+            f"{name} must be a number of seconds >= 0 and at most {MAX_SECONDS:g}, got {delay!r}"
         )
     return seconds
 

@@ -49,6 +49,7 @@ from .semaphore import DEFAULT_PREFIX, Semaphore, Slot, guard
 from .signals import (
     semaphore_acquired,
     semaphore_lease_lost,
+    semaphore_refused,
     semaphore_released,
     semaphore_renew_failed,
     semaphore_shed,
@@ -56,7 +57,9 @@ from .signals import (
 )
 from .stats import bump
 
-logger = get_task_logger("celery_semaphore")
+# A child of the package's logger: get_task_logger would turn the package logger itself
+# into a task logger, whose lines outside a task read "???[???]".
+logger = get_task_logger("celery_semaphore.task")
 
 SHEDS_HEADER = "semaphore_sheds"
 """Message header: how many times this task was shed so far."""
@@ -142,7 +145,7 @@ class KeyTemplate:
                 values.update(values.pop(param.name, {}))
         try:
             key = self._template.format(**values)
-        except (KeyError, AttributeError, IndexError) as exc:
+        except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
             raise SemaphoreValidationError(
                 f"semaphore template {self._template!r} cannot be filled: {exc!r}"
             ) from exc
@@ -209,6 +212,8 @@ class Bounded:
             raise SemaphoreValidationError(f"unknown semaphore option(s): {sorted(unknown)}")
         self.options = {k: v for k, v in options.items() if v is not None}
         Policy().with_options(self.options)  # checks each given option now
+        if app is not None and not isinstance(app, Celery):
+            raise SemaphoreValidationError(f"app must be a Celery app or None, got {app!r}")
         self.app = app
         self.redis = redis
         self.retries = check.check_retries(retries)
@@ -259,6 +264,7 @@ class Bounded:
 
         run_bounded.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
         run_bounded.__semaphore__ = self  # type: ignore[attr-defined]
+        run_bounded.__semaphore_body__ = fn  # type: ignore[attr-defined]
         return run_bounded
 
     def call(
@@ -290,7 +296,7 @@ class Bounded:
         started = time.monotonic()
         slot = semaphore.acquire(key, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
-            raise _full_error(key, self.limit)
+            raise self._refused(None, _full_error(key, self.limit))
         return self._run(None, slot, policy, time.monotonic() - started, fn, args, kwargs)
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
@@ -304,11 +310,14 @@ class Bounded:
             key, retries=retries, retry_delay=delay, metadata=_task_metadata(task)
         )
         if slot is None:
-            raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} had all {self.limit} slots held for {budget:g}s "
-                f"(task {task.name} run outside a worker waits instead of being shed)",
-                key,
-                self.limit,
+            raise self._refused(
+                task,
+                SemaphoreNotAcquiredError(
+                    f"semaphore {key!r} had all {self.limit} slots held for {budget:g}s "
+                    f"(task {task.name} run outside a worker waits instead of being shed)",
+                    key,
+                    self.limit,
+                ),
             )
         return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
 
@@ -321,17 +330,17 @@ class Bounded:
         except SemaphoreBackendError as exc:
             if policy.on_full == "raise":
                 raise
-            _shed(task, policy, key, self.limit, f"Redis unreachable: {exc}")
+            self._shed(task, policy, key, f"Redis unreachable: {exc}")
         if slot is None:
             if policy.on_full == "raise":
-                raise _full_error(key, self.limit)
-            _shed(task, policy, key, self.limit, "all slots held")
+                raise self._refused(task, _full_error(key, self.limit))
+            self._shed(task, policy, key, "all slots held")
         try:
             return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
         except SemaphoreLeaseLostError:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
-            _shed(task, policy, key, self.limit, "slot lost while running")
+            self._shed(task, policy, key, "slot lost while running")
 
     # -- running the body --------------------------------------------------------------
 
@@ -348,13 +357,14 @@ class Bounded:
         """Run the body holding ``slot``; report the moments of its life (see signals)."""
         interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
         interrupter = Interrupter(slot) if policy.interrupt else None
+        template = self.key.source
         semaphore_acquired.send(
-            sender=task, key=slot.key, limit=slot.limit, slot=slot, waited=waited
+            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, waited=waited
         )
         send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
         started = time.monotonic()
         try:
-            with guard(slot, interval, _renew_failed(task, slot)):
+            with guard(slot, interval, _renew_failed(task, slot, template)):
                 token = _current_slot.set(slot)
                 try:
                     if interrupter is None:
@@ -372,12 +382,33 @@ class Bounded:
                 sender=task,
                 key=slot.key,
                 limit=slot.limit,
+                template=template,
                 slot=slot,
                 held=time.monotonic() - started,
                 lost=slot.lost.is_set(),
             )
             if slot.lost.is_set():
-                _lease_lost(task, slot)
+                _lease_lost(task, slot, template)
+
+    def _refused(
+        self, task: Task | None, error: SemaphoreNotAcquiredError
+    ) -> SemaphoreNotAcquiredError:
+        """Report that a run will not get a slot (no shed: it fails); returns ``error``."""
+        semaphore_refused.send(
+            sender=task,
+            key=error.key,
+            limit=error.limit,
+            template=self.key.source,
+            reason=error.message,
+        )
+        return error
+
+    def _shed(self, task: Task, policy: Policy, key: str, reason: str) -> NoReturn:
+        """Shed the running task (see :func:`_shed`), or fail it when its budget is spent."""
+        try:
+            _shed(task, policy, key, self.limit, self.key.source, reason)
+        except SemaphoreNotAcquiredError as exc:
+            raise self._refused(task, exc) from None
 
 
 def _unwrap_run(task: Task) -> Any:
@@ -394,29 +425,28 @@ def _task_metadata(task: Task) -> dict[str, Any]:
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}
 
 
-def _renew_failed(task: Task | None, slot: Slot) -> Callable[[BaseException], None]:
+def _renew_failed(task: Task | None, slot: Slot, template: str) -> Callable[[BaseException], None]:
     def report(error: BaseException) -> None:
         logger.warning("semaphore %r: a renewal failed and will be retried: %s", slot.key, error)
         semaphore_renew_failed.send(
-            sender=task, key=slot.key, limit=slot.limit, slot=slot, error=error
+            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, error=error
         )
 
     return report
 
 
-def _lease_lost(task: Task | None, slot: Slot) -> None:
+def _lease_lost(task: Task | None, slot: Slot, template: str) -> None:
     reason = slot.lease_lost_error().message
-    task_id = task.request.id if task is not None else None
-    logger.error(
-        "semaphore %r (limit %d): task %s lost its slot: %s", slot.key, slot.limit, task_id, reason
+    logger.error("semaphore %r (limit %d): slot lost: %s", slot.key, slot.limit, reason)
+    semaphore_lease_lost.send(
+        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, reason=reason
     )
-    semaphore_lease_lost.send(sender=task, key=slot.key, limit=slot.limit, slot=slot, reason=reason)
     send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
     if task is not None:
         bump(task.app, task.request.hostname, "lease_lost")
 
 
-def _shed(task: Task, policy: Policy, key: str, limit: int, reason: str) -> NoReturn:
+def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 
     Raises:
@@ -442,16 +472,18 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, reason: str) -> NoRe
     delay = countdown(policy, sheds, random.random())
     headers.update({SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first})
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+    # The task logger's prefix names the task and its id.
     logger.info(
-        "semaphore %r (limit %d): task %s shed (%s), runs again in %.2fs",
-        key,
-        limit,
-        request.id,
-        reason,
-        delay,
+        "semaphore %r (limit %d): shed (%s), runs again in %.2fs", key, limit, reason, delay
     )
     semaphore_shed.send(
-        sender=task, key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason
+        sender=task,
+        key=key,
+        limit=limit,
+        template=template,
+        countdown=delay,
+        sheds=sheds + 1,
+        reason=reason,
     )
     send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
     bump(task.app, request.hostname, "shed")

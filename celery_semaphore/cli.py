@@ -51,8 +51,10 @@ def render(semaphores: list[SemaphoreView]) -> str:
         return "No slot is held."
     lines = []
     for sem in semaphores:
-        limit = "?" if sem.limit is None else str(sem.limit)
-        lines.append(f"{sem.key}  {sem.in_use}/{limit} in use")
+        if not sem.holders:
+            lines.append(f"{sem.key}  no slot held")
+            continue
+        lines.append(f"{sem.key}  {sem.in_use}/{sem.limit} in use")
         rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
         for holder in sem.holders:
             meta = holder.metadata
@@ -101,6 +103,8 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     app = _app(ctx)
     [sem] = _views(app, (key,))
     click.echo(render([sem]))
+    if not sem.holders:
+        return
     if not yes:
         click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
     try:
@@ -112,8 +116,16 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
 
 @semaphore.command()
 @click.argument("keys", nargs=-1)
-@click.option("--interval", default=1.0, show_default=True, help="Seconds between refreshes.")
-@click.option("--count", type=int, default=None, help="Stop after this many refreshes.")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes.",
+)
+@click.option(
+    "--count", type=click.IntRange(min=1), default=None, help="Stop after this many refreshes."
+)
 @click.pass_context
 def watch(ctx: click.Context, keys: tuple[str, ...], interval: float, count: int | None) -> None:
     """A live view of `status`, refreshed every --interval seconds (Ctrl-C stops)."""

@@ -38,12 +38,13 @@ import redis
 from celery import Celery
 
 from . import _validation as check
+from .clients import client_from_url
 from .errors import SemaphoreValidationError
-from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX, client_from_url
+from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX
 
 ON_FULL = ("retry", "raise")
 ON_LEASE_LOST = ("raise", "retry")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "redis+sentinel://")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from . import stats
 from .config import app_settings, client_for
 from .inspection import held_by_worker, server_warnings
 from .semaphore import logger
-from .worker import bounded_of
+from .worker import bounded_of, use_timer
 
 
 def worker_report(app: Celery, worker: str) -> dict[str, Any]:
@@ -73,6 +73,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 found[0].resolve(app)
 
     def start(self, worker: Any) -> None:
+        use_timer(worker.timer)
         try:
             stats.reset(worker.app, worker.hostname)
             for warning in server_warnings(client_for(worker.app)):
@@ -85,7 +86,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
 
 def _add_step(sender: Any = None, **_: Any) -> None:
-    # worker_init is sent before the worker builds its blueprint from app.steps.
+    # worker_init is sent before the worker builds its blueprint from app.steps, and before
+    # it forks: what is set on the app here reaches every pool process.
+    sender.app.__dict__["_semaphore_task_events"] = bool(getattr(sender, "task_events", False))
     steps = sender.app.steps["worker"]
     if SemaphoreStep not in steps:
         steps.add(SemaphoreStep)

@@ -34,10 +34,10 @@ from celery import Celery
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
+from .clients import client_from_url
 from .config import app_settings
 from .errors import SemaphoreBackendError
 from .inspection import SemaphoreView, views
-from .semaphore import client_from_url
 
 try:
     from flower import command as flower_command  # type: ignore[import-untyped]

@@ -47,12 +47,16 @@ class Heartbeat:
 
     Args:
         slot (Slot): the slot to keep alive; its ``lost`` event is set when loss is detected.
-        interval (float): seconds between renewals.
+        interval (float): seconds between renewals, for the slot's current lease. If the
+            lease is changed (``slot.extend(lease=...)``), the interval keeps its proportion
+            to it, so a shorter lease is renewed sooner.
         on_renew_error (Callable[[BaseException], object] | None): called, in the heartbeat
             thread, with each renewal round trip that failed without saying the slot is
             gone. Such a failure is not a loss; the next tick tries again. An exception raised
             by the callback is swallowed.
 
+    After a failed round trip the thread wakes no later than the slot's deadline, so the
+    loss is declared the moment a whole lease has passed without a renewal that succeeded.
     The thread is started by :meth:`start`, never on construction, so a slot acquired before
     a fork does not leave a thread behind in the parent.
     """
@@ -61,11 +65,14 @@ class Heartbeat:
         self, slot: Slot, interval: float, on_renew_error: RenewErrorCallback | None = None
     ) -> None:
         self._slot = slot
-        self._interval = interval
+        self._share = interval / slot.lease
         self._on_renew_error = on_renew_error
         self._stop = threading.Event()
         # Set by whichever comes first: a round trip answering, or stop().
         self._wake = threading.Event()
+        # Set by stop() and by a change of the slot's lease: the loop then re-plans its wait.
+        self._nudge = threading.Event()
+        slot._on_lease_change = self._nudge.set
         self._thread = threading.Thread(target=self._loop, name="semaphore-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -80,14 +87,30 @@ class Heartbeat:
         """
         self._stop.set()
         self._wake.set()
+        self._nudge.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
 
     def _loop(self) -> None:
         slot = self._slot
-        while not self._stop.wait(self._interval):
-            if slot.lost.is_set() or not self._tick():
+        last_tick = time.monotonic()
+        while True:
+            next_tick = last_tick + self._share * slot.lease
+            if self._nudge.wait(max(0.0, min(next_tick, slot._deadline) - time.monotonic())):
+                self._nudge.clear()
+                if self._stop.is_set():
+                    return
+                continue  # the lease changed: plan the wait again
+            if self._stop.is_set():
                 return
+            if slot.lost.is_set() or slot._released is not None:
+                return  # lost already, or given back by the body itself
+            if time.monotonic() >= slot._deadline:
+                slot._mark_lost("no renewal succeeded within one lease")
+                return
+            if not self._tick():
+                return
+            last_tick = time.monotonic()
 
     def _tick(self) -> bool:
         """One renewal. False when renewing is over (the slot is lost, or we were stopped)."""
@@ -95,12 +118,8 @@ class Heartbeat:
         self._wake.clear()
         if self._stop.is_set():
             return False
-        remaining = slot._deadline - time.monotonic()
-        if remaining <= 0:
-            slot._mark_lost("no renewal succeeded within one lease")
-            return False
         trip = _RoundTrip(slot, self._wake)
-        self._wake.wait(remaining)
+        self._wake.wait(max(0.0, slot._deadline - time.monotonic()))
         if self._stop.is_set():
             return False
         if not self._wake.is_set():
@@ -108,11 +127,10 @@ class Heartbeat:
             return False
         if trip.error is not None:
             self._report(trip.error)
-            if time.monotonic() >= slot._deadline:
-                slot._mark_lost("no renewal succeeded within one lease")
-                return False
-            return True
+            return True  # the loop wakes again by the deadline at the latest
         if not trip.ok:
+            if slot._released is not None:
+                return False  # the body released the slot while this renewal was in flight
             slot._mark_lost("a renewal found the slot gone")
             return False
         return True

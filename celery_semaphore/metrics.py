@@ -9,8 +9,8 @@ to :mod:`celery_semaphore.signals` in every process that imports that module::
 ==================================== ========= ==============================================
 metric                               type      labels
 ==================================== ========= ==============================================
-``semaphore_acquisitions_total``     counter   key, outcome (``acquired`` / ``shed``)
-``semaphore_sheds_total``            counter   key
+``semaphore_acquisitions_total``     counter   key, outcome (``acquired``/``shed``/``refused``)
+``semaphore_sheds_total``            counter   key (re-queued: full, unreachable, lost+retry)
 ``semaphore_lease_lost_total``       counter   key
 ``semaphore_renew_errors_total``     counter   key
 ``semaphore_wait_seconds``           histogram key (time spent acquiring)
@@ -19,33 +19,33 @@ metric                               type      labels
 ==================================== ========= ==============================================
 
 Label cardinality: a templated key (``"tenant:{tenant_id}"``) would make one series per
-tenant, so by default the ``key`` label is the task's *template* rather than the rendered
-key; static keys are their own template. Pass ``key_label`` to choose otherwise, for example
-``key_label=lambda task, key: key`` for a per-key series when the keys are few.
+tenant, so by default the ``key`` label is the *template* (the ``semaphore`` option as
+written) rather than the rendered key; static keys are their own template. Pass
+``key_label`` to choose otherwise, for example ``key_label=lambda key, template: key`` for a
+per-key series when the keys are few.
 
 Prefork workers run bodies in child processes, each with its own registry: use
-prometheus-client's multiprocess mode (set ``PROMETHEUS_MULTIPROCESS_DIR``) and serve the
-directory from the worker's main process, as prometheus-client documents.
+prometheus-client's multiprocess mode (set ``PROMETHEUS_MULTIPROC_DIR``) and serve the
+directory from the worker's main process, as prometheus-client documents. The gauge then
+sums live processes only (``multiprocess_mode="livesum"``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from . import signals
-from .worker import bounded_of
 
-KeyLabel = Callable[[Any, str], str]
+KeyLabel = Callable[[str, str], str]
 
 
-def template_label(task: Any, key: str) -> str:
-    """The default ``key`` label: the task's key template if it has one, else ``key``."""
-    found = bounded_of(task) if task is not None else None
-    return found[0].key.source if found is not None else key
+def template_label(key: str, template: str) -> str:
+    """The default ``key`` label: the key's template (``key`` itself when it has none)."""
+    return template or key
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,16 @@ def install(
     registry: CollectorRegistry = REGISTRY,
     key_label: KeyLabel = template_label,
     namespace: str = "",
+    buckets: Sequence[float] = Histogram.DEFAULT_BUCKETS,
 ) -> Metrics:
     """Create the collectors in ``registry`` and start feeding them from the signals.
 
     Args:
         registry (CollectorRegistry): where to register; default the global registry.
-        key_label (Callable[[Task | None, str], str]): maps (task, key) to the ``key`` label.
+        key_label (Callable[[str, str], str]): maps (key, template) to the ``key`` label.
         namespace (str): prefix for the metric names, as prometheus-client uses it.
+        buckets (Sequence[float]): histogram bucket bounds in seconds, for both the wait
+            and the hold histograms; the default is prometheus-client's (up to 10 s).
 
     Returns:
         Metrics: the collectors, and ``uninstall()`` to stop feeding them.
@@ -89,41 +92,59 @@ def install(
     acquisitions = Counter(
         "semaphore_acquisitions", "Slot acquisitions by outcome.", ["key", "outcome"], **opts
     )
-    sheds = Counter("semaphore_sheds", "Runs shed because every slot was held.", ["key"], **opts)
+    sheds = Counter("semaphore_sheds", "Runs shed and re-queued.", ["key"], **opts)
     lease_lost = Counter("semaphore_lease_lost", "Slots lost while a body ran.", ["key"], **opts)
     renew_errors = Counter(
         "semaphore_renew_errors", "Renewal round trips that failed.", ["key"], **opts
     )
-    wait = Histogram("semaphore_wait_seconds", "Seconds spent acquiring a slot.", ["key"], **opts)
-    hold = Histogram("semaphore_hold_seconds", "Seconds a body held its slot.", ["key"], **opts)
-    in_use = Gauge("semaphore_slots_held", "Slots held by this process now.", ["key"], **opts)
+    wait = Histogram(
+        "semaphore_wait_seconds",
+        "Seconds spent acquiring a slot.",
+        ["key"],
+        buckets=buckets,
+        **opts,
+    )
+    hold = Histogram(
+        "semaphore_hold_seconds", "Seconds a body held its slot.", ["key"], buckets=buckets, **opts
+    )
+    in_use = Gauge(
+        "semaphore_slots_held",
+        "Slots held by live processes now.",
+        ["key"],
+        multiprocess_mode="livesum",
+        **opts,
+    )
 
-    def on_acquired(sender: Any = None, key: str = "", waited: float = 0.0, **_: Any) -> None:
-        label = key_label(sender, key)
+    def on_acquired(key: str = "", template: str = "", waited: float = 0.0, **_: Any) -> None:
+        label = key_label(key, template)
         acquisitions.labels(label, "acquired").inc()
         wait.labels(label).observe(waited)
         in_use.labels(label).inc()
 
-    def on_released(sender: Any = None, key: str = "", held: float = 0.0, **_: Any) -> None:
-        label = key_label(sender, key)
+    def on_released(key: str = "", template: str = "", held: float = 0.0, **_: Any) -> None:
+        label = key_label(key, template)
         hold.labels(label).observe(held)
         in_use.labels(label).dec()
 
-    def on_shed(sender: Any = None, key: str = "", **_: Any) -> None:
-        label = key_label(sender, key)
+    def on_shed(key: str = "", template: str = "", **_: Any) -> None:
+        label = key_label(key, template)
         acquisitions.labels(label, "shed").inc()
         sheds.labels(label).inc()
 
-    def on_lost(sender: Any = None, key: str = "", **_: Any) -> None:
-        lease_lost.labels(key_label(sender, key)).inc()
+    def on_refused(key: str = "", template: str = "", **_: Any) -> None:
+        acquisitions.labels(key_label(key, template), "refused").inc()
 
-    def on_renew_failed(sender: Any = None, key: str = "", **_: Any) -> None:
-        renew_errors.labels(key_label(sender, key)).inc()
+    def on_lost(key: str = "", template: str = "", **_: Any) -> None:
+        lease_lost.labels(key_label(key, template)).inc()
+
+    def on_renew_failed(key: str = "", template: str = "", **_: Any) -> None:
+        renew_errors.labels(key_label(key, template)).inc()
 
     handlers = (
         (signals.semaphore_acquired, on_acquired),
         (signals.semaphore_released, on_released),
         (signals.semaphore_shed, on_shed),
+        (signals.semaphore_refused, on_refused),
         (signals.semaphore_lease_lost, on_lost),
         (signals.semaphore_renew_failed, on_renew_failed),
     )

@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from .errors import SemaphoreBackendError
 
@@ -54,7 +55,7 @@ def backend_errors(key: str, limit: int | None = None) -> Iterator[None]:
     """Re-raise any redis-py error inside the block as :class:`SemaphoreBackendError`."""
     try:
         yield
-    except redis.RedisError as exc:
+    except (redis.RedisError, RedisClusterException) as exc:
         raise SemaphoreBackendError(
             f"Redis failed for semaphore {key!r}: {type(exc).__name__}: {exc}", key, limit
         ) from exc

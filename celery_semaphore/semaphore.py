@@ -22,14 +22,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from redis import Redis, RedisCluster
 
 from . import _validation as check
+from .clients import RedisClient, client_from_url
 from .errors import (
+    SemaphoreBackendError,
     SemaphoreLeaseLostError,
     SemaphoreNotAcquiredError,
     SemaphoreValidationError,
@@ -44,44 +44,35 @@ T = TypeVar("T")
 
 DEFAULT_PREFIX = "semaphore"
 DEFAULT_LEASE = 60.0
-DEFAULT_SOCKET_TIMEOUT = 5.0
 
 
 def redis_keys(prefix: str, key: str) -> Keys:
     """The two Redis keys of semaphore ``key``: ``<prefix>:{<key>}`` and ``...:holders``.
 
     The braces are a Redis Cluster hash tag, so both keys live in one cluster slot and each
-    script can touch them atomically.
+    script can touch them atomically. The one exception is a key that starts with ``}``: its
+    hash tag is empty, so Redis Cluster hashes each whole name and the two keys land in
+    different slots. A :class:`Semaphore` on a cluster client therefore rejects such keys
+    (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
     return slots, f"{slots}:holders"
 
 
-def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
-    """Make a redis-py client for ``url`` with settings a semaphore needs.
+def check_cluster_key(key: str) -> str:
+    """``key`` if its two Redis keys share a Redis Cluster slot, which all keys do but those
+    that start with ``}`` (whose hash tag would be empty).
 
-    Unless the URL or ``kwargs`` say otherwise, socket and connect timeouts are
-    ``DEFAULT_SOCKET_TIMEOUT`` seconds, and a failed connection is retried twice with a short
-    backoff (never a timed-out command, which may already have run), so a dead server
-    surfaces as :class:`SemaphoreBackendError` within seconds instead of after redis-py's
-    default ten retries.
-
-    Args:
-        url (str): a redis-py URL (``redis://``, ``rediss://``, ``unix://``).
-        **kwargs: passed to :meth:`redis.Redis.from_url`.
-
-    Returns:
-        redis.Redis: a new client with its own connection pool.
+    Raises:
+        SemaphoreValidationError: ``key`` starts with ``}``.
     """
-    options: dict[str, Any] = {
-        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
-        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
-        "retry": Retry(
-            ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
-        ),
-    }
-    options.update(kwargs)
-    return redis.Redis.from_url(url, **options)
+    if key.startswith("}"):
+        raise SemaphoreValidationError(
+            f"key {key!r} starts with '}}': on Redis Cluster its two Redis keys would land in "
+            "different slots; use another key (any other character first will do)",
+            key,
+        )
+    return key
 
 
 @dataclass(frozen=True)
@@ -149,6 +140,8 @@ class Slot:
         self._lost_reason = ""
         self._released: bool | None = None
         self._lost_callbacks: list[Callable[[Slot], object]] = []
+        # Set by a running Heartbeat, so that a changed lease re-plans its next renewal.
+        self._on_lease_change: Callable[[], object] | None = None
         self._callbacks_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -199,9 +192,12 @@ class Slot:
             expires_at_ms = self._semaphore._scripts.extend(self._keys, self.token, ms)
         if expires_at_ms is None:
             return False
+        changed = seconds != self.lease
+        self._renewed_at = max(self._renewed_at, sent_at)
         self.lease = seconds
         self.expires_at = expires_at_ms / 1000
-        self._renewed_at = max(self._renewed_at, sent_at)
+        if changed and self._on_lease_change is not None:
+            self._on_lease_change()
         return True
 
     def extend(self, lease: float | None = None) -> bool:
@@ -275,8 +271,9 @@ class Semaphore:
     one that keeps working keeps its slot by renewing.
 
     Args:
-        redis (redis.Redis | str): a redis-py client, or a URL to make one from (see
-            :func:`client_from_url` for the timeouts such a client gets).
+        redis (redis.Redis | redis.RedisCluster | str): a redis-py client (plain,
+            Sentinel-managed or cluster), or a URL to make one from (see
+            :func:`client_from_url` for the URL forms and the timeouts such a client gets).
         limit (int): how many holders at once, per key. Required; >= 1.
         lease (float): default seconds a slot lives without an extend. Default 60.0.
         prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
@@ -284,6 +281,11 @@ class Semaphore:
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
+        SemaphoreBackendError: ``redis`` is a ``redis+cluster://`` URL and no node of it
+            could be reached.
+
+    On a Redis Cluster, keys that start with ``}`` are rejected with
+    :class:`SemaphoreValidationError` (see :func:`redis_keys`).
 
     Example::
 
@@ -294,7 +296,7 @@ class Semaphore:
 
     def __init__(
         self,
-        redis: redis.Redis | str,
+        redis: RedisClient | str,
         limit: int,
         lease: float = DEFAULT_LEASE,
         prefix: str = DEFAULT_PREFIX,
@@ -306,20 +308,38 @@ class Semaphore:
         if "{" in prefix or "}" in prefix:
             raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
         self.prefix = prefix
+        client: RedisClient
         if isinstance(redis, str):
             client = client_from_url(redis)
-        elif hasattr(redis, "register_script"):
-            client = redis
+        elif isinstance(redis, (Redis, RedisCluster)) and not hasattr(redis, "execute"):
+            client = redis  # a pipeline is a Redis subclass, but cannot run our calls
         else:
             raise SemaphoreValidationError(
-                f"redis must be a redis.Redis client or a URL, got {type(redis).__name__}"
+                "redis must be a redis.Redis or redis.RedisCluster client or a URL, "
+                f"got {type(redis).__name__}"
             )
         self.client = client
-        self._scripts = Scripts(client)
+        # On a cluster, a script's two keys must share a slot (see redis_keys).
+        self._cluster = isinstance(client, RedisCluster)
+        # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
+        self._scripts = Scripts(cast(Redis, client))
         self._identity = {"host": socket.gethostname()}
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
+
+    def _redis_keys(self, key: str) -> Keys:
+        """:func:`redis_keys` of ``key``; on a cluster, rejects a key they would not fit."""
+        if self._cluster:
+            check_cluster_key(key)
+        return redis_keys(self.prefix, key)
+
+    def _give_back(self, keys: Keys, key: str, token: str) -> None:
+        try:
+            with backend_errors(key, self.limit):
+                self._scripts.release(keys, token)
+        except SemaphoreBackendError:
+            logger.warning("could not give back a late slot of %r; it lapses", key)
 
     def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
         if metadata is not None and not isinstance(metadata, Mapping):
@@ -329,7 +349,7 @@ class Semaphore:
         record = {**self._identity, "pid": os.getpid(), "limit": self.limit, **(metadata or {})}
         try:
             return json.dumps(record, separators=(",", ":"), sort_keys=True)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
 
     def acquire(
@@ -356,19 +376,20 @@ class Semaphore:
 
         Returns:
             Slot | None: the slot, which the caller must release; None if every attempt found
-            all ``limit`` slots held.
+            all ``limit`` slots held (or was answered only after a whole lease, when the slot
+            it won is given back at once rather than trusted).
 
         Raises:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        check.check_key(key)
+        key = check.check_key(key)
         seconds = self.lease if lease is None else lease
         ms = check.lease_ms(seconds)
         attempts = check.check_retries(retries) + 1
         delay = check.check_delay(retry_delay)
         info = self._metadata(metadata)
-        keys = redis_keys(self.prefix, key)
+        keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         with acquire_span(key, self.limit) as record:
             for attempt in range(attempts):
@@ -378,8 +399,12 @@ class Semaphore:
                 with backend_errors(key, self.limit):
                     reply = self._scripts.acquire(keys, self.limit, ms, token, info)
                 if isinstance(reply, Admitted):
-                    record(attempt + 1, "acquired")
-                    return Slot(self, key, token, float(seconds), reply, sent_at)
+                    if time.monotonic() - sent_at < seconds:
+                        record(attempt + 1, "acquired")
+                        return Slot(self, key, token, float(seconds), reply, sent_at)
+                    # The reply came after a whole lease (a paused server, a stalled
+                    # network): the slot cannot be trusted to be ours, so give it back.
+                    self._give_back(keys, key, token)
             record(attempts, "full")
         return None
 
@@ -417,7 +442,7 @@ class Semaphore:
                 ``slot.lost`` tells the loss.
             SemaphoreBackendError: Redis failed while acquiring.
         """
-        check.check_key(key)
+        key = check.check_key(key)
         seconds = self.lease if lease is None else lease
         check.lease_ms(seconds)
         interval = check.heartbeat_interval(heartbeat, float(seconds))
@@ -466,9 +491,9 @@ class Semaphore:
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        check.check_key(key)
+        key = check.check_key(key)
         with backend_errors(key, self.limit):
-            return self._scripts.count(redis_keys(self.prefix, key))
+            return self._scripts.count(self._redis_keys(key))
 
     def available(self, key: str) -> int:
         """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
@@ -476,9 +501,9 @@ class Semaphore:
 
     def holders(self, key: str) -> list[Holder]:
         """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
-        check.check_key(key)
+        key = check.check_key(key)
         with backend_errors(key, self.limit):
-            now_ms, rows = self._scripts.holders(redis_keys(self.prefix, key))
+            now_ms, rows = self._scripts.holders(self._redis_keys(key))
         return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
 
     def force_release(self, key: str, token: str) -> bool:
@@ -491,10 +516,10 @@ class Semaphore:
             SemaphoreValidationError: ``key`` or ``token`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        check.check_key(key)
+        key = check.check_key(key)
         check.check_key(token, "token")
         with backend_errors(key, self.limit):
-            live = self._scripts.release(redis_keys(self.prefix, key), token)
+            live = self._scripts.release(self._redis_keys(key), token)
         logger.warning(
             "semaphore %r (limit %d): holder %s force-released (was live: %s)",
             key,
@@ -517,9 +542,9 @@ class Semaphore:
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        check.check_key(key)
+        key = check.check_key(key)
         with backend_errors(key, self.limit):
-            displaced = self._scripts.force_release_all(redis_keys(self.prefix, key))
+            displaced = self._scripts.force_release_all(self._redis_keys(key))
         logger.warning(
             "semaphore %r (limit %d): every slot force-released, %d live holder(s) displaced",
             key,

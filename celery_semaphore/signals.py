@@ -8,17 +8,22 @@ the body, with the task as sender::
     @semaphore_shed.connect
     def on_shed(sender, key, limit, countdown, sheds, reason, **kwargs): ...
 
+Every signal also gets ``template``: the task's ``semaphore`` option as written (for a key
+template such as ``"tenant:{tenant_id}"``, the template rather than the rendered key).
+
 ================================ ==========================================================
 signal                           keyword arguments
 ================================ ==========================================================
-``semaphore_acquired``           key, limit, slot, waited (seconds spent acquiring)
-``semaphore_released``           key, limit, slot, held (seconds), lost (bool)
-``semaphore_shed``               key, limit, countdown (s), sheds (count so far), reason
-``semaphore_lease_lost``         key, limit, slot, reason
-``semaphore_renew_failed``       key, limit, slot, error
+``semaphore_acquired``           key, limit, template, slot, waited (seconds acquiring)
+``semaphore_released``           key, limit, template, slot, held (seconds), lost (bool)
+``semaphore_shed``               key, limit, template, countdown (s), sheds (so far), reason
+``semaphore_refused``            key, limit, template, reason (the run fails instead)
+``semaphore_lease_lost``         key, limit, template, slot, reason
+``semaphore_renew_failed``       key, limit, template, slot, error
 ================================ ==========================================================
 
-When the worker sends task events (``-E`` / ``worker_send_task_events``), the same moments are
+When the worker sends task events (``celery worker -E``, or ``worker_send_task_events``; a
+worker's ``-E`` is passed on to its pool processes when it starts), the same moments are
 also sent as ``task-semaphore-acquired``, ``task-semaphore-shed`` and
 ``task-semaphore-lost`` events, which Flower lists with the task and counts in its
 Prometheus event counter.
@@ -34,20 +39,20 @@ from celery.utils.dispatch import Signal
 
 logger = logging.getLogger("celery_semaphore")
 
-semaphore_acquired = Signal(
-    name="semaphore_acquired", providing_args={"key", "limit", "slot", "waited"}
-)
+_COMMON = {"key", "limit", "template"}
+semaphore_acquired = Signal(name="semaphore_acquired", providing_args=_COMMON | {"slot", "waited"})
 semaphore_released = Signal(
-    name="semaphore_released", providing_args={"key", "limit", "slot", "held", "lost"}
+    name="semaphore_released", providing_args=_COMMON | {"slot", "held", "lost"}
 )
 semaphore_shed = Signal(
-    name="semaphore_shed", providing_args={"key", "limit", "countdown", "sheds", "reason"}
+    name="semaphore_shed", providing_args=_COMMON | {"countdown", "sheds", "reason"}
 )
+semaphore_refused = Signal(name="semaphore_refused", providing_args=_COMMON | {"reason"})
 semaphore_lease_lost = Signal(
-    name="semaphore_lease_lost", providing_args={"key", "limit", "slot", "reason"}
+    name="semaphore_lease_lost", providing_args=_COMMON | {"slot", "reason"}
 )
 semaphore_renew_failed = Signal(
-    name="semaphore_renew_failed", providing_args={"key", "limit", "slot", "error"}
+    name="semaphore_renew_failed", providing_args=_COMMON | {"slot", "error"}
 )
 
 
@@ -58,7 +63,8 @@ def send_event(task: Task | None, event: str, **fields: Any) -> None:
     """
     if task is None or task.request.is_eager or task.request.called_directly:
         return
-    if not task.app.conf.worker_send_task_events:
+    app = task.app
+    if not (app.conf.worker_send_task_events or app.__dict__.get("_semaphore_task_events")):
         return
     try:
         task.send_event(f"task-semaphore-{event}", retry=False, **fields)

@@ -67,11 +67,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         run = inspect.getattr_static(cls, "run")
         is_static = isinstance(run, staticmethod)
         fn = run.__func__ if is_static else run
-        if getattr(fn, "__semaphore__", None) is not None:
-            return  # already wrapped (bound to a second app, or a subclass of a bound task)
+        # A subclass of a bound task inherits its parent's wrapper: wrap the body afresh,
+        # with this class's own options and app.
+        fn = getattr(fn, "__semaphore_body__", fn)
         options = {name: getattr(cls, name) for name in POLICY_FIELDS}
         try:
-            bounded = Bounded(fn, cls.semaphore, cls.limit, options)
+            bounded = Bounded(fn, cls.semaphore, cls.limit, options, app=app)
         except SemaphoreValidationError as exc:
             raise SemaphoreValidationError(
                 f"task {cls.name!r}: {exc}", exc.key, exc.limit

@@ -13,7 +13,9 @@ sends no signal, and the slot lapses within one lease.
 from __future__ import annotations
 
 import inspect
+import os
 import socket
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +26,7 @@ from celery.utils.log import get_logger
 
 from .bounded import Bounded
 from .errors import SemaphoreError
+from .semaphore import Holder, Semaphore
 from .stats import bump
 
 logger = get_logger("celery_semaphore")
@@ -43,10 +46,17 @@ def bounded_of(task: Any) -> tuple[Bounded, bool] | None:
 def release_dead_run(
     task: Task, task_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> int:
-    """Release every slot that run ``task_id`` of ``task`` holds from this host.
+    """Release the slots that run ``task_id`` of ``task`` holds from this host, once the
+    process that holds each one is gone.
+
+    A holder whose process is already dead is released now. One whose process still runs
+    (a hard time limit is signalled to the child just *after* Celery reports it; a revoke
+    may send a signal the child ignores) is checked again on the worker's timer every
+    ``RECHECK`` seconds for up to ``PATIENCE`` seconds, and left to its lease if it lives on:
+    a body that keeps running keeps renewing, and must keep its slot.
 
     Returns:
-        int: how many live slots were released (0 when the run had released its own).
+        int: how many slots were released now (later releases are logged, not counted).
     """
     found = bounded_of(task)
     if found is None or not task_id:
@@ -55,21 +65,88 @@ def release_dead_run(
     try:
         key = bounded.key_for((task, *args) if takes_task else tuple(args), kwargs)
         semaphore, _ = bounded.resolve(task.app)
-        released = 0
-        for holder in semaphore.holders(key):
-            meta = holder.metadata
-            mine = meta.get("task_id") == task_id and meta.get("host") == _HOST
-            if mine and semaphore.force_release(key, holder.token):
-                released += 1
-                bump(task.app, meta.get("worker"), "dead_released")
+        holders = [
+            h
+            for h in semaphore.holders(key)
+            if h.metadata.get("task_id") == task_id and h.metadata.get("host") == _HOST
+        ]
     except (SemaphoreError, TypeError) as exc:
-        logger.warning("could not release the slot of dead task %s: %s", task_id, exc)
+        logger.warning("could not find the slot of dead task %s: %s", task_id, exc)
         return 0
-    if released:
-        logger.warning(
-            "semaphore %r: released the slot of task %s, whose process died", key, task_id
-        )
+    released = 0
+    for holder in holders:
+        release = _Release(task.app, semaphore, key, holder, task_id)
+        if release.attempt():
+            released += 1
+        elif _timer is not None:
+            _timer.call_after(RECHECK, release.retry)
     return released
+
+
+RECHECK = 0.1
+PATIENCE = 10.0
+_timer: Any = None  # the worker's kombu timer, set by its bootstep (see control.py)
+
+
+def use_timer(timer: Any) -> None:
+    """Let later releases run on ``timer`` (the worker's ``kombu`` timer)."""
+    global _timer
+    _timer = timer
+
+
+class _Release:
+    """Releases one dead run's slot once its process is gone."""
+
+    def __init__(
+        self, app: Any, semaphore: Semaphore, key: str, holder: Holder, task_id: str
+    ) -> None:
+        self.app, self.semaphore, self.key, self.holder, self.task_id = (
+            app,
+            semaphore,
+            key,
+            holder,
+            task_id,
+        )
+        self.deadline = time.monotonic() + PATIENCE
+
+    def attempt(self) -> bool:
+        """Release if the holder's process is gone; True when released (or already free)."""
+        pid = self.holder.metadata.get("pid")
+        if isinstance(pid, int) and not _pid_gone(pid):
+            return False
+        try:
+            if self.semaphore.force_release(self.key, self.holder.token):
+                bump(self.app, self.holder.metadata.get("worker"), "dead_released")
+                logger.warning(
+                    "semaphore %r: released the slot of task %s, whose process died",
+                    self.key,
+                    self.task_id,
+                )
+        except SemaphoreError as exc:
+            logger.warning("could not release the slot of dead task %s: %s", self.task_id, exc)
+        return True
+
+    def retry(self) -> None:
+        if not self.attempt() and time.monotonic() < self.deadline and _timer is not None:
+            _timer.call_after(RECHECK, self.retry)
+
+
+def _pid_gone(pid: int) -> bool:
+    """True when process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _on_task_failure(

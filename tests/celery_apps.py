@@ -126,9 +126,27 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(0.02)
         return flag
 
+    @app.task(base=SemaphoreTask, semaphore="soak", limit=4, lease=2.0, heartbeat=0.2,
+              shared=False, name="csem.soak")  # fmt: skip
+    def soak(n: int, seconds: float) -> int:
+        slot = current_slot()
+        assert slot is not None
+        start = time.monotonic()
+        try:
+            time.sleep(seconds)
+        finally:
+            recorder.rpush(interval_key("soak"),
+                           f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
+        return n
+
     return app
 
 
 # The module-level app for `celery -A tests.celery_apps worker`.
 if "CSEM_TEST_REDIS_URL" in os.environ:
-    app = make_app(os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"))
+    _extra = {}
+    if "CSEM_TEST_SEMAPHORE_URL" in os.environ:
+        _extra["semaphore_url"] = os.environ["CSEM_TEST_SEMAPHORE_URL"]
+    app = make_app(
+        os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"), **_extra
+    )

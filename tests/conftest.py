@@ -12,6 +12,15 @@ from celery_semaphore import Semaphore
 from celery_semaphore.testing import RedisServer
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak-tasks", type=int, default=1000, help="tasks in the soak test")
+
+
+@pytest.fixture
+def soak_tasks(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--soak-tasks"))
+
+
 @pytest.fixture(scope="session")
 def shared_redis() -> Iterator[RedisServer]:
     """One server for tests that only need a clean dataset."""

@@ -289,3 +289,22 @@ def test_works_with_a_rabbitmq_broker(redis_server: RedisServer, client: redis.R
     assert sorted(v["n"] for v in values) == list(range(12))
     assert peak_overlap(read_intervals(client, interval_key("provider"))) <= 3
     assert any(v["sheds"] for v in values)
+
+
+def test_calling_run_directly_uses_the_tasks_own_app(redis_server: RedisServer) -> None:
+    other = RedisServer().start()
+    try:
+        app = make_app(redis_server.url)
+        # A different app is current, pointing at another Redis.
+        decoy = Celery("decoy", broker=other.url, set_as_current=True)
+        task: Any = app.tasks["csem.per_tenant"]
+        assert task.run("z", 0) == "z"
+        assert Semaphore(other.url, limit=1).count("tenant:z") == 0
+        held = _semaphore(app).acquire("tenant:z")
+        assert held is not None
+        with pytest.raises(SemaphoreNotAcquiredError):
+            task.run("z", 0)
+        held.release()
+        decoy.close()
+    finally:
+        other.close()

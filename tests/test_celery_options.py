@@ -136,3 +136,35 @@ def test_bounded_above_app_task_is_refused() -> None:
 
     with pytest.raises(SemaphoreValidationError, match=r"under @app\.task"):
         bounded("k", 1)(t)
+
+
+def test_a_subclass_of_a_bound_task_gets_its_own_semaphore() -> None:
+    app = Celery("sub", broker=URL, set_as_current=False)
+
+    class Fetch(SemaphoreTask):  # type: ignore[misc]
+        name = "sub.fetch_a"
+        semaphore = "provider-a"
+        limit = 1
+
+        def run(self) -> None: ...
+
+    class FetchB(Fetch):
+        name = "sub.fetch_b"
+        semaphore = "provider-b"
+        limit = 5
+
+    app.register_task(Fetch())
+    app.register_task(FetchB())
+    found_a = bounded_of(app.tasks["sub.fetch_a"])
+    found_b = bounded_of(app.tasks["sub.fetch_b"])
+    assert found_a is not None
+    assert found_b is not None
+    assert (found_a[0].key.source, found_a[0].limit) == ("provider-a", 1)
+    assert (found_b[0].key.source, found_b[0].limit) == ("provider-b", 5)
+
+
+def test_bad_app_option_for_bounded_is_named() -> None:
+    with pytest.raises(SemaphoreValidationError, match="app"):
+
+        @bounded("k", 1, app="not an app")  # type: ignore[arg-type]
+        def fn() -> None: ...

@@ -371,3 +371,62 @@ def test_package_exports() -> None:
 
     for name in celery_semaphore.__all__:
         assert getattr(celery_semaphore, name) is not None
+
+
+def test_failing_renewals_are_a_loss_at_the_deadline_not_a_tick_later(
+    own_redis: RedisServer,
+) -> None:
+    # Renewal every 1 s on a 2 s lease; the server goes away (connection refused), so each
+    # renewal fails fast. The loss must be declared when the lease runs out, not at the next
+    # tick after it (up to 1 s later).
+    sem = Semaphore(own_redis.client(retry=None), limit=1, lease=2.0)
+    errors: list[BaseException] = []
+    with (
+        pytest.raises(SemaphoreLeaseLostError),
+        sem.hold("k", heartbeat=1.0, on_renew_error=errors.append) as slot,
+    ):
+        own_redis.stop()
+        assert slot.lost.wait(10)
+        late = time.monotonic() - slot._deadline
+    assert errors, "no renewal failure was reported"
+    assert late < 0.5, f"the loss was declared {late:.2f}s after the deadline"
+
+
+def test_releasing_early_inside_hold_is_not_a_loss(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1, lease=1.0)
+    with sem.hold("k", heartbeat=0.1) as slot:
+        assert slot.release() is True
+        other = sem.acquire("k")  # the slot really is free again
+        assert other is not None
+        time.sleep(0.5)  # several heartbeat intervals pass with the slot given back
+    assert not slot.lost.is_set()
+    other.release()
+
+
+def test_a_shorter_lease_inside_hold_is_renewed_in_time(make_semaphore: MakeSemaphore) -> None:
+    sem = make_semaphore(limit=1, lease=4.0)
+    with sem.hold("k", heartbeat=1.0) as slot:
+        assert slot.extend(lease=0.4) is True
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert sem.acquire("k") is None, "another holder got in: the slot lapsed"
+            assert not slot.lost.wait(0.05)
+    assert not slot.lost.is_set()
+
+
+def test_an_acquire_answered_after_a_whole_lease_gives_the_slot_back(
+    own_redis: RedisServer,
+) -> None:
+    sem = Semaphore(own_redis.client(socket_timeout=None, retry=None), limit=1, lease=0.5)
+    sem.count("k")  # load the scripts first, so the paused call is the acquire itself
+    result: list[Slot | None] = []
+    own_redis.pause()
+    caller = threading.Thread(target=lambda: result.append(sem.acquire("k")))
+    try:
+        caller.start()
+        time.sleep(1.0)  # the fault: the reply is held back for two leases
+    finally:
+        own_redis.resume()
+    caller.join(timeout=30)
+    assert result == [None]
+    assert sem.count("k") == 0

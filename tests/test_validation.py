@@ -13,10 +13,10 @@ from celery_semaphore import Semaphore, SemaphoreValidationError
 from celery_semaphore.testing import RedisServer
 
 BAD_LIMITS = [0, -1, 1.5, True, "5", None]
-BAD_LEASES = [0, -1, math.nan, math.inf, -math.inf, 0.0004, True, "1", None]
-BAD_DELAYS = [-0.1, math.nan, math.inf, True, "0.1", None]
+BAD_LEASES = [0, -1, math.nan, math.inf, -math.inf, 0.0004, 1e14, 10**400, True, "1", None]
+BAD_DELAYS = [-0.1, math.nan, math.inf, 1e11, 10**400, True, "0.1", None]
 BAD_RETRIES = [-1, 1.5, True, "3", None]
-BAD_KEYS = ["", None, 5, b"bytes"]
+BAD_KEYS = ["", None, 5, b"bytes", "\ud800"]
 BAD_HEARTBEATS = [0, -1, math.nan, math.inf, True, "1", 0.6]  # lease is 1.0 here
 
 
@@ -92,7 +92,14 @@ def test_bad_prefix(untouched: redis.Redis, redis_server: RedisServer, prefix: A
     raises(lambda: Semaphore(redis_server.url, limit=1, prefix=prefix), "prefix")
 
 
-@pytest.mark.parametrize("metadata", [["not", "a", "mapping"], {"x": object()}])
+def _deep(levels: int) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for _ in range(levels):
+        nested = {"x": nested}
+    return nested
+
+
+@pytest.mark.parametrize("metadata", [["not", "a", "mapping"], {"x": object()}, _deep(100_000)])
 def test_bad_metadata(untouched: redis.Redis, redis_server: RedisServer, metadata: Any) -> None:
     sem = Semaphore(redis_server.url, limit=1)
     raises(lambda: sem.acquire("k", metadata=metadata), "metadata")
@@ -102,6 +109,22 @@ def test_bad_callback_and_client(untouched: redis.Redis, redis_server: RedisServ
     sem = Semaphore(redis_server.url, limit=1)
     raises(lambda: sem.run("k", lambda slot: None, on_renew_error="print"), "on_renew_error")
     raises(lambda: Semaphore(42, limit=1), "redis")  # type: ignore[arg-type]
+    raises(lambda: Semaphore(untouched.pipeline(), limit=1), "redis")
+    raises(lambda: Semaphore("notaurl", limit=1), "notaurl")
+    raises(lambda: Semaphore("redis://127.0.0.1:bad/0", limit=1), "Redis URL")
+
+
+def test_a_str_subclass_key_names_the_same_redis_key(redis_server: RedisServer) -> None:
+    class Odd(str):
+        def __format__(self, spec: str) -> str:
+            return "something else"
+
+    sem = Semaphore(redis_server.url, limit=1)
+    slot = sem.acquire(Odd("k"))
+    assert slot is not None
+    assert type(slot.key) is str
+    assert sem.count("k") == 1
+    slot.release()
 
 
 def test_bad_extend_lease(redis_server: RedisServer) -> None:

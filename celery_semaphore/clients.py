@@ -1,0 +1,174 @@
+"""redis-py clients for the semaphore: from a URL, with the timeouts a semaphore needs.
+
+Besides redis-py's own URL forms this understands ``redis+cluster://`` (a Redis Cluster) and
+``redis+sentinel://`` (the primary that Sentinels name), so one ``semaphore_url`` setting can
+point at any deployment; see :func:`client_from_url`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias, cast
+from urllib.parse import parse_qs, unquote
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.exceptions import RedisClusterException
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from .errors import SemaphoreBackendError, SemaphoreValidationError
+
+DEFAULT_SOCKET_TIMEOUT = 5.0
+CLUSTER_SCHEME = "redis+cluster://"
+SENTINEL_SCHEME = "redis+sentinel://"
+
+RedisClient: TypeAlias = redis.Redis | redis.RedisCluster
+"""The clients a :class:`Semaphore` works with: a plain (or Sentinel-managed) client, or a
+Redis Cluster client."""
+
+
+def _split_hosts(
+    url: str, scheme: str, default_port: int
+) -> tuple[list[tuple[str, int]], list[str], dict[str, Any]]:
+    """Parse ``scheme[[user]:password@]host[:port][,host[:port]...][/path...][?query]``.
+
+    Returns:
+        tuple: the ``(host, port)`` pairs, the non-empty path segments (unquoted), and the
+        client options: ``username``/``password`` from the URL, then the query options,
+        parsed as :meth:`redis.Redis.from_url` parses them.
+
+    Raises:
+        SemaphoreValidationError: no host, or a port that is not a number.
+    """
+    rest, _, query = url[len(scheme) :].partition("?")
+    netloc, _, path = rest.partition("/")
+    options: dict[str, Any] = {}
+    userinfo, at, hosts = netloc.rpartition("@")
+    if at:
+        username, colon, password = userinfo.partition(":")
+        if username:
+            options["username"] = unquote(username)
+        if colon:
+            options["password"] = unquote(password)
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        if item.startswith("["):  # [IPv6 address]:port
+            host, _, tail = item[1:].partition("]")
+            port_text = tail[1:] if tail.startswith(":") else ""
+        else:
+            host, _, port_text = item.partition(":")
+        if not host:
+            raise SemaphoreValidationError(f"a host is missing in Redis URL {url!r}")
+        if port_text and not port_text.isdigit():
+            raise SemaphoreValidationError(f"port {port_text!r} in Redis URL {url!r}")
+        nodes.append((unquote(host), int(port_text) if port_text else default_port))
+    for name, values in parse_qs(query).items():
+        value = unquote(values[0])
+        parser: Any = URL_QUERY_ARGUMENT_PARSERS.get(name)
+        try:
+            options[name] = parser(value) if parser else value
+        except (TypeError, ValueError):
+            raise SemaphoreValidationError(f"{name}={value!r} in Redis URL {url!r}") from None
+    segments = [unquote(part) for part in path.split("/") if part]
+    return nodes, segments, options
+
+
+def _cluster_client(url: str, options: dict[str, Any]) -> redis.RedisCluster:
+    nodes, segments, parsed = _split_hosts(url, CLUSTER_SCHEME, 6379)
+    if segments not in ([], ["0"]) or parsed.pop("db", 0) != 0:
+        raise SemaphoreValidationError(
+            f"Redis Cluster has database 0 only; remove the path of {url!r}"
+        )
+    startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call]
+    try:
+        return redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
+    except (redis.RedisError, RedisClusterException) as exc:
+        # Unlike redis.Redis, RedisCluster connects at once to learn the slot map.
+        raise SemaphoreBackendError(
+            f"cannot reach Redis Cluster at {url!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _sentinel_client(url: str, options: dict[str, Any]) -> redis.Redis:
+    nodes, segments, parsed = _split_hosts(url, SENTINEL_SCHEME, 26379)
+    if not 1 <= len(segments) <= 2 or (len(segments) == 2 and not segments[1].isdigit()):
+        raise SemaphoreValidationError(
+            f"a Sentinel URL ends in /<service_name> or /<service_name>/<db>, got {url!r}"
+        )
+    options = {**options, **parsed}
+    if len(segments) == 2:
+        options["db"] = int(segments[1])
+    timeouts = ("socket_timeout", "socket_connect_timeout")
+    sentinel_kwargs = options.pop(
+        "sentinel_kwargs", {name: options[name] for name in timeouts if name in options}
+    )
+    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    client: redis.Redis = sentinel.master_for(segments[0], **options)  # type: ignore[no-untyped-call]
+    return client
+
+
+def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
+    """Make a redis-py client for ``url`` with settings a semaphore needs.
+
+    The URL forms, and the client each makes:
+
+    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...``, ``unix://...``
+        redis-py's own forms: :meth:`redis.Redis.from_url`.
+    ``redis+cluster://[[user]:password@]host[:port][,host[:port]...]``
+        A :class:`redis.RedisCluster` with every listed node as a startup node (port 6379
+        unless given). It learns the slot map from the first node that answers, so one
+        reachable node is enough; list several so that any one can be down. A cluster has
+        database 0 only, so there is no path.
+    ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db]``
+        The primary that the Sentinels at the listed addresses (port 26379 unless given)
+        name for ``service_name``: ``Sentinel(...).master_for(service_name, db=db)``. Each
+        new connection asks a Sentinel where the primary is, so the client follows a
+        failover. Credentials in the URL are for the Redis servers; the Sentinels get the
+        socket timeouts only (pass ``sentinel_kwargs={...}`` for more, a password say).
+
+    The multi-host forms take the same ``?name=value`` options as redis-py's URLs
+    (``socket_timeout=2.5``, ``health_check_interval=30``, ...).
+
+    Unless the URL or ``kwargs`` say otherwise, socket and connect timeouts are
+    ``DEFAULT_SOCKET_TIMEOUT`` seconds, and a failed connection is retried twice with a short
+    backoff (never a timed-out command, which may already have run), so a dead server
+    surfaces as :class:`SemaphoreBackendError` within seconds instead of after redis-py's
+    default ten retries. The cluster client is the exception: redis-py retries there are
+    per command and resend after a timeout too. It gets 2 such retries (after each it
+    re-reads the slot map); every script tolerates being run twice except that a resent
+    release answers "already gone", which reports the slot as lost.
+
+    Args:
+        url (str): a URL in one of the forms above.
+        **kwargs: client options: for :meth:`redis.Redis.from_url`, for
+            :class:`redis.RedisCluster`, or for ``master_for`` (plus ``sentinel_kwargs``).
+
+    Returns:
+        redis.Redis: a new client with its own connection pool(s). For a
+        ``redis+cluster://`` URL it is a :class:`redis.RedisCluster`, which offers the
+        commands this package uses but is typed as :class:`redis.Redis` here so that
+        callers written for one client type keep type-checking.
+
+    Raises:
+        SemaphoreValidationError: the URL is malformed, or of no form above.
+        SemaphoreBackendError: no node of a ``redis+cluster://`` URL could be reached (that
+            client connects at once; the others on first use).
+    """
+    options: dict[str, Any] = {
+        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
+        "retry": Retry(
+            ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
+        ),
+    }
+    options.update(kwargs)
+    if url.startswith(CLUSTER_SCHEME):
+        return cast(redis.Redis, _cluster_client(url, options))
+    if url.startswith(SENTINEL_SCHEME):
+        return _sentinel_client(url, options)
+    try:
+        return redis.Redis.from_url(url, **options)
+    except ValueError as exc:  # redis-py's word for a URL it cannot parse
+        raise SemaphoreValidationError(f"cannot use Redis URL {url!r}: {exc}") from None

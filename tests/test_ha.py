@@ -1,0 +1,451 @@
+"""High availability: the semaphore on a Redis Cluster and behind Redis Sentinel.
+
+Each set-up is started once for the module (a 3-primary cluster; a primary, a replica and one
+Sentinel) and emptied before each test. The failover test runs last: it swaps the Sentinel
+set's primary.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreBackendError,
+    SemaphoreLeaseLostError,
+    SemaphoreTask,
+    SemaphoreValidationError,
+    Slot,
+    current_slot,
+)
+from celery_semaphore.clients import client_from_url
+from celery_semaphore.config import app_settings
+from celery_semaphore.inspection import scan_keys, views
+from celery_semaphore.semaphore import redis_keys
+from celery_semaphore.testing import (
+    RedisCluster,
+    RedisSentinel,
+    find_redis_cli,
+    find_redis_server,
+)
+
+from .helpers import InFlight, wait_for
+
+
+def _ha_capable() -> str:
+    """Why the Redis binaries here cannot run these set-ups, or "" when they can."""
+    try:
+        server = find_redis_server()
+        find_redis_cli(server)
+    except FileNotFoundError as exc:
+        return str(exc)
+    out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"v=(\d+)\.", out.stdout)
+    if found is None:
+        return f"cannot tell the version of {server}: {out.stdout.strip()!r}"
+    if int(found.group(1)) < 5:
+        return f"{server} is Redis {found.group(1)}: cluster create and --replicaof need 5.0+"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    reason = _ha_capable()
+    if reason:
+        pytest.skip(f"cannot run a Redis Cluster: {reason}")
+    with RedisCluster() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def sentinel_set() -> Iterator[RedisSentinel]:
+    reason = _ha_capable()
+    if reason:
+        pytest.skip(f"cannot run Redis Sentinel: {reason}")
+    with RedisSentinel() as started:
+        yield started
+
+
+MakeSemaphore = Callable[..., Semaphore]
+
+
+@pytest.fixture
+def on_cluster(cluster: RedisCluster) -> Iterator[MakeSemaphore]:
+    """``on_cluster(limit=...)``: a semaphore made from the cluster's URL, on an empty cluster."""
+    admin = cluster.client()
+    admin.flushall()  # every primary
+    admin.close()
+    made: list[Semaphore] = []
+
+    def make(**kwargs: object) -> Semaphore:
+        sem = Semaphore(cluster.url, **kwargs)  # type: ignore[arg-type]
+        made.append(sem)
+        return sem
+
+    yield make
+    for sem in made:
+        sem.client.close()
+
+
+@pytest.fixture
+def master(sentinel_set: RedisSentinel) -> Iterator[redis.Redis]:
+    """A Sentinel-managed client for the current primary, which is emptied first."""
+    client = sentinel_set.master_client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def _take_25_on_limit_20(sem: Semaphore, key: str) -> None:
+    barrier = threading.Barrier(25)
+    results: list[Slot | None] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        barrier.wait()
+        slot = sem.acquire(key)
+        with lock:
+            results.append(slot)
+
+    threads = [threading.Thread(target=caller) for _ in range(25)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    slots = [s for s in results if s is not None]
+    assert len(slots) == 20
+    assert results.count(None) == 5
+    assert sem.count(key) == 20
+    assert len(sem.holders(key)) == 20
+    assert len({s.token for s in slots}) == 20
+    assert all(s.release() for s in slots)
+    assert sem.count(key) == 0
+
+
+def _run_50_on_limit_5(sem: Semaphore, key: str) -> None:
+    inflight = InFlight()
+    errors: list[BaseException] = []
+
+    def body(slot: Slot) -> None:
+        with inflight:
+            time.sleep(0.01)  # the body's own work, not a synchronisation wait
+
+    def caller() -> None:
+        try:
+            sem.run(key, body, retries=10_000, retry_delay=0.005)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(50)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert inflight.entered == 50
+    assert 1 <= inflight.peak <= 5
+    assert sem.count(key) == 0
+
+
+def _hold_through_three_leases(sem: Semaphore, key: str) -> None:
+    """``sem`` has limit 1 and a 1 s lease; the body runs 3 s while others try to get in."""
+    intruders: list[Slot] = []
+    with sem.hold(key) as slot:
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end:
+            other = sem.acquire(key)
+            if other is not None:
+                intruders.append(other)
+            assert not slot.lost.wait(0.1)
+    assert intruders == []
+    assert not slot.lost.is_set()
+    assert sem.count(key) == 0
+
+
+def _run_a_bounded_task(url: str) -> None:
+    """A bounded task called directly, with ``semaphore_url`` set to ``url``."""
+    app = Celery("ha", set_as_current=False)
+    app.conf.semaphore_url = url
+    probe = Semaphore(url, limit=1)
+
+    @app.task(base=SemaphoreTask, semaphore="tenant:{tenant}", limit=1, shared=False,
+              name="ha.call")  # fmt: skip
+    def call(tenant: str) -> tuple[str, int]:
+        slot = current_slot()
+        assert slot is not None
+        return slot.key, probe.count(slot.key)
+
+    assert call("acme") == ("tenant:acme", 1)
+    assert probe.count("tenant:acme") == 0
+    probe.client.close()
+
+
+# --- Redis Cluster ---------------------------------------------------------------------------
+
+
+def test_cluster_url_makes_a_cluster_client(cluster: RedisCluster) -> None:
+    client = client_from_url(cluster.url)
+    assert isinstance(client, redis.RedisCluster)
+    assert len(client.get_primaries()) == 3
+    client.close()
+    one_node = client_from_url(f"redis+cluster://127.0.0.1:{cluster.nodes[1].port}")
+    assert len(one_node.get_primaries()) == 3  # learnt from the node it was given
+    one_node.close()
+
+
+def test_cluster_25_callers_on_limit_20_get_exactly_20_slots(on_cluster: MakeSemaphore) -> None:
+    _take_25_on_limit_20(on_cluster(limit=20), "openai")
+
+
+def test_cluster_50_threads_on_limit_5_never_exceed_5(on_cluster: MakeSemaphore) -> None:
+    _run_50_on_limit_5(on_cluster(limit=5, lease=10.0), "legacy-api")
+
+
+def test_cluster_hold_keeps_its_slot_through_a_body_three_times_the_lease(
+    on_cluster: MakeSemaphore,
+) -> None:
+    _hold_through_three_leases(on_cluster(limit=1, lease=1.0), "long")
+
+
+def test_cluster_force_release_all_makes_the_next_renewal_report_loss(
+    on_cluster: MakeSemaphore,
+) -> None:
+    sem = on_cluster(limit=3, lease=2.0)
+    admin = on_cluster(limit=3)
+    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
+        assert admin.force_release_all("shared") == 1
+        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
+    assert "gone" in str(slot.lease_lost_error())
+    assert admin.force_release_all("shared") == 0
+
+
+KEYS = ["openai", "tenant:acme", "{braces}", "a}b{c", "{", "x}", "ünïcødé ✓", "with spaces",
+        "k" * 300, "{}", "a{}b"]  # fmt: skip
+
+
+def test_cluster_keys_of_every_shape_spread_over_the_nodes(
+    cluster: RedisCluster, on_cluster: MakeSemaphore
+) -> None:
+    sem = on_cluster(limit=2, lease=30.0)
+    client = sem.client
+    assert isinstance(client, redis.RedisCluster)
+    nodes = set()
+    for key in KEYS:
+        slots_key, holders_key = redis_keys(sem.prefix, key)
+        assert client.keyslot(slots_key) == client.keyslot(holders_key), key
+        nodes.add(client.get_node_from_key(slots_key).name)
+    assert len(nodes) == 3, "the keys should exercise every primary"
+
+    slots = {key: sem.acquire(key, metadata={"key": key}) for key in KEYS}
+    assert all(slot is not None for slot in slots.values())
+    for key in KEYS:
+        assert sem.count(key) == 1
+        [holder] = sem.holders(key)
+        assert holder.metadata["key"] == key
+    # SCAN visits every primary, so inspection sees all of them.
+    assert scan_keys(client) == sorted(KEYS)
+    assert {v.key: v.in_use for v in views(client)} == dict.fromkeys(KEYS, 1)
+    for key in KEYS:
+        assert sem.acquire(key) is not None
+        assert sem.acquire(key) is None  # limit 2, held twice
+        assert sem.force_release_all(key) == 2
+    assert scan_keys(client) == []
+
+
+def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSemaphore) -> None:
+    # "semaphore:{}lead}" has an empty hash tag: its two keys would hash to different slots.
+    sem = on_cluster(limit=1)
+    client = sem.client
+    assert isinstance(client, redis.RedisCluster)
+    slots_key, holders_key = redis_keys(sem.prefix, "}lead")
+    assert client.keyslot(slots_key) != client.keyslot(holders_key)
+    calls: list[Callable[[], object]] = [
+        lambda: sem.acquire("}lead"),
+        lambda: sem.hold("}lead").__enter__(),
+        lambda: sem.count("}lead"),
+        lambda: sem.holders("}lead"),
+        lambda: sem.force_release("}lead", "token"),
+        lambda: sem.force_release_all("}lead"),
+    ]
+    for call in calls:
+        with pytest.raises(SemaphoreValidationError, match="starts with '}'") as info:
+            call()
+        assert info.value.key == "}lead"
+    # A closing brace anywhere else is fine.
+    slot = sem.acquire("lead}")
+    assert slot is not None
+    assert slot.release()
+
+
+def test_cluster_url_as_semaphore_url_of_a_celery_app(
+    cluster: RedisCluster, on_cluster: MakeSemaphore
+) -> None:
+    _run_a_bounded_task(cluster.url)
+
+
+def test_cluster_url_errors() -> None:
+    with pytest.raises(SemaphoreValidationError, match="database 0"):
+        client_from_url("redis+cluster://127.0.0.1:1/3")
+    with pytest.raises(SemaphoreValidationError, match="host is missing"):
+        client_from_url("redis+cluster://127.0.0.1:1,")
+    with pytest.raises(SemaphoreValidationError, match="port"):
+        client_from_url("redis+cluster://127.0.0.1:http")
+    with pytest.raises(SemaphoreValidationError, match="socket_timeout"):
+        client_from_url("redis+cluster://127.0.0.1:1?socket_timeout=soon")
+    # Unlike the other clients, a cluster client connects at once.
+    with pytest.raises(SemaphoreBackendError, match="cannot reach Redis Cluster"):
+        Semaphore("redis+cluster://127.0.0.1:1", limit=1)
+
+
+def test_a_cluster_with_every_node_down_is_a_backend_error() -> None:
+    with RedisCluster() as own:
+        sem = Semaphore(own.url, limit=1)
+        assert sem.acquire("k") is not None
+        own.stop()
+        with pytest.raises(SemaphoreBackendError):
+            sem.acquire("k")
+        sem.client.close()
+
+
+# --- Redis Sentinel --------------------------------------------------------------------------
+
+
+def test_sentinel_url_forms_and_settings(sentinel_set: RedisSentinel) -> None:
+    port = sentinel_set.sentinel.port
+    client = client_from_url(f"redis+sentinel://127.0.0.1:{port}/mymaster/2?socket_timeout=3")
+    pool = client.connection_pool
+    assert pool.service_name == "mymaster"  # type: ignore[attr-defined]
+    assert pool.connection_kwargs["db"] == 2
+    assert pool.connection_kwargs["socket_timeout"] == 3.0
+    client.close()
+    for bad in ("redis+sentinel://127.0.0.1:1", "redis+sentinel://127.0.0.1:1/m/x"):
+        with pytest.raises(SemaphoreValidationError, match="service_name"):
+            client_from_url(bad)
+    app = Celery("ha", set_as_current=False)
+    app.conf.semaphore_url = sentinel_set.url
+    assert app_settings(app).url == sentinel_set.url
+
+
+@pytest.mark.parametrize("via", ["master_for", "url"])
+def test_sentinel_25_callers_on_limit_20_get_exactly_20_slots(
+    sentinel_set: RedisSentinel, master: redis.Redis, via: str
+) -> None:
+    sem = Semaphore(master if via == "master_for" else sentinel_set.url, limit=20)
+    _take_25_on_limit_20(sem, "openai")
+    sem.client.close()
+
+
+@pytest.mark.parametrize("via", ["master_for", "url"])
+def test_sentinel_50_threads_on_limit_5_never_exceed_5(
+    sentinel_set: RedisSentinel, master: redis.Redis, via: str
+) -> None:
+    sem = Semaphore(master if via == "master_for" else sentinel_set.url, limit=5, lease=10.0)
+    _run_50_on_limit_5(sem, "legacy-api")
+    sem.client.close()
+
+
+def test_sentinel_hold_keeps_its_slot_through_a_body_three_times_the_lease(
+    sentinel_set: RedisSentinel, master: redis.Redis
+) -> None:
+    sem = Semaphore(sentinel_set.url, limit=1, lease=1.0)
+    _hold_through_three_leases(sem, "long")
+    sem.client.close()
+
+
+def test_sentinel_url_as_semaphore_url_of_a_celery_app(
+    sentinel_set: RedisSentinel, master: redis.Redis
+) -> None:
+    _run_a_bounded_task(sentinel_set.url)
+
+
+def test_sentinel_force_release_all_and_inspection(
+    sentinel_set: RedisSentinel, master: redis.Redis
+) -> None:
+    sem = Semaphore(sentinel_set.url, limit=3, lease=2.0)
+    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
+        assert scan_keys(master) == ["shared"]
+        assert sem.holders("shared")[0].token == slot.token
+        assert Semaphore(master, limit=3).force_release_all("shared") == 1
+        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
+    assert sem.count("shared") == 0
+    sem.client.close()
+
+
+def test_a_failover_keeps_replicated_slots_and_reports_a_lost_write(
+    sentinel_set: RedisSentinel, master: redis.Redis
+) -> None:
+    sem = Semaphore(sentinel_set.url, limit=1, lease=5.0)
+    slots: dict[str, Slot] = {}
+    outcomes: dict[str, str] = {}
+    renew_errors: list[BaseException] = []
+    done = threading.Event()
+
+    def holder(key: str) -> None:
+        try:
+            with sem.hold(key, heartbeat=0.25, on_renew_error=renew_errors.append) as slot:
+                slots[key] = slot
+                while not done.is_set() and not slot.lost.wait(0.05):
+                    pass
+            outcomes[key] = "kept"
+        except SemaphoreLeaseLostError:
+            outcomes[key] = "lost"
+
+    threads = [threading.Thread(target=holder, args=(key,)) for key in ("kept", "dropped")]
+    for t in threads:
+        t.start()
+    try:
+        assert wait_for(lambda: len(slots) == 2, timeout=30)
+        old, replica = sentinel_set.primary(), sentinel_set.replica()
+        on_replica = replica.client()
+        # Both slots have reached the replica before it is promoted.
+        assert wait_for(
+            lambda: all(
+                on_replica.zscore(redis_keys(sem.prefix, key)[0], slot.token) is not None
+                for key, slot in slots.items()
+            ),
+            timeout=30,
+        )
+        on_replica.close()
+
+        promoted = sentinel_set.failover()
+        assert promoted is replica
+        assert sentinel_set.primary() is replica
+        on_new = replica.client()
+        # A write the failover lost: the "dropped" holder's slot is not on the new primary.
+        dropped_keys = redis_keys(sem.prefix, "dropped")
+        assert on_new.zrem(dropped_keys[0], slots["dropped"].token) == 1
+        on_new.hdel(dropped_keys[1], slots["dropped"].token)
+        assert slots["dropped"].lost.wait(30), "the lost write was never noticed"
+
+        # The "kept" holder renews on the new primary: its expiry there moves forward.
+        kept_key = redis_keys(sem.prefix, "kept")[0]
+        first = on_new.zscore(kept_key, slots["kept"].token)
+        assert first is not None
+        assert wait_for(
+            lambda: (on_new.zscore(kept_key, slots["kept"].token) or 0) > first, timeout=30
+        )
+        assert not slots["kept"].lost.is_set()
+        assert sem.acquire("kept") is None  # still held, on the new primary
+        on_new.close()
+    finally:
+        done.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert outcomes == {"kept": "kept", "dropped": "lost"}
+    assert "gone" in str(slots["dropped"].lease_lost_error())
+    # Renewals may fail while clients move to the new primary; none was judged a loss.
+    assert all(isinstance(e, SemaphoreBackendError) for e in renew_errors)
+    assert sem.count("kept") == 0
+    assert sem.count("dropped") == 0
+    on_old = old.client()
+    assert on_old.info("replication")["role"] == "slave"
+    on_old.close()
+    sem.client.close()
