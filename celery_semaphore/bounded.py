@@ -322,12 +322,14 @@ class Bounded:
         return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
 
     def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        semaphore, policy = self.resolve(task.app)
         key = self.key_for(args, kwargs)
         started = time.monotonic()
         try:
+            # A cluster client connects when it is made, so resolving can fail like acquiring.
+            semaphore, policy = self.resolve(task.app)
             slot = semaphore.acquire(key, metadata=_task_metadata(task))
         except SemaphoreBackendError as exc:
+            policy = app_settings(task.app).policy.with_options(self.options)
             if policy.on_full == "raise":
                 raise
             self._shed(task, policy, key, f"Redis unreachable: {exc}")
