@@ -20,6 +20,7 @@ How a run goes:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -33,7 +34,7 @@ from typing import Any, NoReturn
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
-from celery.exceptions import Retry
+from celery.exceptions import Ignore
 from celery.utils.log import get_task_logger
 
 from . import _validation as check
@@ -451,8 +452,16 @@ def _lease_lost(task: Task | None, slot: Slot, template: str) -> None:
 def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 
+    The RETRY state is stored *before* the message is published, and the run then ends with
+    ``Ignore`` so that Celery stores nothing more for it. Ending with ``Retry`` instead
+    would have Celery store RETRY after publishing, and a re-run quick enough to finish
+    first would have its SUCCESS overwritten (the result backend's check for SUCCESS and its
+    write are two steps): ``result.get()`` would then wait forever on a task that succeeded.
+    Celery's ``task_retry`` signal and ``on_retry`` hook therefore do not fire for a shed;
+    :data:`~celery_semaphore.signals.semaphore_shed` does.
+
     Raises:
-        celery.exceptions.Retry: always, after publishing.
+        celery.exceptions.Ignore: always, after storing RETRY and publishing.
         SemaphoreNotAcquiredError: the shed budget (count or time) is spent; nothing is
             published and the task fails.
     """
@@ -473,6 +482,9 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
         )
     delay = countdown(policy, sheds, random.random())
     headers.update({SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first})
+    if not task.ignore_result:
+        with contextlib.suppress(NotImplementedError):  # no result backend configured
+            task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
     # The task logger's prefix names the task and its id.
     logger.info(
@@ -489,4 +501,4 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
     )
     send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
     bump(task.app, request.hostname, "shed")
-    raise Retry(f"semaphore {key!r} {reason}", when=delay)
+    raise Ignore()

@@ -20,6 +20,7 @@ from celery.worker.control import inspect_command
 
 from . import stats
 from .config import app_settings, client_for
+from .errors import SemaphoreBackendError
 from .inspection import held_by_worker, server_warnings
 from .semaphore import logger
 from .worker import bounded_of, use_timer
@@ -69,8 +70,14 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         app = worker.app
         for task in list(app.tasks.values()):
             found = bounded_of(task)
-            if found is not None:
+            if found is None:
+                continue
+            try:
                 found[0].resolve(app)
+            except SemaphoreBackendError as exc:
+                # An unreachable store is no reason not to start: runs are shed until it is back.
+                logger.warning("semaphore store unreachable at start-up: %s", exc)
+                return
 
     def start(self, worker: Any) -> None:
         use_timer(worker.timer)

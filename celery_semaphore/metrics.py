@@ -27,7 +27,9 @@ per-key series when the keys are few.
 Prefork workers run bodies in child processes, each with its own registry: use
 prometheus-client's multiprocess mode (set ``PROMETHEUS_MULTIPROC_DIR``) and serve the
 directory from the worker's main process, as prometheus-client documents. The gauge then
-sums live processes only (``multiprocess_mode="livesum"``).
+sums live processes (``multiprocess_mode="livesum"``) as prometheus-client judges them: call
+its ``mark_process_dead(pid)`` when a pool process exits (``worker_process_shutdown``), or a
+SIGKILLed one keeps counting.
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ class Slot:
         callback(self)
 
     def _check_deadline(self) -> None:
-        if time.monotonic() >= self._deadline:
+        if self._released is None and time.monotonic() >= self._deadline:
             self._mark_lost("no renewal succeeded within one lease")
 
     def _renew(self, lease: float | None = None) -> bool:
@@ -520,13 +520,10 @@ class Semaphore:
         check.check_key(token, "token")
         with backend_errors(key, self.limit):
             live = self._scripts.release(self._redis_keys(key), token)
-        logger.warning(
-            "semaphore %r (limit %d): holder %s force-released (was live: %s)",
-            key,
-            self.limit,
-            token,
-            live,
-        )
+        if live:
+            logger.warning(
+                "semaphore %r (limit %d): holder %s force-released", key, self.limit, token
+            )
         return live
 
     def force_release_all(self, key: str) -> int:

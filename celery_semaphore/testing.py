@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -159,7 +159,31 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-class RedisServer:
+_M = TypeVar("_M", bound="_Managed")
+
+
+class _Managed:
+    """``with`` support for the servers below: ``start()`` on entry, ``close()`` on exit."""
+
+    def start(self: _M) -> _M:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _M) -> _M:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class RedisServer(_Managed):
     """A ``redis-server`` process on 127.0.0.1 that this object owns.
 
     Args:
@@ -282,19 +306,8 @@ class RedisServer:
         self.stop()
         self._dir.cleanup()
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class RedisCluster:
+class RedisCluster(_Managed):
     """A Redis Cluster of three primaries (no replicas) on 127.0.0.1 that this object owns.
 
     Each node is a :class:`RedisServer` started with ``--cluster-enabled yes`` and persistence
@@ -428,17 +441,6 @@ class RedisCluster:
         for node in self.nodes:
             node.close()
 
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 class _SentinelProcess(RedisServer):
     """``redis-server <config> --sentinel``, the config written into its working directory
@@ -473,7 +475,7 @@ class _SentinelProcess(RedisServer):
             return ""
 
 
-class RedisSentinel:
+class RedisSentinel(_Managed):
     """A primary, one replica and one Sentinel watching them, on 127.0.0.1, owned by this object.
 
     The replica is started with ``--replicaof`` the primary; the Sentinel monitors the primary
@@ -697,14 +699,3 @@ class RedisSentinel:
         """Stop the Sentinel and both nodes and remove their working directories."""
         for process in (self.sentinel, *self.nodes):
             process.close()
-
-    def __enter__(self) -> RedisSentinel:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -1,5 +1,9 @@
 """Worker-side hooks: free the slot of a task whose process died under it.
 
+Freed as soon as the worker's main process sees the pool process gone (Celery notices a
+SIGKILLed child within about a second, occasionally a few) and the holder's process has
+exited; see :func:`release_dead_run`.
+
 A prefork child killed by SIGKILL, the OOM killer or a hard time limit cannot release its
 slot; without help the slot stays held until its lease runs out. The worker's main process
 learns of such deaths (Celery sends ``task_failure`` with ``WorkerLostError`` or

@@ -16,9 +16,9 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.signals import task_retry
 
 from celery_semaphore import SemaphoreTask
+from celery_semaphore.signals import semaphore_shed
 
 REDIS_URL = os.environ.get("DEMO_REDIS_URL", "redis://127.0.0.1:6379/0")
 LIMIT = int(os.environ.get("DEMO_LIMIT", "5"))
@@ -82,6 +82,6 @@ def call_model_unbounded(n: int, duration: float) -> dict[str, Any]:
     return {"n": n, "status": status}
 
 
-@task_retry.connect
+@semaphore_shed.connect
 def _count_shed(**_: Any) -> None:
     _client.incr(SHEDS_KEY)

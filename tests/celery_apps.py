@@ -17,6 +17,15 @@ from celery import Celery
 
 from celery_semaphore import SemaphoreTask, bounded, current_slot
 
+# Celery's settings for not losing a task whose pool process is killed: the message is
+# acknowledged only when the run ends, requeued if its process dies, and redelivered if a
+# worker lost it (a short visibility timeout suits the soak's short bodies and countdowns).
+AT_LEAST_ONCE: dict[str, Any] = {
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "broker_transport_options": {"visibility_timeout": 20},
+}
+
 
 def interval_key(label: str) -> str:
     return f"test:intervals:{label}"
@@ -144,9 +153,11 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
 
 # The module-level app for `celery -A tests.celery_apps worker`.
 if "CSEM_TEST_REDIS_URL" in os.environ:
-    _extra = {}
+    _extra: dict[str, Any] = {}
     if "CSEM_TEST_SEMAPHORE_URL" in os.environ:
         _extra["semaphore_url"] = os.environ["CSEM_TEST_SEMAPHORE_URL"]
+    if os.environ.get("CSEM_TEST_ACKS_LATE"):
+        _extra.update(AT_LEAST_ONCE)
     app = make_app(
         os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"), **_extra
     )

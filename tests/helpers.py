@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class InFlight:
@@ -55,3 +67,43 @@ def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.02) -
             return True
         time.sleep(interval)
     return bool(predicate())  # type: ignore[operator]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM ``proc`` (a worker shuts down warm), and SIGKILL it if it is still up after
+    ``timeout`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@contextmanager
+def prefork_worker_process(
+    app: Any, log: Path, concurrency: int = 4, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``celery -A tests.celery_apps worker -P prefork`` subprocess on ``app``'s broker,
+    ready (answering ping) when the block starts, shut down warm when it ends."""
+    name = f"prefork-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+    command = [sys.executable, "-m", "celery", "-A", "tests.celery_apps", "worker",
+               "-P", "prefork", "-c", str(concurrency), "-n", name, "--loglevel=INFO",
+               "--without-gossip", "--without-mingle"]  # fmt: skip
+    full_env = {**os.environ, "CSEM_TEST_REDIS_URL": app.conf.result_backend, **(env or {})}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        ready = wait_for(
+            lambda: (
+                proc.poll() is not None or bool(app.control.ping(destination=[name], timeout=0.5))
+            ),
+            timeout=60,
+        )
+        assert ready, log.read_text()
+        assert proc.poll() is None, log.read_text()
+        yield proc
+    finally:
+        stop_process(proc)

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +17,7 @@ from celery_semaphore import Semaphore, SemaphoreError, SemaphoreLeaseLostError
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import peak_overlap, wait_for
+from .helpers import peak_overlap, prefork_worker_process, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,25 +140,8 @@ def test_a_task_is_shed_while_redis_is_unreachable_and_runs_once_it_is_back(
 @pytest.fixture
 def prefork(redis_server: RedisServer, tmp_path: Path) -> Iterator[Celery]:
     app = make_app(redis_server.url)
-    name = f"faults-{uuid.uuid4().hex[:8]}@%h"
-    env = {**os.environ, "CSEM_TEST_REDIS_URL": redis_server.url}
-    log = tmp_path / "worker.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.celery_apps", "worker", "-P",
-             "prefork", "-c", "2", "-n", name, "--without-gossip", "--without-mingle"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        assert wait_for(lambda: bool(app.control.ping(timeout=0.5)), timeout=60), log.read_text()
+    with prefork_worker_process(app, tmp_path / "worker.log", concurrency=2):
         yield app
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_hard_time_limit_frees_the_slot_at_once(prefork: Celery, client: redis.Redis) -> None:

@@ -34,7 +34,7 @@ from celery_semaphore.inspection import views
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import wait_for
+from .helpers import stop_process, wait_for
 
 pytest.importorskip(
     "flower", reason="Flower is not installed: pip install 'celery-semaphore[flower]'"
@@ -139,12 +139,7 @@ def run_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[.
 
     yield run
     for proc in started:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture
