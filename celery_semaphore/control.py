@@ -20,7 +20,7 @@ from celery.worker.control import inspect_command
 
 from . import stats
 from .config import app_settings, client_for
-from .errors import SemaphoreBackendError
+from .errors import SemaphoreBackendError, SemaphoreValidationError
 from .inspection import held_by_worker, server_warnings
 from .semaphore import logger
 from .worker import bounded_of, use_timer
@@ -60,7 +60,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     Creating the step resolves every bounded task's options against the app's
     ``semaphore_*`` settings, so a bad setting, or a task option that conflicts with one,
     stops the worker at start-up with a :class:`SemaphoreValidationError` naming it instead
-    of failing the task's first run.
+    of failing the task's first run. With a Redis broker, a ``shed_max_countdown`` above
+    half the broker's ``visibility_timeout`` is refused the same way: a message held back
+    longer than that is delivered again, and the task runs twice.
     """
 
     requires = ("celery.worker.components:Pool",)
@@ -68,16 +70,28 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
+        visibility = _visibility_timeout(app)
+        unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
             found = bounded_of(task)
             if found is None:
                 continue
+            policy = app_settings(app).policy.with_options(found[0].options)
+            if visibility is not None and policy.shed_max_countdown > visibility / 2:
+                raise SemaphoreValidationError(
+                    f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
+                    f"must be at most half the Redis broker's visibility_timeout "
+                    f"({visibility:g}s), or held-back messages are delivered twice",
+                    None,
+                    found[0].limit,
+                )
             try:
                 found[0].resolve(app)
             except SemaphoreBackendError as exc:
-                # An unreachable store is no reason not to start: runs are shed until it is back.
-                logger.warning("semaphore store unreachable at start-up: %s", exc)
-                return
+                unreachable = exc
+        if unreachable is not None:
+            # An unreachable store is no reason not to start: runs are shed until it is back.
+            logger.warning("semaphore store unreachable at start-up: %s", unreachable)
 
     def start(self, worker: Any) -> None:
         use_timer(worker.timer)
@@ -90,6 +104,15 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def info(self, worker: Any) -> dict[str, Any]:
         return {"semaphore": worker_report(worker.app, worker.hostname)}
+
+
+def _visibility_timeout(app: Celery) -> float | None:
+    """The Redis broker's visibility timeout in seconds; None for other brokers."""
+    url = str(app.conf.broker_url or "")
+    if not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+        return None
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", 3600))
 
 
 def _add_step(sender: Any = None, **_: Any) -> None:

@@ -130,9 +130,22 @@ def test_inspect_and_stats_list_a_held_slot_until_it_is_released(
     assert cli.returncode == 0, cli.stdout + cli.stderr
     assert result.id in cli.stdout
 
+    [view] = json.loads(
+        celery_cli(redis_server.url, "semaphore", "status", "held", "--json").stdout
+    )
+    [holder] = view["holders"]
+    assert holder["metadata"]["task_id"] == result.id
+    assert holder["metadata"]["worker"] in (hostname, hostname.partition("@")[2])
+    watched = celery_cli(redis_server.url, "semaphore", "watch", "held", "--count", "2",
+                         "--interval", "0.1")  # fmt: skip
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.count(result.id) == 2
+
     client.set("test:go", 1)
     assert result.get(timeout=30) == "test:go"
     assert semaphores()["held"] == []
+    gone = celery_cli(redis_server.url, "semaphore", "status", "held")
+    assert "held  no slot held" in gone.stdout
 
 
 def test_signals_and_task_events_report_acquire_shed_and_release(
@@ -202,6 +215,17 @@ def test_a_worker_will_not_start_with_a_setting_that_breaks_a_task(
     app = make_app(redis_server.url, semaphore_heartbeat=5.0)
     with (
         pytest.raises(SemaphoreValidationError, match="heartbeat"),
+        start_worker(app, pool="solo", perform_ping_check=False),
+    ):
+        pass
+
+
+def test_a_worker_will_not_start_with_countdowns_beyond_the_visibility_timeout(
+    redis_server: RedisServer,
+) -> None:
+    app = make_app(redis_server.url, semaphore_shed_max_countdown=3000.0)
+    with (
+        pytest.raises(SemaphoreValidationError, match="visibility_timeout"),
         start_worker(app, pool="solo", perform_ping_check=False),
     ):
         pass
