@@ -107,3 +107,24 @@ def prefork_worker_process(
         yield proc
     finally:
         stop_process(proc)
+
+
+def acquire_at_once(sem: Any, key: str, callers: int) -> list[Any]:
+    """``callers`` threads released together by a barrier, each trying ``sem.acquire(key)``
+    once; what each got (a Slot or None)."""
+    barrier = threading.Barrier(callers)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def caller() -> None:
+        barrier.wait()
+        slot = sem.acquire(key)
+        with lock:
+            results.append(slot)
+
+    threads = [threading.Thread(target=caller) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

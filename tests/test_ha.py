@@ -37,7 +37,7 @@ from celery_semaphore.testing import (
     find_redis_server,
 )
 
-from .helpers import InFlight, wait_for
+from .helpers import InFlight, acquire_at_once, wait_for
 
 
 def _ha_capable() -> str:
@@ -105,21 +105,7 @@ def master(sentinel_set: RedisSentinel) -> Iterator[redis.Redis]:
 
 
 def _take_25_on_limit_20(sem: Semaphore, key: str) -> None:
-    barrier = threading.Barrier(25)
-    results: list[Slot | None] = []
-    lock = threading.Lock()
-
-    def caller() -> None:
-        barrier.wait()
-        slot = sem.acquire(key)
-        with lock:
-            results.append(slot)
-
-    threads = [threading.Thread(target=caller) for _ in range(25)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results: list[Slot | None] = acquire_at_once(sem, key, 25)
     slots = [s for s in results if s is not None]
     assert len(slots) == 20
     assert results.count(None) == 5

@@ -24,28 +24,14 @@ from celery_semaphore import (
 )
 from celery_semaphore.testing import RedisServer
 
-from .helpers import InFlight
+from .helpers import InFlight, acquire_at_once
 
 MakeSemaphore = Callable[..., Semaphore]
 
 
 def test_25_callers_on_limit_20_get_exactly_20_slots(make_semaphore: MakeSemaphore) -> None:
     sem = make_semaphore(limit=20)
-    barrier = threading.Barrier(25)
-    results: list[Slot | None] = []
-    lock = threading.Lock()
-
-    def caller() -> None:
-        barrier.wait()
-        slot = sem.acquire("openai")
-        with lock:
-            results.append(slot)
-
-    threads = [threading.Thread(target=caller) for _ in range(25)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results: list[Slot | None] = acquire_at_once(sem, "openai", 25)
     slots = [s for s in results if s is not None]
     assert len(slots) == 20
     assert results.count(None) == 5
