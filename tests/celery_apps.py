@@ -77,6 +77,11 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(duration)
         return n
 
+    @app.task(shared=False, name="csem.total")
+    def total(values: list[str]) -> list[str]:
+        """An unbounded chord callback."""
+        return sorted(values)
+
     @app.task(base=SemaphoreTask, semaphore="boom", limit=1, shared=False, name="csem.failing")
     def failing() -> None:
         raise ValueError("the body failed")

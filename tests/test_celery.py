@@ -290,3 +290,22 @@ def test_a_quick_rerun_of_a_shed_task_is_never_reported_as_retry(
         results = [task.delay("race", 0) for _ in range(80)]
         assert [r.get(timeout=120) for r in results] == ["race"] * 80
         assert {r.state for r in results} == {"SUCCESS"}
+
+
+def test_shed_tasks_in_chords_chains_and_groups_complete(
+    threads_worker: Celery, client: redis.Redis
+) -> None:
+    from celery import chain, chord, group
+
+    app = threads_worker
+    total = app.tasks["csem.total"]
+    # A limit of 1 sheds most of these; the canvas must still complete, each run once.
+    task = app.tasks["csem.per_tenant"]
+    assert (
+        chord(group(task.s("c", 0.05) for _ in range(5)), total.s()).delay().get(timeout=120)
+        == ["c"] * 5
+    )
+    assert chain(task.si("d", 0.05), task.si("d", 0.05)).delay().get(timeout=120) == "d"
+    assert group(task.s("e", 0.05) for _ in range(4)).delay().get(timeout=120) == ["e"] * 4
+    runs = [len(read_intervals(client, interval_key(f"tenant:{t}"))) for t in "cde"]
+    assert runs == [5, 2, 4]
