@@ -30,22 +30,36 @@ def _finite_seconds(value: object) -> float | None:
 
 
 def check_key(key: object, name: str = "key") -> str:
-    """Return ``key`` as a plain str if it is a non-empty str that UTF-8 can encode, else
-    raise (a str subclass is reduced to its characters, so it names one Redis key)."""
+    """Return ``key`` as a plain str if it is a non-empty str that UTF-8 can encode in at most
+    ``MAX_KEY_BYTES`` bytes, else raise (a str subclass is reduced to its characters, so it
+    names one Redis key)."""
     if not isinstance(key, str) or not key:
         raise SemaphoreValidationError(f"{name} must be a non-empty str, got {key!r}")
     plain = str.__str__(key)
     try:
-        plain.encode("utf-8")
+        size = len(plain.encode("utf-8"))
     except UnicodeEncodeError as exc:
         raise SemaphoreValidationError(f"{name} must be valid Unicode text: {exc}") from None
+    if size > MAX_KEY_BYTES:
+        raise SemaphoreValidationError(
+            f"{name} must be at most {MAX_KEY_BYTES} bytes of UTF-8, got {size}: {plain:.40}…"
+        )
     return plain
 
 
+MAX_LIMIT = 2**31 - 1
+"""Largest limit: the scripts hold numbers as doubles, and no real pool is larger."""
+
+MAX_KEY_BYTES = 4096
+"""Longest key, in UTF-8 bytes: a key is part of every Redis key name and log line."""
+
+
 def check_limit(limit: object, name: str = "limit") -> int:
-    """Return ``limit`` if it is an int >= 1 (bool excluded), else raise."""
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise SemaphoreValidationError(f"{name} must be an int >= 1, got {limit!r}")
+    """Return ``limit`` if it is an int from 1 to ``MAX_LIMIT`` (bool excluded), else raise."""
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
+        raise SemaphoreValidationError(
+            f"{name} must be an int from 1 to {MAX_LIMIT}, got {limit!r:.60}"
+        )
     return limit
 
 

@@ -482,7 +482,7 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
         )
     delay = countdown(policy, sheds, random.random())
     headers.update({SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first})
-    if not task.ignore_result:
+    if not (task.ignore_result or getattr(request, "ignore_result", False)):
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()

@@ -109,7 +109,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 def _visibility_timeout(app: Celery) -> float | None:
     """The Redis broker's visibility timeout in seconds; None for other brokers."""
     url = str(app.conf.broker_url or "")
-    if not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+    # kombu runs sentinel:// brokers on its Redis transport too.
+    if not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://", "sentinel")):
         return None
     options = app.conf.broker_transport_options or {}
     return float(options.get("visibility_timeout", 3600))

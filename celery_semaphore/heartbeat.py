@@ -93,14 +93,17 @@ class Heartbeat:
 
     def _loop(self) -> None:
         slot = self._slot
-        last_tick = time.monotonic()
+        # Renewals are planned from when the last one was *sent* (the acquire, at first), so a
+        # slow reply does not push the next renewal towards the deadline.
+        last_sent = slot._renewed_at
         while True:
-            next_tick = last_tick + self._share * slot.lease
+            next_tick = last_sent + self._share * slot.lease
             if self._nudge.wait(max(0.0, min(next_tick, slot._deadline) - time.monotonic())):
                 self._nudge.clear()
                 if self._stop.is_set():
                     return
-                continue  # the lease changed: plan the wait again
+                # The lease changed: renew at once, so that a renewal of the old lease still
+                # in flight cannot be the last word Redis hears.
             if self._stop.is_set():
                 return
             if slot.lost.is_set() or slot._released is not None:
@@ -108,9 +111,9 @@ class Heartbeat:
             if time.monotonic() >= slot._deadline:
                 slot._mark_lost("no renewal succeeded within one lease")
                 return
+            last_sent = time.monotonic()
             if not self._tick():
                 return
-            last_tick = time.monotonic()
 
     def _tick(self) -> bool:
         """One renewal. False when renewing is over (the slot is lost, or we were stopped)."""

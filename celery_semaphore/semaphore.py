@@ -137,6 +137,8 @@ class Slot:
         # Local monotonic time at which the last successful acquire/extend was *sent*: the
         # lease began no earlier than that, so the slot is surely ours until _deadline.
         self._renewed_at = sent_at
+        # When the extend that set the current lease was sent: an older reply must not undo it.
+        self._lease_sent_at = sent_at
         self._lost_reason = ""
         self._released: bool | None = None
         self._lost_callbacks: list[Callable[[Slot], object]] = []
@@ -192,8 +194,11 @@ class Slot:
             expires_at_ms = self._semaphore._scripts.extend(self._keys, self.token, ms)
         if expires_at_ms is None:
             return False
-        changed = seconds != self.lease
         self._renewed_at = max(self._renewed_at, sent_at)
+        if sent_at < self._lease_sent_at:
+            return True  # a later extend has already set the lease; this reply is stale
+        changed = seconds != self.lease
+        self._lease_sent_at = sent_at
         self.lease = seconds
         self.expires_at = expires_at_ms / 1000
         if changed and self._on_lease_change is not None:
@@ -346,7 +351,8 @@ class Semaphore:
             raise SemaphoreValidationError(
                 f"metadata must be a mapping or None, got {type(metadata).__name__}"
             )
-        record = {**self._identity, "pid": os.getpid(), "limit": self.limit, **(metadata or {})}
+        # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
+        record = {**(metadata or {}), **self._identity, "pid": os.getpid(), "limit": self.limit}
         try:
             return json.dumps(record, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError, RecursionError) as exc:

@@ -67,6 +67,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         run = inspect.getattr_static(cls, "run")
         is_static = isinstance(run, staticmethod)
         fn = run.__func__ if is_static else run
+        if "run" in cls.__dict__ and getattr(fn, "__semaphore__", None) is not None:
+            # Bound again (app.finalize() binds every task once more): keep the wrapper, which
+            # Celery may already hold elsewhere (autoretry_for keeps it as task._orig_run).
+            return
         # A subclass of a bound task inherits its parent's wrapper: wrap the body afresh,
         # with this class's own options and app.
         fn = getattr(fn, "__semaphore_body__", fn)

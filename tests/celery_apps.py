@@ -82,6 +82,13 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         """An unbounded chord callback."""
         return sorted(values)
 
+    @app.task(base=SemaphoreTask, semaphore="auto", limit=1, autoretry_for=(ConnectionError,),
+              bind=True, max_retries=0, shared=False, name="csem.autoretry")  # fmt: skip
+    def autoretry(self: Any, duration: float) -> dict[str, Any]:
+        with record("auto"):
+            time.sleep(duration)
+        return {"sheds": (self.request.headers or {}).get("semaphore_sheds")}
+
     @app.task(base=SemaphoreTask, semaphore="boom", limit=1, shared=False, name="csem.failing")
     def failing() -> None:
         raise ValueError("the body failed")

@@ -309,3 +309,11 @@ def test_shed_tasks_in_chords_chains_and_groups_complete(
     assert group(task.s("e", 0.05) for _ in range(4)).delay().get(timeout=120) == ["e"] * 4
     runs = [len(read_intervals(client, interval_key(f"tenant:{t}"))) for t in "cde"]
     assert runs == [5, 2, 4]
+
+
+def test_a_task_with_autoretry_for_is_shed_too(threads_worker: Celery, client: redis.Redis) -> None:
+    # autoretry_for makes Celery keep the bound run aside; binding again must not replace it.
+    task = threads_worker.tasks["csem.autoretry"]
+    values = [r.get(timeout=120) for r in [task.delay(0.1) for _ in range(6)]]
+    assert any(v["sheds"] for v in values)
+    assert peak_overlap(read_intervals(client, interval_key("auto"))) == 1

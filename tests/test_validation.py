@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,11 +13,11 @@ import redis
 from celery_semaphore import Semaphore, SemaphoreValidationError
 from celery_semaphore.testing import RedisServer
 
-BAD_LIMITS = [0, -1, 1.5, True, "5", None]
+BAD_LIMITS = [0, -1, 1.5, True, "5", None, 2**53 + 1]
 BAD_LEASES = [0, -1, math.nan, math.inf, -math.inf, 0.0004, 1e14, 10**400, True, "1", None]
 BAD_DELAYS = [-0.1, math.nan, math.inf, 1e11, 10**400, True, "0.1", None]
 BAD_RETRIES = [-1, 1.5, True, "3", None]
-BAD_KEYS = ["", None, 5, b"bytes", "\ud800"]
+BAD_KEYS = ["", None, 5, b"bytes", "\ud800", "x" * 5000]
 BAD_HEARTBEATS = [0, -1, math.nan, math.inf, True, "1", 0.6]  # lease is 1.0 here
 
 
@@ -134,3 +135,15 @@ def test_bad_extend_lease(redis_server: RedisServer) -> None:
     for lease in BAD_LEASES[:-1]:
         raises(lambda lease=lease: slot.extend(lease=lease), "lease")  # type: ignore[misc]
     assert slot.release() is True
+
+
+def test_metadata_cannot_overwrite_host_pid_or_limit(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=2)
+    slot = sem.acquire("k", metadata={"pid": "x", "host": "h", "limit": 99, "job": 1})
+    assert slot is not None
+    [holder] = sem.holders("k")
+    assert holder.metadata["pid"] == os.getpid()
+    assert holder.metadata["host"] != "h"
+    assert holder.metadata["limit"] == 2
+    assert holder.metadata["job"] == 1
+    slot.release()
