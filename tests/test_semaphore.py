@@ -416,3 +416,29 @@ def test_an_acquire_answered_after_a_whole_lease_gives_the_slot_back(
     caller.join(timeout=30)
     assert result == [None]
     assert sem.count("k") == 0
+
+
+class _SlowRenewals(redis.Redis):
+    """A client whose renewals (extend.lua) wait 0.3 s before they are sent: slow replies
+    from a healthy server (fault injection; Redis itself is real)."""
+
+    slow_sha = ""
+
+    def evalsha(self, sha: str, *args: object, **kwargs: object) -> object:  # type: ignore[override]
+        if sha == self.slow_sha:
+            time.sleep(0.3)
+        return super().evalsha(sha, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_slow_renewal_replies_are_not_a_loss(redis_server: RedisServer) -> None:
+    client = _SlowRenewals(host="127.0.0.1", port=redis_server.port, socket_timeout=5)
+    sem = Semaphore(client, limit=1, lease=1.0)
+    warm = sem.acquire("k")  # loads the scripts, so that only renewals are slow below
+    assert warm is not None
+    assert warm.extend() is True
+    warm.release()
+    client.slow_sha = sem._scripts._scripts["extend"].sha
+    # Renewals every 0.5 s on a 1 s lease, each answered 0.3 s after it is due.
+    with sem.hold("k", heartbeat=0.5) as slot:
+        assert not slot.lost.wait(3.0)
+    assert not slot.lost.is_set()
