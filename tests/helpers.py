@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -109,6 +111,27 @@ def prefork_worker_process(
         stop_process(proc)
 
 
+def run_in_threads(target: Any, count: int) -> None:
+    """Run ``target()`` in ``count`` threads at once and wait for all of them."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def assert_force_release_is_reported(sem: Any, admin: Any) -> None:
+    """``sem`` (lease 2 s) holds a slot of "shared" while ``admin`` frees every slot: the
+    holder's next renewal must report the loss, and ``hold`` must raise."""
+    from celery_semaphore import SemaphoreLeaseLostError
+
+    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
+        assert admin.force_release_all("shared") == 1
+        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
+    assert "gone" in str(slot.lease_lost_error())
+    assert admin.force_release_all("shared") == 0
+
+
 def acquire_at_once(sem: Any, key: str, callers: int) -> list[Any]:
     """``callers`` threads released together by a barrier, each trying ``sem.acquire(key)``
     once; what each got (a Slot or None)."""
@@ -122,9 +145,5 @@ def acquire_at_once(sem: Any, key: str, callers: int) -> list[Any]:
         with lock:
             results.append(slot)
 
-    threads = [threading.Thread(target=caller) for _ in range(callers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(caller, callers)
     return results

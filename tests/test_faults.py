@@ -17,7 +17,7 @@ from celery_semaphore import Semaphore, SemaphoreError, SemaphoreLeaseLostError
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import peak_overlap, prefork_worker_process, wait_for
+from .helpers import peak_overlap, prefork_worker_process, run_in_threads, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,11 +38,7 @@ def test_rapid_cycles_with_short_leases_report_no_spurious_loss(
             except BaseException as exc:
                 errors.append(exc)
 
-    threads = [threading.Thread(target=cycle) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(cycle, 4)
     assert errors == []
     assert len(lost) == 1000
     assert not any(lost)

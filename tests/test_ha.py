@@ -37,7 +37,13 @@ from celery_semaphore.testing import (
     find_redis_server,
 )
 
-from .helpers import InFlight, acquire_at_once, wait_for
+from .helpers import (
+    InFlight,
+    acquire_at_once,
+    assert_force_release_is_reported,
+    run_in_threads,
+    wait_for,
+)
 
 
 def _ha_capable() -> str:
@@ -130,11 +136,7 @@ def _run_50_on_limit_5(sem: Semaphore, key: str) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=caller) for _ in range(50)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(caller, 50)
     assert errors == []
     assert inflight.entered == 50
     assert 1 <= inflight.peak <= 5
@@ -204,13 +206,7 @@ def test_cluster_hold_keeps_its_slot_through_a_body_three_times_the_lease(
 def test_cluster_force_release_all_makes_the_next_renewal_report_loss(
     on_cluster: MakeSemaphore,
 ) -> None:
-    sem = on_cluster(limit=3, lease=2.0)
-    admin = on_cluster(limit=3)
-    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
-        assert admin.force_release_all("shared") == 1
-        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
-    assert "gone" in str(slot.lease_lost_error())
-    assert admin.force_release_all("shared") == 0
+    assert_force_release_is_reported(on_cluster(limit=3, lease=2.0), on_cluster(limit=3))
 
 
 KEYS = ["openai", "tenant:acme", "{braces}", "a}b{c", "{", "x}", "ünïcødé ✓", "with spaces",

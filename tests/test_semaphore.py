@@ -24,7 +24,7 @@ from celery_semaphore import (
 )
 from celery_semaphore.testing import RedisServer
 
-from .helpers import InFlight, acquire_at_once
+from .helpers import InFlight, acquire_at_once, assert_force_release_is_reported, run_in_threads
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -56,11 +56,7 @@ def test_50_threads_on_limit_5_with_retries_never_exceed_5(make_semaphore: MakeS
     def caller() -> None:
         sem.run("legacy-api", body, retries=10_000, retry_delay=0.005)
 
-    threads = [threading.Thread(target=caller) for _ in range(50)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(caller, 50)
     assert len(done) == 50
     assert inflight.entered == 50
     assert 1 <= inflight.peak <= 5
@@ -142,13 +138,7 @@ def test_without_heartbeat_a_long_body_loses_its_lease(make_semaphore: MakeSemap
 def test_force_release_all_makes_the_next_renewal_report_loss(
     make_semaphore: MakeSemaphore,
 ) -> None:
-    sem = make_semaphore(limit=3, lease=2.0)
-    admin = make_semaphore(limit=3)
-    with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
-        assert admin.force_release_all("shared") == 1
-        assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
-    assert "gone" in str(slot.lease_lost_error())
-    assert admin.force_release_all("shared") == 0
+    assert_force_release_is_reported(make_semaphore(limit=3, lease=2.0), make_semaphore(limit=3))
 
 
 def test_a_failing_body_keeps_its_own_exception_even_when_the_slot_was_lost(
