@@ -6,8 +6,9 @@ argument, so a caller sees which option is wrong before anything is written to R
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .errors import SemaphoreValidationError
@@ -130,3 +131,13 @@ def check_callback(callback: object, name: str) -> Callable[..., Any] | None:
     if callback is not None and not callable(callback):
         raise SemaphoreValidationError(f"{name} must be callable or None, got {callback!r}")
     return callback
+
+
+def unknown_option(name: str, known: Collection[str]) -> SemaphoreValidationError:
+    """The error for an option ``name`` that is not one of ``known``, with the closest match
+    (by :func:`difflib.get_close_matches`) as a hint; a ``semaphore_*`` spelling of a task
+    option (the app setting's name) is pointed at the option."""
+    bare = name.removeprefix("semaphore_")
+    close = [bare] if bare in known else difflib.get_close_matches(bare, known, n=1, cutoff=0.8)
+    hint = f" (did you mean {close[0]!r}?)" if close else f"; known options: {sorted(known)}"
+    return SemaphoreValidationError(f"unknown semaphore option {name!r}{hint}")

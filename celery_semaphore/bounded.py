@@ -66,8 +66,40 @@ SHEDS_HEADER = "semaphore_sheds"
 """Message header: how many times this task was shed so far."""
 FIRST_SHED_HEADER = "semaphore_first_shed_at"
 """Message header: epoch seconds of the first shed, for the ``shed_timeout`` budget."""
+SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
+"""Message header: the ``request.retries`` the two above count for. Each attempt (each retry
+the task asks for itself) gets a fresh shed budget, so a user's ``self.retry()`` or
+``autoretry_for`` is never refused for sheds an earlier attempt spent."""
+
+BROKER_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        "x-delivery-count",
+    }
+)
+"""Headers RabbitMQ adds to a delivered message. Published again, RabbitMQ (before 4.0.1,
+with quorum queues and delayed delivery) takes the message for a dead-letter cycle and drops
+it; Celery's own ``retry()`` leaves the ``x-death`` family out (5.5 and later) for that
+reason, and a shed leaves out all of them whatever the Celery version."""
+
+
+def retry_headers(request: Any) -> dict[str, Any]:
+    """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
+    broker added (:data:`BROKER_HEADERS`)."""
+    headers = request.as_execution_options().get("headers") or {}
+    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS}
+
 
 KeySpec = str | Callable[..., str]
+
+OPTION_NAMES = ("semaphore", "limit", *POLICY_FIELDS)
+"""Every semaphore option a task or ``@bounded`` takes."""
 
 _current_slot: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
     "celery_semaphore_current_slot", default=None
@@ -204,13 +236,13 @@ class Bounded:
         retries: int = 0,
         retry_delay: float = 0.1,
     ) -> None:
+        unknown = sorted(set(options) - set(POLICY_FIELDS))
+        if unknown:
+            raise check.unknown_option(unknown[0], OPTION_NAMES)
         if semaphore is None:
             raise SemaphoreValidationError("semaphore option is required (the key to bound by)")
         self.key = KeyTemplate(semaphore, fn)
         self.limit = check.check_limit(limit)
-        unknown = set(options) - set(POLICY_FIELDS)
-        if unknown:
-            raise SemaphoreValidationError(f"unknown semaphore option(s): {sorted(unknown)}")
         self.options = {k: v for k, v in options.items() if v is not None}
         Policy().with_options(self.options)  # checks each given option now
         if app is not None and not isinstance(app, Celery):
@@ -466,9 +498,11 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
             published and the task fails.
     """
     request = task.request
-    headers = dict(request.headers or {})
-    sheds = int(headers.get(SHEDS_HEADER) or 0)
-    first = float(headers.get(FIRST_SHED_HEADER) or time.time())
+    headers = retry_headers(request)
+    attempt = request.retries or 0
+    same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
+    sheds = int(headers.get(SHEDS_HEADER) or 0) if same_attempt else 0
+    first = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
     spent = ""
     if policy.shed_max_retries is not None and sheds >= policy.shed_max_retries:
         spent = f"shed {sheds} times (shed_max_retries={policy.shed_max_retries})"
@@ -481,7 +515,9 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
             limit,
         )
     delay = countdown(policy, sheds, random.random())
-    headers.update({SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first})
+    headers.update(
+        {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
+    )
     if not (task.ignore_result or getattr(request, "ignore_result", False)):
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             task.backend.mark_as_retry(request.id, None, request=request)

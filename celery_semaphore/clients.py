@@ -7,8 +7,10 @@ point at any deployment; see :func:`client_from_url`.
 
 from __future__ import annotations
 
+import ssl
+from collections.abc import Callable
 from typing import Any, TypeAlias, cast
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -100,13 +102,29 @@ def _sentinel_client(url: str, options: dict[str, Any]) -> redis.Redis:
     options = {**options, **parsed}
     if len(segments) == 2:
         options["db"] = int(segments[1])
+    return sentinel_client(nodes, segments[0], **options)
+
+
+def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) -> redis.Redis:
+    """The primary that the Sentinels at ``nodes`` name for ``service``.
+
+    Args:
+        nodes (list[tuple[str, int]]): the Sentinels' ``(host, port)`` pairs.
+        service (str): the monitored primary's name (kombu's ``master_name``).
+        **options: options for the primary's connections (``db``, ``password``, ``ssl``,
+            timeouts, ...), plus ``sentinel_kwargs`` for the Sentinels' own (by default the
+            primary's socket timeouts).
+
+    Returns:
+        redis.Redis: a client whose every new connection asks a Sentinel for the primary.
+    """
+    options = {**default_options(), **options}
     timeouts = ("socket_timeout", "socket_connect_timeout")
     sentinel_kwargs = options.pop(
         "sentinel_kwargs", {name: options[name] for name in timeouts if name in options}
     )
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
-    client: redis.Redis = sentinel.master_for(segments[0], **options)  # type: ignore[no-untyped-call]
-    return client
+    return client_from_options(sentinel.master_for, service, **options)
 
 
 def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
@@ -156,19 +174,85 @@ def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
         SemaphoreBackendError: no node of a ``redis+cluster://`` URL could be reached (that
             client connects at once; the others on first use).
     """
-    options: dict[str, Any] = {
+    options = {**default_options(), **kwargs}
+    if url.startswith(CLUSTER_SCHEME):
+        return cast(redis.Redis, _cluster_client(url, options))
+    if url.startswith(SENTINEL_SCHEME):
+        return _sentinel_client(url, options)
+    try:
+        return client_from_options(redis.Redis.from_url, _normalise_query(url), **options)
+    except ValueError as exc:  # redis-py's word for a URL it cannot parse
+        if isinstance(exc, SemaphoreValidationError):
+            raise
+        raise SemaphoreValidationError(f"cannot use Redis URL {url!r}: {exc}") from None
+
+
+def default_options() -> dict[str, Any]:
+    """The client options every semaphore client starts from (see :func:`client_from_url`)."""
+    return {
         "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
         "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
         "retry": Retry(
             ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
         ),
     }
-    options.update(kwargs)
-    if url.startswith(CLUSTER_SCHEME):
-        return cast(redis.Redis, _cluster_client(url, options))
-    if url.startswith(SENTINEL_SCHEME):
-        return _sentinel_client(url, options)
+
+
+def client_from_options(
+    make: Callable[..., redis.Redis], *args: Any, **options: Any
+) -> redis.Redis:
+    """``make(*args, **options)`` with ``ssl_cert_reqs`` in any of Celery's spellings, checked.
+
+    Raises:
+        SemaphoreValidationError: as :func:`checked`, or ``ssl_cert_reqs`` is no known value.
+    """
+    if "ssl_cert_reqs" in options:
+        options["ssl_cert_reqs"] = _cert_reqs(options["ssl_cert_reqs"])
+    return checked(make(*args, **options))
+
+
+def checked(client: redis.Redis) -> redis.Redis:
+    """``client``, once one of its connections could be made (not connected) from its options.
+
+    redis-py checks most connection options only when it opens the first connection, so a bad
+    TLS flag would otherwise surface on every command as if the server were down. Making one
+    connection object here turns such a mistake into a configuration error, raised once.
+
+    Raises:
+        SemaphoreValidationError: the options do not make a connection; the message says why.
+    """
+    pool = client.connection_pool
     try:
-        return redis.Redis.from_url(url, **options)
-    except ValueError as exc:  # redis-py's word for a URL it cannot parse
-        raise SemaphoreValidationError(f"cannot use Redis URL {url!r}: {exc}") from None
+        pool.connection_class(**pool.connection_kwargs)
+    except (TypeError, ValueError, redis.RedisError) as exc:
+        raise SemaphoreValidationError(
+            f"these Redis client options cannot make a connection: {type(exc).__name__}: {exc}"
+        ) from None
+    return client
+
+
+_CERT_REQS = {"none": "none", "optional": "optional", "required": "required"}
+
+
+def _cert_reqs(value: object) -> object:
+    """``ssl_cert_reqs`` as redis-py takes it, from any spelling Celery or kombu accepts
+    (``CERT_NONE``, ``none``, ``ssl.CERT_NONE``, ...)."""
+    if value is None or isinstance(value, ssl.VerifyMode):
+        return value
+    if isinstance(value, str):
+        name = value.lower().removeprefix("cert_")
+        if name in _CERT_REQS:
+            return _CERT_REQS[name]
+    raise SemaphoreValidationError(
+        f"ssl_cert_reqs must be CERT_NONE, CERT_OPTIONAL or CERT_REQUIRED, got {value!r}"
+    )
+
+
+def _normalise_query(url: str) -> str:
+    """``url`` with an ``ssl_cert_reqs`` query value in redis-py's spelling."""
+    base, sep, query = url.partition("?")
+    if not sep or "ssl_cert_reqs" not in query:
+        return url
+    pairs = parse_qsl(query, keep_blank_values=True)
+    fixed = [(k, str(_cert_reqs(v)) if k == "ssl_cert_reqs" else v) for k, v in pairs]
+    return f"{base}?{urlencode(fixed)}"

@@ -22,8 +22,9 @@ task option              app setting                  default    meaning
 ``interrupt``            ``semaphore_interrupt``      False      stop the body on lease loss
 ======================== ============================ ========== ==========================
 
-``semaphore_url`` defaults to the broker URL when the broker is Redis, else the result
-backend's URL when that is Redis; otherwise it must be set.
+``semaphore_url`` defaults to Celery's broker when that is Redis, else its result backend when
+that is Redis, read as Celery reads them (see :mod:`celery_semaphore.store`); otherwise it
+must be set.
 """
 
 from __future__ import annotations
@@ -38,13 +39,12 @@ import redis
 from celery import Celery
 
 from . import _validation as check
-from .clients import client_from_url
 from .errors import SemaphoreValidationError
 from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX
+from .store import Store, resolve_store
 
 ON_FULL = ("retry", "raise")
 ON_LEASE_LOST = ("raise", "retry")
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "redis+sentinel://")
 
 
 @dataclass(frozen=True)
@@ -130,29 +130,19 @@ class AppSettings:
     """The ``semaphore_*`` settings of one Celery app, resolved once.
 
     Attributes:
-        url (str): Redis URL of the semaphore store.
+        store (Store): the Redis holding the slots (see :func:`resolve_store`).
         prefix (str): key namespace.
         policy (Policy): app-wide defaults for the task options.
     """
 
-    url: str
+    store: Store
     prefix: str
     policy: Policy
 
-
-def _is_redis(url: object) -> bool:
-    return isinstance(url, str) and url.startswith(_REDIS_SCHEMES)
-
-
-def _default_url(conf: Any) -> str:
-    for setting in ("broker_url", "result_backend"):
-        value = conf.get(setting)
-        if _is_redis(value):
-            return str(value)
-    raise SemaphoreValidationError(
-        "semaphore_url is not set and neither broker_url nor result_backend is a Redis URL: "
-        "set app.conf.semaphore_url = 'redis://host:6379/0'"
-    )
+    @property
+    def url(self) -> str:
+        """The store's URL, password masked."""
+        return self.store.url
 
 
 def app_settings(app: Celery) -> AppSettings:
@@ -172,9 +162,7 @@ def app_settings(app: Celery) -> AppSettings:
         raise SemaphoreValidationError(
             f"unknown setting(s) {', '.join(unknown)}; celery-semaphore knows {sorted(known)}"
         )
-    url = conf.get("semaphore_url") or _default_url(conf)
-    if not _is_redis(url):
-        raise SemaphoreValidationError(f"semaphore_url must be a Redis URL, got {url!r}")
+    store = resolve_store(app)
     prefix = conf.get("semaphore_prefix") or DEFAULT_PREFIX
     check.check_key(prefix, "semaphore_prefix")
     options = {name: conf.get(f"semaphore_{name}") for name in POLICY_FIELDS}
@@ -182,24 +170,25 @@ def app_settings(app: Celery) -> AppSettings:
         policy = Policy().with_options(options)
     except SemaphoreValidationError as exc:
         raise SemaphoreValidationError(f"app.conf.semaphore_{exc}", None, None) from None
-    settings = AppSettings(url=str(url), prefix=prefix, policy=policy)
+    settings = AppSettings(store=store, prefix=prefix, policy=policy)
     app._semaphore_settings = settings
     return settings
 
 
 def client_for(app: Celery) -> redis.Redis:
-    """The redis-py client for the app's ``semaphore_url``, made once per app.
+    """The redis-py client for the app's semaphore store, made once per app.
 
     Sharing it across a fork is safe: redis-py gives a child process fresh connections.
 
     Raises:
-        SemaphoreValidationError: as :func:`app_settings`.
+        SemaphoreValidationError: as :func:`app_settings`, or the store's client options
+            cannot make a connection.
+        SemaphoreBackendError: a ``redis+cluster://`` store cannot be reached.
     """
-    url = app_settings(app).url
-    clients: dict[str, redis.Redis] = app.__dict__.setdefault("_semaphore_clients", {})
-    client = clients.get(url)
+    settings = app_settings(app)
+    client: redis.Redis | None = app.__dict__.get("_semaphore_client")
     if client is None:
-        client = clients[url] = client_from_url(url)
+        client = app.__dict__["_semaphore_client"] = settings.store.connect()
     return client
 
 

@@ -23,7 +23,8 @@ from .config import app_settings, client_for
 from .errors import SemaphoreBackendError, SemaphoreValidationError
 from .inspection import held_by_worker, server_warnings
 from .semaphore import logger
-from .worker import bounded_of, use_timer
+from .store import broker_visibility_timeout
+from .worker import bounded_of, refusal_of, use_timer
 
 
 def worker_report(app: Celery, worker: str) -> dict[str, Any]:
@@ -70,9 +71,12 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         app = worker.app
-        visibility = _visibility_timeout(app)
+        visibility = broker_visibility_timeout(app)
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
+            refused = refusal_of(task)
+            if refused is not None:
+                raise refused
             found = bounded_of(task)
             if found is None:
                 continue
@@ -104,16 +108,6 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def info(self, worker: Any) -> dict[str, Any]:
         return {"semaphore": worker_report(worker.app, worker.hostname)}
-
-
-def _visibility_timeout(app: Celery) -> float | None:
-    """The Redis broker's visibility timeout in seconds; None for other brokers."""
-    url = str(app.conf.broker_url or "")
-    # kombu runs sentinel:// brokers on its Redis transport too.
-    if not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://", "sentinel")):
-        return None
-    options = app.conf.broker_transport_options or {}
-    return float(options.get("visibility_timeout", 3600))
 
 
 def _add_step(sender: Any = None, **_: Any) -> None:

@@ -34,7 +34,6 @@ from celery import Celery
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
-from .clients import client_from_url
 from .config import app_settings
 from .errors import SemaphoreBackendError
 from .inspection import SemaphoreView, views
@@ -88,7 +87,7 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
     flower_command.apply_options(sys.argv[0], list(argv))
     flower_command.extract_settings()
     flower_command.setup_logging()
-    client = client_from_url(settings.url)
+    client = settings.store.connect()
     flower_app = Flower(capp=app, options=tornado_options, **flower_settings)
     add_semaphore_routes(flower_app, functools.partial(views, client, prefix=settings.prefix))
     atexit.register(flower_app.stop)

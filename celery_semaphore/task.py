@@ -16,13 +16,16 @@ option, its app-wide setting and its default.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 from celery import Celery, Task
 
-from .bounded import Bounded
+from . import _validation as check
+from .bounded import OPTION_NAMES, Bounded
 from .config import POLICY_FIELDS
 from .errors import SemaphoreValidationError
 
@@ -60,7 +63,13 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:
-        """Check the options and wrap ``run`` so that each run holds a slot."""
+        """Check the options and wrap ``run`` so that each run holds a slot.
+
+        When an option is invalid, ``run`` is replaced by one that raises the same
+        :class:`SemaphoreValidationError` on every call (worker, ``apply()``, eager mode, a
+        direct call), so a task Celery has already bound can never run unbounded; and the
+        error is raised now, which stops a worker from starting.
+        """
         super().on_bound(app)
         if cls.__dict__.get("abstract"):
             return
@@ -74,15 +83,68 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         # A subclass of a bound task inherits its parent's wrapper: wrap the body afresh,
         # with this class's own options and app.
         fn = getattr(fn, "__semaphore_body__", fn)
-        options = {name: getattr(cls, name) for name in POLICY_FIELDS}
         try:
-            bounded = Bounded(fn, cls.semaphore, cls.limit, options, app=app)
+            _check_unknown_options(cls)
+            options = {name: getattr(cls, name) for name in POLICY_FIELDS}
+            wrapped: Any = Bounded(fn, cls.semaphore, cls.limit, options, app=app).wrap(fn)
         except SemaphoreValidationError as exc:
-            raise SemaphoreValidationError(
-                f"task {cls.name!r}: {exc}", exc.key, exc.limit
-            ) from None
-        wrapped: Any = bounded.wrap(fn)
+            error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)
+            cls.run = staticmethod(refusing(fn, error)) if is_static else refusing(fn, error)
+            raise error from None
         cls.run = staticmethod(wrapped) if is_static else wrapped
+
+
+CELERY_OPTIONS = frozenset(
+    {
+        *dir(Task),
+        # Options Celery's task decorator takes that are not Task attributes.
+        "autoretry_for",
+        "dont_autoretry_for",
+        "retry_kwargs",
+        "retry_backoff",
+        "retry_backoff_max",
+        "retry_jitter",
+    }
+)
+
+
+def _check_unknown_options(cls: type) -> None:
+    """Refuse a class attribute that looks like a misspelt semaphore option.
+
+    Celery turns every ``@app.task`` keyword into a class attribute and lets task classes
+    carry attributes of their own, so an unknown name cannot be refused outright. Refused:
+    a data attribute (not a method) of the task's own classes, neither a Celery task option
+    nor private, whose name starts with ``semaphore`` or ``shed_`` or is close
+    (:func:`difflib.get_close_matches`, cutoff 0.8) to a semaphore option's.
+    """
+    known = set(OPTION_NAMES)
+    for klass in cls.__mro__:
+        if klass is SemaphoreTask:
+            return
+        for name, value in vars(klass).items():
+            if name.startswith("_") or name in known or name in CELERY_OPTIONS:
+                continue
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
+                continue
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close or name.startswith(("semaphore", "shed_")):
+                raise check.unknown_option(name, OPTION_NAMES)
+
+
+def refusing(fn: Callable[..., Any], error: SemaphoreValidationError) -> Callable[..., Any]:
+    """A stand-in for ``fn`` that raises ``error`` on every call and never runs ``fn``.
+
+    It carries the error as ``__semaphore_error__`` (the worker refuses to start on it) and
+    ``fn`` as ``__semaphore_body__`` (binding again checks the options afresh).
+    """
+
+    @functools.wraps(fn)
+    def refuse(*args: Any, **kwargs: Any) -> NoReturn:
+        raise error
+
+    refuse.__semaphore_error__ = error  # type: ignore[attr-defined]
+    refuse.__semaphore_body__ = fn  # type: ignore[attr-defined]
+    return refuse
 
 
 __all__ = ["SemaphoreTask"]

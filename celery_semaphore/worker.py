@@ -29,7 +29,7 @@ from celery.signals import task_failure, task_revoked
 from celery.utils.log import get_logger
 
 from .bounded import Bounded
-from .errors import SemaphoreError
+from .errors import SemaphoreError, SemaphoreValidationError
 from .semaphore import Holder, Semaphore
 from .stats import bump
 
@@ -45,6 +45,14 @@ def bounded_of(task: Any) -> tuple[Bounded, bool] | None:
     fn = run.__func__ if is_static else run
     found = getattr(fn, "__semaphore__", None)
     return (found, not is_static) if isinstance(found, Bounded) else None
+
+
+def refusal_of(task: Any) -> SemaphoreValidationError | None:
+    """The error every run of ``task`` raises because its semaphore options are invalid."""
+    run = inspect.getattr_static(type(task), "run", None)
+    fn = run.__func__ if isinstance(run, staticmethod) else run
+    error = getattr(fn, "__semaphore_error__", None)
+    return error if isinstance(error, SemaphoreValidationError) else None
 
 
 def release_dead_run(
