@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import logging
 import math
 import random
 import string
@@ -35,7 +36,6 @@ from typing import Any, NoReturn
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
 from celery.exceptions import Ignore
-from celery.utils.log import get_task_logger
 
 from . import _validation as check
 from .config import POLICY_FIELDS, Policy, app_settings, client_for, countdown
@@ -58,9 +58,9 @@ from .signals import (
 )
 from .stats import bump
 
-# A child of the package's logger: get_task_logger would turn the package logger itself
-# into a task logger, whose lines outside a task read "???[???]".
-logger = get_task_logger("celery_semaphore.task")
+# A plain child of the package's logger, so that configuring "celery_semaphore" configures
+# it; each line names its task itself (a Celery task logger would not be such a child).
+logger = logging.getLogger(__name__)
 
 SHEDS_HEADER = "semaphore_sheds"
 """Message header: how many times this task was shed so far."""
@@ -455,6 +455,11 @@ def _full_error(key: str, limit: int) -> SemaphoreNotAcquiredError:
     return SemaphoreNotAcquiredError(f"semaphore {key!r} has all {limit} slots held", key, limit)
 
 
+def _who(task: Task | None) -> str:
+    """``"Task <name>[<id>]: "`` for log lines about a task's run (Celery's own wording)."""
+    return "" if task is None else f"Task {task.name}[{task.request.id}]: "
+
+
 def _task_metadata(task: Task) -> dict[str, Any]:
     request = task.request
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}
@@ -462,7 +467,9 @@ def _task_metadata(task: Task) -> dict[str, Any]:
 
 def _renew_failed(task: Task | None, slot: Slot, template: str) -> Callable[[BaseException], None]:
     def report(error: BaseException) -> None:
-        logger.warning("semaphore %r: a renewal failed and will be retried: %s", slot.key, error)
+        logger.warning(
+            "%ssemaphore %r: a renewal failed and will be retried: %s", _who(task), slot.key, error
+        )
         semaphore_renew_failed.send(
             sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, error=error
         )
@@ -472,7 +479,7 @@ def _renew_failed(task: Task | None, slot: Slot, template: str) -> Callable[[Bas
 
 def _lease_lost(task: Task | None, slot: Slot, template: str) -> None:
     reason = slot.lease_lost_error().message
-    logger.error("semaphore %r (limit %d): slot lost: %s", slot.key, slot.limit, reason)
+    logger.error("%s%s", _who(task), reason)
     semaphore_lease_lost.send(
         sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, reason=reason
     )
@@ -522,9 +529,13 @@ def _shed(task: Task, policy: Policy, key: str, limit: int, template: str, reaso
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
-    # The task logger's prefix names the task and its id.
     logger.info(
-        "semaphore %r (limit %d): shed (%s), runs again in %.2fs", key, limit, reason, delay
+        "%ssemaphore %r (limit %d): shed (%s), runs again in %.2fs",
+        _who(task),
+        key,
+        limit,
+        reason,
+        delay,
     )
     semaphore_shed.send(
         sender=task,

@@ -99,7 +99,12 @@ def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool) -> None:
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
 def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
-    """Free every slot of KEY. Running holders keep running and learn at their next renewal."""
+    """Free every slot of KEY, for runs that are stuck or gone.
+
+    A displaced run that is still alive learns of it at its next renewal: its task then fails
+    with SemaphoreLeaseLostError even if its body returns, or runs again when the task has
+    on_lease_lost="retry" (with interrupt=True the body is stopped at once).
+    """
     app = _app(ctx)
     [sem] = _views(app, (key,))
     click.echo(render([sem]))

@@ -24,11 +24,10 @@ from pathlib import Path
 
 import redis
 from celery import Celery
+from redis_url import redis_url
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-
-from celery_semaphore.testing import RedisServer
 
 HERE = Path(__file__).resolve().parent
 console = Console()
@@ -100,10 +99,8 @@ def progress(client: redis.Redis, args: argparse.Namespace, started: float) -> T
 def main() -> int:
     args = parse_args()
     with ExitStack() as stack:
-        url = os.environ.get("REDIS_URL")
-        if not url:
-            server = stack.enter_context(RedisServer())
-            url = server.url
+        url = redis_url(stack)
+        if not os.environ.get("REDIS_URL"):
             console.print(f"Started a private redis-server at {url}")
         os.environ["DEMO_REDIS_URL"] = url
         os.environ["DEMO_LIMIT"] = str(args.limit)

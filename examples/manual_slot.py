@@ -5,17 +5,17 @@ python examples/manual_slot.py          # uses REDIS_URL, or starts a private re
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import ExitStack
 
+from redis_url import redis_url
+
 from celery_semaphore import Semaphore, SemaphoreNotAcquiredError
-from celery_semaphore.testing import RedisServer
 
 
 def main() -> None:
     with ExitStack() as stack:
-        url = os.environ.get("REDIS_URL") or stack.enter_context(RedisServer()).url
+        url = redis_url(stack)
         sem = Semaphore(url, limit=2, lease=5.0)
 
         # acquire returns None when every slot is held: "no capacity" is an ordinary branch.

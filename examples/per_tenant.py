@@ -9,7 +9,6 @@ each other. Runs an in-process worker (threads pool) so it needs nothing but Red
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -17,9 +16,9 @@ from contextlib import ExitStack
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from redis_url import redis_url
 
 from celery_semaphore import SemaphoreTask
-from celery_semaphore.testing import RedisServer
 
 
 def make_app(url: str) -> Celery:
@@ -46,7 +45,7 @@ def make_app(url: str) -> Celery:
 
 def main() -> None:
     with ExitStack() as stack:
-        url = os.environ.get("REDIS_URL") or stack.enter_context(RedisServer()).url
+        url = redis_url(stack)
         app = make_app(url)
         # Closed before the server stops, so the result backend does not try to reconnect.
         stack.callback(app.close)
