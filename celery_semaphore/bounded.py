@@ -85,7 +85,7 @@ BROKER_HEADERS = frozenset(
 )
 """Headers RabbitMQ adds to a delivered message. Published again, RabbitMQ (before 4.0.1,
 with quorum queues and delayed delivery) takes the message for a dead-letter cycle and drops
-it; Celery's own ``retry()`` leaves the ``x-death`` family out (5.5 and later) for that
+it; Celery's own ``retry()`` leaves the ``x-death`` family out (5.7 and later) for that
 reason, and a shed leaves out all of them whatever the Celery version."""
 
 

