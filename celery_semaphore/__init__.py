@@ -1,27 +1,45 @@
 """celery-semaphore: cap how many Celery tasks run at once across every worker.
 
-A leased counting semaphore in Redis (:class:`Semaphore`), and the Celery glue that puts one
-in front of a task (:class:`SemaphoreTask`, :func:`bounded`).
+A leased counting semaphore in Redis (:class:`Semaphore`, in :mod:`celery_semaphore.core`),
+and the Celery glue that puts one in front of a task (:class:`SemaphoreTask`,
+:func:`bounded`, in :mod:`celery_semaphore.integration`).
+
+The Celery names are imported on first use, so ``from celery_semaphore import Semaphore``
+imports neither Celery nor the glue's worker hooks.
 """
 
-# Imported for their effects: the worker-side signal handlers and the inspect command.
-from . import control as _control  # noqa: F401
-from . import worker as _worker  # noqa: F401
-from .bounded import current_slot
-from .decorators import bounded
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .core import Holder, Semaphore, SemaphoreAdmin, Slot
 from .errors import (
+    LeaseInterrupted,
     SemaphoreBackendError,
     SemaphoreError,
     SemaphoreLeaseLostError,
     SemaphoreNotAcquiredError,
     SemaphoreValidationError,
 )
-from .semaphore import Holder, Semaphore, Slot
-from .task import SemaphoreTask
+
+if TYPE_CHECKING:
+    from .integration import SemaphoreTask, bounded, current_slot
+
+_GLUE = frozenset({"SemaphoreTask", "bounded", "current_slot"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GLUE:
+        return getattr(importlib.import_module(".integration", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Holder",
+    "LeaseInterrupted",
     "Semaphore",
+    "SemaphoreAdmin",
     "SemaphoreBackendError",
     "SemaphoreError",
     "SemaphoreLeaseLostError",

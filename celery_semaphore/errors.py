@@ -7,6 +7,7 @@ Every error derives from one base, so ``except SemaphoreError`` catches them all
     │                                   (also a ValueError)
     ├── SemaphoreNotAcquiredError       every slot was taken (after any retries)
     ├── SemaphoreLeaseLostError         a slot was lost while its body ran
+    │   └── LeaseInterrupted            raised inside a body stopped by interrupt=True
     └── SemaphoreBackendError           Redis failed; the redis-py error is __cause__
 
 Errors must survive pickling, because Celery ships a task's exception to the result backend
@@ -67,3 +68,18 @@ class SemaphoreBackendError(SemaphoreError):
 
     The redis-py exception is kept as ``__cause__``.
     """
+
+
+class LeaseInterrupted(SemaphoreLeaseLostError):
+    """Raised inside a body whose slot was lost, when ``interrupt`` is on.
+
+    The bounded task turns it into a :class:`SemaphoreLeaseLostError` naming the key.
+    """
+
+    def __init__(
+        self,
+        message: str = "slot lost: body interrupted",
+        key: str | None = None,
+        limit: int | None = None,
+    ) -> None:
+        super().__init__(message, key, limit)

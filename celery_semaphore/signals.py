@@ -1,72 +1,23 @@
-"""Celery signals, task events and worker counters for the moments a bounded task lives through.
+"""The semaphore's Celery signals, at the import path the docs give them.
 
-Signals (``celery.utils.dispatch.Signal``, like Celery's own) are sent in the process that runs
-the body, with the task as sender::
-
-    from celery_semaphore.signals import semaphore_shed
-
-    @semaphore_shed.connect
-    def on_shed(sender, key, limit, countdown, sheds, reason, **kwargs): ...
-
-Every signal also gets ``template``: the task's ``semaphore`` option as written (for a key
-template such as ``"tenant:{tenant_id}"``, the template rather than the rendered key).
-
-================================ ==========================================================
-signal                           keyword arguments
-================================ ==========================================================
-``semaphore_acquired``           key, limit, template, slot, waited (seconds acquiring)
-``semaphore_released``           key, limit, template, slot, held (seconds), lost (bool)
-``semaphore_shed``               key, limit, template, countdown (s), sheds (so far), reason
-``semaphore_refused``            key, limit, template, reason (the run fails instead)
-``semaphore_lease_lost``         key, limit, template, slot, reason
-``semaphore_renew_failed``       key, limit, template, slot, error
-================================ ==========================================================
-
-When the worker sends task events (``celery worker -E``, or ``worker_send_task_events``; a
-worker's ``-E`` is passed on to its pool processes when it starts), the same moments are
-also sent as ``task-semaphore-acquired``, ``task-semaphore-shed`` and
-``task-semaphore-lost`` events, which Flower lists with the task and counts in its
-Prometheus event counter.
+They live in :mod:`celery_semaphore.integration.signals`; see there for each signal's
+arguments.
 """
 
-from __future__ import annotations
-
-import logging
-from typing import Any
-
-from celery import Task
-from celery.utils.dispatch import Signal
-
-logger = logging.getLogger("celery_semaphore")
-
-_COMMON = {"key", "limit", "template"}
-semaphore_acquired = Signal(name="semaphore_acquired", providing_args=_COMMON | {"slot", "waited"})
-semaphore_released = Signal(
-    name="semaphore_released", providing_args=_COMMON | {"slot", "held", "lost"}
-)
-semaphore_shed = Signal(
-    name="semaphore_shed", providing_args=_COMMON | {"countdown", "sheds", "reason"}
-)
-semaphore_refused = Signal(name="semaphore_refused", providing_args=_COMMON | {"reason"})
-semaphore_lease_lost = Signal(
-    name="semaphore_lease_lost", providing_args=_COMMON | {"slot", "reason"}
-)
-semaphore_renew_failed = Signal(
-    name="semaphore_renew_failed", providing_args=_COMMON | {"slot", "error"}
+from .integration.signals import (
+    semaphore_acquired,
+    semaphore_lease_lost,
+    semaphore_refused,
+    semaphore_released,
+    semaphore_renew_failed,
+    semaphore_shed,
 )
 
-
-def send_event(task: Task | None, event: str, **fields: Any) -> None:
-    """Send task event ``task-semaphore-<event>`` if the worker sends task events.
-
-    Never raises: an event that cannot be published is logged, and the task goes on.
-    """
-    if task is None or task.request.is_eager or task.request.called_directly:
-        return
-    app = task.app
-    if not (app.conf.worker_send_task_events or app.__dict__.get("_semaphore_task_events")):
-        return
-    try:
-        task.send_event(f"task-semaphore-{event}", retry=False, **fields)
-    except Exception:
-        logger.warning("could not send task-semaphore-%s event", event, exc_info=True)
+__all__ = [
+    "semaphore_acquired",
+    "semaphore_lease_lost",
+    "semaphore_refused",
+    "semaphore_released",
+    "semaphore_renew_failed",
+    "semaphore_shed",
+]

@@ -7,24 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from celery.signals import worker_init
-from kombu.asynchronous import set_event_loop
 
 from celery_semaphore import Semaphore
-from celery_semaphore.testing import RedisServer
+from celery_semaphore.testing import RedisServer, isolate_worker_event_loops
 
-
-@worker_init.connect
-def _own_event_loop_per_worker(**_: object) -> None:
-    """Give every in-process worker an event loop of its own.
-
-    A worker's Hub step reuses kombu's process-wide current event loop if one is set, and
-    kombu before 5.6.1 (so every Celery 5.5) leaves a closed worker's loop set. A later
-    in-process worker then runs on that loop, which fires the *earlier* worker's timer, never
-    its own: messages with a countdown or ETA (shed runs, ``self.retry(countdown=...)``) are
-    received and never run. kombu 5.6.1 clears the loop in ``Hub.close`` (celery/kombu#2404).
-    """
-    set_event_loop(None)
+# Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
+isolate_worker_event_loops()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,7 +1,7 @@
 """Run Flower with the Semaphores page for the tests, in a process of its own.
 
 ``python -m tests.flower_helper REDIS_URL [FLOWER_OPTION ...]`` runs
-:func:`celery_semaphore.flower.start_flower` for ``tests.celery_apps.make_app(REDIS_URL)``
+:func:`celery_semaphore.views.flower.start_flower` for ``tests.celery_apps.make_app(REDIS_URL)``
 until SIGTERM. ``CSEM_FLOWER_SEMAPHORE_URL``, when set, points the page at another Redis (a
 dead one, say) while Flower itself keeps using REDIS_URL as its broker.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from celery_semaphore.flower import start_flower
+from celery_semaphore.views.flower import start_flower
 
 from .celery_apps import make_app
 

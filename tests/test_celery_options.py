@@ -8,8 +8,9 @@ import pytest
 from celery import Celery
 
 from celery_semaphore import SemaphoreTask, SemaphoreValidationError, bounded
-from celery_semaphore.config import Policy, app_settings, countdown
-from celery_semaphore.worker import bounded_of
+from celery_semaphore.integration.policy import Policy, countdown
+from celery_semaphore.integration.runner import runner_of
+from celery_semaphore.integration.settings import app_settings
 
 # No Redis is contacted by anything here: options fail before any connection is made.
 URL = "redis://127.0.0.1:1/0"
@@ -100,7 +101,7 @@ def test_precedence_task_option_over_app_setting_over_default() -> None:
     @app.task(base=SemaphoreTask, semaphore="k", limit=3, lease=10.0, shared=False, name="p.t")
     def t() -> None: ...
 
-    found = bounded_of(app.tasks["p.t"])
+    found = runner_of(app.tasks["p.t"])
     assert found is not None
     semaphore, policy = found[0].resolve(app)
     assert policy.lease == 10.0  # task option
@@ -155,12 +156,12 @@ def test_a_subclass_of_a_bound_task_gets_its_own_semaphore() -> None:
 
     app.register_task(Fetch())
     app.register_task(FetchB())
-    found_a = bounded_of(app.tasks["sub.fetch_a"])
-    found_b = bounded_of(app.tasks["sub.fetch_b"])
+    found_a = runner_of(app.tasks["sub.fetch_a"])
+    found_b = runner_of(app.tasks["sub.fetch_b"])
     assert found_a is not None
     assert found_b is not None
-    assert (found_a[0].key.source, found_a[0].limit) == ("provider-a", 1)
-    assert (found_b[0].key.source, found_b[0].limit) == ("provider-b", 5)
+    assert (found_a[0].template.source, found_a[0].limit) == ("provider-a", 1)
+    assert (found_b[0].template.source, found_b[0].limit) == ("provider-b", 5)
 
 
 def test_bad_app_option_for_bounded_is_named() -> None:

@@ -21,7 +21,7 @@ from celery_semaphore import (
     SemaphoreValidationError,
     bounded,
 )
-from celery_semaphore.config import app_settings, client_for
+from celery_semaphore.integration.settings import app_settings, client_for
 from celery_semaphore.signals import semaphore_shed
 from celery_semaphore.testing import RedisServer
 

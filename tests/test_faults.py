@@ -177,6 +177,6 @@ def test_an_evicting_redis_is_warned_about_when_a_worker_starts(
 
 
 def test_a_noeviction_redis_gets_no_warning(redis_server: RedisServer) -> None:
-    from celery_semaphore.inspection import server_warnings
+    from celery_semaphore.core.admin import SemaphoreAdmin
 
-    assert server_warnings(redis_server.client()) == []
+    assert SemaphoreAdmin(redis_server.client()).server_warnings() == []

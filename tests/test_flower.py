@@ -30,8 +30,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import SemaphoreTask
-from celery_semaphore.inspection import views
 from celery_semaphore.testing import RedisServer
+from celery_semaphore.views.inspection import views
 
 from .celery_apps import make_app
 from .helpers import stop_process, wait_for

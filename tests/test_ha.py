@@ -26,16 +26,12 @@ from celery_semaphore import (
     Slot,
     current_slot,
 )
-from celery_semaphore.clients import client_from_url
-from celery_semaphore.config import app_settings
-from celery_semaphore.inspection import scan_keys, views
-from celery_semaphore.semaphore import redis_keys
-from celery_semaphore.testing import (
-    RedisCluster,
-    RedisSentinel,
-    find_redis_cli,
-    find_redis_server,
-)
+from celery_semaphore.core.admin import SemaphoreAdmin
+from celery_semaphore.core.clients import client_from_url
+from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.integration.settings import app_settings
+from celery_semaphore.testing import find_redis_cli, find_redis_server
+from celery_semaphore.views.inspection import views
 
 from .helpers import (
     InFlight,
@@ -44,6 +40,7 @@ from .helpers import (
     run_in_threads,
     wait_for,
 )
+from .servers import ClusterServers, SentinelServers
 
 
 def _ha_capable() -> str:
@@ -63,20 +60,20 @@ def _ha_capable() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
+def cluster() -> Iterator[ClusterServers]:
     reason = _ha_capable()
     if reason:
         pytest.skip(f"cannot run a Redis Cluster: {reason}")
-    with RedisCluster() as started:
+    with ClusterServers() as started:
         yield started
 
 
 @pytest.fixture(scope="module")
-def sentinel_set() -> Iterator[RedisSentinel]:
+def sentinel_set() -> Iterator[SentinelServers]:
     reason = _ha_capable()
     if reason:
         pytest.skip(f"cannot run Redis Sentinel: {reason}")
-    with RedisSentinel() as started:
+    with SentinelServers() as started:
         yield started
 
 
@@ -84,7 +81,7 @@ MakeSemaphore = Callable[..., Semaphore]
 
 
 @pytest.fixture
-def on_cluster(cluster: RedisCluster) -> Iterator[MakeSemaphore]:
+def on_cluster(cluster: ClusterServers) -> Iterator[MakeSemaphore]:
     """``on_cluster(limit=...)``: a semaphore made from the cluster's URL, on an empty cluster."""
     admin = cluster.client()
     admin.flushall()  # every primary
@@ -102,7 +99,7 @@ def on_cluster(cluster: RedisCluster) -> Iterator[MakeSemaphore]:
 
 
 @pytest.fixture
-def master(sentinel_set: RedisSentinel) -> Iterator[redis.Redis]:
+def master(sentinel_set: SentinelServers) -> Iterator[redis.Redis]:
     """A Sentinel-managed client for the current primary, which is emptied first."""
     client = sentinel_set.master_client()
     client.flushall()
@@ -179,7 +176,7 @@ def _run_a_bounded_task(url: str) -> None:
 # --- Redis Cluster ---------------------------------------------------------------------------
 
 
-def test_cluster_url_makes_a_cluster_client(cluster: RedisCluster) -> None:
+def test_cluster_url_makes_a_cluster_client(cluster: ClusterServers) -> None:
     client = client_from_url(cluster.url)
     assert isinstance(client, redis.RedisCluster)
     assert len(client.get_primaries()) == 3
@@ -214,7 +211,7 @@ KEYS = ["openai", "tenant:acme", "{braces}", "a}b{c", "{", "x}", "ünïcødé �
 
 
 def test_cluster_keys_of_every_shape_spread_over_the_nodes(
-    cluster: RedisCluster, on_cluster: MakeSemaphore
+    cluster: ClusterServers, on_cluster: MakeSemaphore
 ) -> None:
     sem = on_cluster(limit=2, lease=30.0)
     client = sem.client
@@ -233,13 +230,13 @@ def test_cluster_keys_of_every_shape_spread_over_the_nodes(
         [holder] = sem.holders(key)
         assert holder.metadata["key"] == key
     # SCAN visits every primary, so inspection sees all of them.
-    assert scan_keys(client) == sorted(KEYS)
+    assert SemaphoreAdmin(client).scan_keys() == sorted(KEYS)
     assert {v.key: v.in_use for v in views(client)} == dict.fromkeys(KEYS, 1)
     for key in KEYS:
         assert sem.acquire(key) is not None
         assert sem.acquire(key) is None  # limit 2, held twice
         assert sem.force_release_all(key) == 2
-    assert scan_keys(client) == []
+    assert SemaphoreAdmin(client).scan_keys() == []
 
 
 def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSemaphore) -> None:
@@ -268,7 +265,7 @@ def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSem
 
 
 def test_cluster_url_as_semaphore_url_of_a_celery_app(
-    cluster: RedisCluster, on_cluster: MakeSemaphore
+    cluster: ClusterServers, on_cluster: MakeSemaphore
 ) -> None:
     _run_a_bounded_task(cluster.url)
 
@@ -288,7 +285,7 @@ def test_cluster_url_errors() -> None:
 
 
 def test_a_cluster_with_every_node_down_is_a_backend_error() -> None:
-    with RedisCluster() as own:
+    with ClusterServers() as own:
         sem = Semaphore(own.url, limit=1)
         assert sem.acquire("k") is not None
         own.stop()
@@ -300,7 +297,7 @@ def test_a_cluster_with_every_node_down_is_a_backend_error() -> None:
 # --- Redis Sentinel --------------------------------------------------------------------------
 
 
-def test_sentinel_url_forms_and_settings(sentinel_set: RedisSentinel) -> None:
+def test_sentinel_url_forms_and_settings(sentinel_set: SentinelServers) -> None:
     port = sentinel_set.sentinel.port
     client = client_from_url(f"redis+sentinel://127.0.0.1:{port}/mymaster/2?socket_timeout=3")
     pool = client.connection_pool
@@ -318,7 +315,7 @@ def test_sentinel_url_forms_and_settings(sentinel_set: RedisSentinel) -> None:
 
 @pytest.mark.parametrize("via", ["master_for", "url"])
 def test_sentinel_25_callers_on_limit_20_get_exactly_20_slots(
-    sentinel_set: RedisSentinel, master: redis.Redis, via: str
+    sentinel_set: SentinelServers, master: redis.Redis, via: str
 ) -> None:
     sem = Semaphore(master if via == "master_for" else sentinel_set.url, limit=20)
     _take_25_on_limit_20(sem, "openai")
@@ -327,7 +324,7 @@ def test_sentinel_25_callers_on_limit_20_get_exactly_20_slots(
 
 @pytest.mark.parametrize("via", ["master_for", "url"])
 def test_sentinel_50_threads_on_limit_5_never_exceed_5(
-    sentinel_set: RedisSentinel, master: redis.Redis, via: str
+    sentinel_set: SentinelServers, master: redis.Redis, via: str
 ) -> None:
     sem = Semaphore(master if via == "master_for" else sentinel_set.url, limit=5, lease=10.0)
     _run_50_on_limit_5(sem, "legacy-api")
@@ -335,7 +332,7 @@ def test_sentinel_50_threads_on_limit_5_never_exceed_5(
 
 
 def test_sentinel_hold_keeps_its_slot_through_a_body_three_times_the_lease(
-    sentinel_set: RedisSentinel, master: redis.Redis
+    sentinel_set: SentinelServers, master: redis.Redis
 ) -> None:
     sem = Semaphore(sentinel_set.url, limit=1, lease=1.0)
     _hold_through_three_leases(sem, "long")
@@ -343,17 +340,17 @@ def test_sentinel_hold_keeps_its_slot_through_a_body_three_times_the_lease(
 
 
 def test_sentinel_url_as_semaphore_url_of_a_celery_app(
-    sentinel_set: RedisSentinel, master: redis.Redis
+    sentinel_set: SentinelServers, master: redis.Redis
 ) -> None:
     _run_a_bounded_task(sentinel_set.url)
 
 
 def test_sentinel_force_release_all_and_inspection(
-    sentinel_set: RedisSentinel, master: redis.Redis
+    sentinel_set: SentinelServers, master: redis.Redis
 ) -> None:
     sem = Semaphore(sentinel_set.url, limit=3, lease=2.0)
     with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
-        assert scan_keys(master) == ["shared"]
+        assert SemaphoreAdmin(master).scan_keys() == ["shared"]
         assert sem.holders("shared")[0].token == slot.token
         assert Semaphore(master, limit=3).force_release_all("shared") == 1
         assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
@@ -362,7 +359,7 @@ def test_sentinel_force_release_all_and_inspection(
 
 
 def test_a_failover_keeps_replicated_slots_and_reports_a_lost_write(
-    sentinel_set: RedisSentinel, master: redis.Redis
+    sentinel_set: SentinelServers, master: redis.Redis
 ) -> None:
     sem = Semaphore(sentinel_set.url, limit=1, lease=5.0)
     slots: dict[str, Slot] = {}

@@ -245,8 +245,7 @@ def test_a_resent_acquire_with_the_same_token_takes_no_second_slot(
     make_semaphore: MakeSemaphore,
 ) -> None:
     # What a client retry after a lost reply does: the same call, same token, twice.
-    from celery_semaphore.scripts import Admitted
-    from celery_semaphore.semaphore import redis_keys
+    from celery_semaphore.core.scripts import Admitted, redis_keys
 
     sem = make_semaphore(limit=2)
     keys = redis_keys(sem.prefix, "k")
@@ -363,7 +362,7 @@ def test_failing_renewals_are_a_loss_at_the_deadline_not_a_tick_later(
     ):
         own_redis.stop()
         assert slot.lost.wait(10)
-        late = time.monotonic() - slot._deadline
+        late = time.monotonic() - slot.deadline
     assert errors, "no renewal failure was reported"
     assert late < 0.5, f"the loss was declared {late:.2f}s after the deadline"
 

@@ -20,7 +20,7 @@ from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from .errors import SemaphoreBackendError, SemaphoreValidationError
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
 
 DEFAULT_SOCKET_TIMEOUT = 5.0
 CLUSTER_SCHEME = "redis+cluster://"

@@ -20,9 +20,10 @@ import time
 import click
 from celery import Celery
 
-from .config import app_settings, client_for
-from .errors import SemaphoreError
-from .inspection import SemaphoreView, release_all, views
+from ..core.admin import SemaphoreAdmin
+from ..errors import SemaphoreError
+from ..integration.settings import app_settings, client_for
+from .inspection import SemaphoreView, views
 
 
 def _app(ctx: click.Context) -> Celery:
@@ -113,7 +114,8 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     if not yes:
         click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
     try:
-        displaced = release_all(client_for(app), key, app_settings(app).prefix)
+        admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+        displaced = admin.force_release_all(key)
     except SemaphoreError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"Released {key!r}: {displaced} live holder(s) displaced.")

@@ -4,7 +4,8 @@ Each operation is one Lua script (``lua/*.lua``, each opening with its contract)
 redis-py's :class:`~redis.commands.core.Script` so it costs one EVALSHA round trip and is
 reloaded by itself after a NOSCRIPT (a restarted or failed-over server). This module only
 maps replies to Python values and redis-py errors to :class:`SemaphoreBackendError`; what a
-reply *means* for a holder is decided in :mod:`celery_semaphore.semaphore`.
+reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
+:mod:`celery_semaphore.core.semaphore`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisClusterException
 
-from .errors import SemaphoreBackendError
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
 
 Keys = tuple[str, str]
 """A semaphore's two Redis keys: its sorted set of slots and its hash of holder metadata."""
@@ -44,6 +45,35 @@ class Full:
 
     holders: int
     now_ms: int
+
+
+def redis_keys(prefix: str, key: str) -> Keys:
+    """The two Redis keys of semaphore ``key``: ``<prefix>:{<key>}`` and ``...:holders``.
+
+    The braces are a Redis Cluster hash tag, so both keys live in one cluster slot and each
+    script can touch them atomically. The one exception is a key that starts with ``}``: its
+    hash tag is empty, so Redis Cluster hashes each whole name and the two keys land in
+    different slots. A :class:`Semaphore` on a cluster client therefore rejects such keys
+    (see :func:`check_cluster_key`); on any other client they work as usual.
+    """
+    slots = f"{prefix}:{{{key}}}"
+    return slots, f"{slots}:holders"
+
+
+def check_cluster_key(key: str) -> str:
+    """``key`` if its two Redis keys share a Redis Cluster slot, which all keys do but those
+    that start with ``}`` (whose hash tag would be empty).
+
+    Raises:
+        SemaphoreValidationError: ``key`` starts with ``}``.
+    """
+    if key.startswith("}"):
+        raise SemaphoreValidationError(
+            f"key {key!r} starts with '}}': on Redis Cluster its two Redis keys would land in "
+            "different slots; use another key (any other character first will do)",
+            key,
+        )
+    return key
 
 
 def _text(value: Any) -> str:

@@ -23,14 +23,12 @@ task option              app setting                  default    meaning
 ======================== ============================ ========== ==========================
 
 ``semaphore_url`` defaults to Celery's broker when that is Redis, else its result backend when
-that is Redis, read as Celery reads them (see :mod:`celery_semaphore.store`); otherwise it
-must be set.
+that is Redis, read as Celery reads them (see :mod:`celery_semaphore.integration.store`);
+otherwise it must be set.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,91 +36,11 @@ from typing import Any
 import redis
 from celery import Celery
 
-from . import _validation as check
-from .errors import SemaphoreValidationError
-from .semaphore import DEFAULT_LEASE, DEFAULT_PREFIX
+from ..core import validation as check
+from ..core.admin import DEFAULT_PREFIX
+from ..errors import SemaphoreValidationError
+from .policy import POLICY_FIELDS, Policy
 from .store import Store, resolve_store
-
-ON_FULL = ("retry", "raise")
-ON_LEASE_LOST = ("raise", "retry")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """How one bounded task acquires, renews, sheds and reacts to loss.
-
-    Attributes:
-        lease (float): seconds a slot lives without renewal.
-        heartbeat (float | bool | None): renewal interval in seconds; None: lease / 4;
-            False: no renewal.
-        on_full (str): ``"retry"`` re-publishes the task with a countdown (shedding);
-            ``"raise"`` fails it with :class:`SemaphoreNotAcquiredError`.
-        on_lease_lost (str): ``"raise"`` fails the task with
-            :class:`SemaphoreLeaseLostError` even if the body returned; ``"retry"`` sheds it
-            so it runs again (such sheds count against the shed budget).
-        shed_countdown (float): seconds before the first re-run of a shed task.
-        shed_backoff (bool): grow the countdown exponentially with each shed, with full jitter
-            (a uniform draw between 0 and the exponential value).
-        shed_max_countdown (float): cap on any one countdown, seconds. Keep it well under the
-            Redis broker's ``visibility_timeout`` (3600 s by default).
-        shed_max_retries (int | None): how many times a task may be shed before it fails with
-            :class:`SemaphoreNotAcquiredError`; None: no limit.
-        shed_timeout (float | None): seconds after the first shed after which the task fails
-            instead of being shed again; None: no limit. Outside a worker (eager mode, a
-            direct call) this is how long to wait for a slot; when it is None such a call
-            waits up to one lease.
-        interrupt (bool): when the slot is lost, raise an exception inside the running body
-            (at its next Python bytecode; a body blocked in C code notices when it returns).
-    """
-
-    lease: float = DEFAULT_LEASE
-    heartbeat: float | bool | None = None
-    on_full: str = "retry"
-    on_lease_lost: str = "raise"
-    shed_countdown: float = 1.0
-    shed_backoff: bool = True
-    shed_max_countdown: float = 60.0
-    shed_max_retries: int | None = None
-    shed_timeout: float | None = None
-    interrupt: bool = False
-
-    def __post_init__(self) -> None:
-        check.lease_ms(self.lease)
-        check.heartbeat_interval(self.heartbeat, self.lease)
-        _choice("on_full", self.on_full, ON_FULL)
-        _choice("on_lease_lost", self.on_lease_lost, ON_LEASE_LOST)
-        check.check_delay(self.shed_countdown, "shed_countdown")
-        check.check_delay(self.shed_max_countdown, "shed_max_countdown")
-        _flag("shed_backoff", self.shed_backoff)
-        _flag("interrupt", self.interrupt)
-        if self.shed_max_retries is not None:
-            check.check_retries(self.shed_max_retries, "shed_max_retries")
-        if self.shed_timeout is not None:
-            check.check_delay(self.shed_timeout, "shed_timeout")
-
-    def with_options(self, options: Mapping[str, Any]) -> Policy:
-        """A copy with ``options`` (task options; None values ignored) applied and checked."""
-        given = {k: v for k, v in options.items() if v is not None}
-        return dataclasses.replace(self, **given)
-
-    def wait_budget(self) -> float:
-        """Seconds a call outside a worker may wait for a slot before it raises."""
-        if self.shed_timeout is not None:
-            return self.shed_timeout
-        return self.lease
-
-
-POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
-
-
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise SemaphoreValidationError(f"{name} must be one of {allowed!r}, got {value!r}")
-
-
-def _flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise SemaphoreValidationError(f"{name} must be True or False, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -192,13 +110,12 @@ def client_for(app: Celery) -> redis.Redis:
     return client
 
 
-def countdown(policy: Policy, sheds: int, draw: float) -> float:
-    """Seconds to wait before re-running a task shed ``sheds`` times before.
+def task_policy(app: Celery | None, options: Mapping[str, Any]) -> Policy:
+    """The effective policy of a task with ``options`` under ``app`` (task option > app
+    setting > default); with no app, the defaults stand in for the app's settings.
 
-    With backoff: ``draw * min(cap, base * 2**sheds)`` ("full jitter"), where ``draw`` is a
-    uniform random number in [0, 1) supplied by the caller. Without: ``min(cap, base)``.
+    Raises:
+        SemaphoreValidationError: an app setting is invalid, or conflicts with an option.
     """
-    if not policy.shed_backoff:
-        return min(policy.shed_max_countdown, policy.shed_countdown)
-    ceiling = policy.shed_countdown * math.pow(2, min(sheds, 32))
-    return draw * min(policy.shed_max_countdown, ceiling)
+    defaults = Policy() if app is None else app_settings(app).policy
+    return defaults.with_options(options)

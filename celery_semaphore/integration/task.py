@@ -10,24 +10,23 @@ Usage::
 
 The options are ordinary ``@app.task`` keywords (Celery makes them class attributes) and are
 checked when the task is bound to its app, so a bad option fails at import time with a
-:class:`SemaphoreValidationError` naming it. See :mod:`celery_semaphore.config` for every
-option, its app-wide setting and its default.
+:class:`SemaphoreValidationError` naming it. See :mod:`celery_semaphore.integration.settings`
+for every option, its app-wide setting and its default.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 from celery import Celery, Task
 
-from . import _validation as check
-from .bounded import OPTION_NAMES, Bounded
-from .config import POLICY_FIELDS
-from .errors import SemaphoreValidationError
+from ..core import validation as check
+from ..errors import SemaphoreValidationError
+from .policy import OPTION_NAMES, POLICY_FIELDS
+from .runner import Runner, run_function
 
 
 class SemaphoreTask(Task):  # type: ignore[misc]
@@ -40,7 +39,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         limit (int): how many runs may hold a slot of one key at once. Required.
         lease, heartbeat, on_full, on_lease_lost, shed_countdown, shed_backoff,
         shed_max_countdown, shed_max_retries, shed_timeout, interrupt: see
-            :class:`celery_semaphore.config.Policy`; None falls back to the app's
+            :class:`celery_semaphore.integration.policy.Policy`; None falls back to the app's
             ``semaphore_*`` setting, then to the default.
 
     Raises:
@@ -73,9 +72,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         super().on_bound(app)
         if cls.__dict__.get("abstract"):
             return
-        run = inspect.getattr_static(cls, "run")
-        is_static = isinstance(run, staticmethod)
-        fn = run.__func__ if is_static else run
+        fn, takes_task = run_function(cls)
+        is_static = not takes_task
         if "run" in cls.__dict__ and getattr(fn, "__semaphore__", None) is not None:
             # Bound again (app.finalize() binds every task once more): keep the wrapper, which
             # Celery may already hold elsewhere (autoretry_for keeps it as task._orig_run).
@@ -86,7 +84,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             _check_unknown_options(cls)
             options = {name: getattr(cls, name) for name in POLICY_FIELDS}
-            wrapped: Any = Bounded(fn, cls.semaphore, cls.limit, options, app=app).wrap(fn)
+            wrapped: Any = Runner(fn, cls.semaphore, cls.limit, options, app=app).wrap(fn)
         except SemaphoreValidationError as exc:
             error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)
             cls.run = staticmethod(refusing(fn, error)) if is_static else refusing(fn, error)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any
 
-from .errors import SemaphoreValidationError
+from ..errors import SemaphoreValidationError
 
 MAX_SECONDS = 366 * 24 * 3600.0
 """Longest duration any option accepts (a year). Far longer values overflow Redis expiry

@@ -3,7 +3,7 @@
 One question, one answer, used by every caller (the tasks, the worker's start-up checks, the
 views and the CLI): :func:`resolve_store`. In order:
 
-1. ``semaphore_url``, when set: any URL :func:`~celery_semaphore.clients.client_from_url`
+1. ``semaphore_url``, when set: any URL :func:`~celery_semaphore.core.clients.client_from_url`
    takes.
 2. Celery's broker, when it is Redis: the connection Celery itself would open for writing
    (``app.connection_for_write()``), so ``CELERY_BROKER_URL`` and the other environment
@@ -16,7 +16,7 @@ views and the CLI): :func:`resolve_store`. In order:
 
 Host, port, database, credentials, TLS and Sentinel discovery come from Celery; socket
 timeouts and connection retries are the semaphore's own (see
-:func:`~celery_semaphore.clients.default_options`), because a lost renewal must surface
+:func:`~celery_semaphore.core.clients.default_options`), because a lost renewal must surface
 within seconds, not after the broker's two minutes.
 """
 
@@ -32,7 +32,7 @@ from urllib.parse import parse_qsl, urlsplit
 import redis
 from celery import Celery
 
-from .clients import (
+from ..core.clients import (
     CLUSTER_SCHEME,
     SENTINEL_SCHEME,
     client_from_options,
@@ -40,7 +40,7 @@ from .clients import (
     default_options,
     sentinel_client,
 )
-from .errors import SemaphoreValidationError
+from ..errors import SemaphoreValidationError
 
 _URL_SCHEMES = ("redis://", "rediss://", "unix://", CLUSTER_SCHEME, SENTINEL_SCHEME)
 _KOMBU_REDIS = ("redis", "rediss", "sentinel")

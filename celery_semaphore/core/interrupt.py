@@ -13,23 +13,8 @@ import ctypes
 import threading
 from types import TracebackType
 
-from .errors import SemaphoreLeaseLostError
-from .semaphore import Slot
-
-
-class LeaseInterrupted(SemaphoreLeaseLostError):
-    """Raised inside a body whose slot was lost, when ``interrupt`` is on.
-
-    The bounded task turns it into a :class:`SemaphoreLeaseLostError` naming the key.
-    """
-
-    def __init__(
-        self,
-        message: str = "slot lost: body interrupted",
-        key: str | None = None,
-        limit: int | None = None,
-    ) -> None:
-        super().__init__(message, key, limit)
+from ..errors import LeaseInterrupted
+from .slot import Slot
 
 
 def _raise_in(thread_id: int, exc_type: type[BaseException] | None) -> None:

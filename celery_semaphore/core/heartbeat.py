@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .semaphore import Slot
+    from .slot import Slot
 
 RenewErrorCallback = Callable[[BaseException], object]
 
@@ -35,7 +35,7 @@ class _RoundTrip:
 
     def _run(self) -> None:
         try:
-            self.ok = self._slot._renew()
+            self.ok = self._slot.renew()
         except BaseException as exc:  # handed to on_renew_error; never kills the heartbeat
             self.error = exc
         finally:
@@ -72,7 +72,7 @@ class Heartbeat:
         self._wake = threading.Event()
         # Set by stop() and by a change of the slot's lease: the loop then re-plans its wait.
         self._nudge = threading.Event()
-        slot._on_lease_change = self._nudge.set
+        slot.watch_lease(self._nudge.set)
         self._thread = threading.Thread(target=self._loop, name="semaphore-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -95,10 +95,10 @@ class Heartbeat:
         slot = self._slot
         # Renewals are planned from when the last one was *sent* (the acquire, at first), so a
         # slow reply does not push the next renewal towards the deadline.
-        last_sent = slot._renewed_at
+        last_sent = slot.renewed_at
         while True:
             next_tick = last_sent + self._share * slot.lease
-            if self._nudge.wait(max(0.0, min(next_tick, slot._deadline) - time.monotonic())):
+            if self._nudge.wait(max(0.0, min(next_tick, slot.deadline) - time.monotonic())):
                 self._nudge.clear()
                 if self._stop.is_set():
                     return
@@ -106,10 +106,10 @@ class Heartbeat:
                 # in flight cannot be the last word Redis hears.
             if self._stop.is_set():
                 return
-            if slot.lost.is_set() or slot._released is not None:
+            if slot.lost.is_set() or slot.released:
                 return  # lost already, or given back by the body itself
-            if time.monotonic() >= slot._deadline:
-                slot._mark_lost("no renewal succeeded within one lease")
+            if time.monotonic() >= slot.deadline:
+                slot.mark_lost("no renewal succeeded within one lease")
                 return
             last_sent = time.monotonic()
             if not self._tick():
@@ -122,19 +122,19 @@ class Heartbeat:
         if self._stop.is_set():
             return False
         trip = _RoundTrip(slot, self._wake)
-        self._wake.wait(max(0.0, slot._deadline - time.monotonic()))
+        self._wake.wait(max(0.0, slot.deadline - time.monotonic()))
         if self._stop.is_set():
             return False
         if not self._wake.is_set():
-            slot._mark_lost("a renewal got no answer within one lease")
+            slot.mark_lost("a renewal got no answer within one lease")
             return False
         if trip.error is not None:
             self._report(trip.error)
             return True  # the loop wakes again by the deadline at the latest
         if not trip.ok:
-            if slot._released is not None:
+            if slot.released:
                 return False  # the body released the slot while this renewal was in flight
-            slot._mark_lost("a renewal found the slot gone")
+            slot.mark_lost("a renewal found the slot gone")
             return False
         return True
 

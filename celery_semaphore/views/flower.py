@@ -34,8 +34,8 @@ from celery import Celery
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
-from .config import app_settings
-from .errors import SemaphoreBackendError
+from ..errors import SemaphoreBackendError
+from ..integration.settings import app_settings
 from .inspection import SemaphoreView, views
 
 try:
@@ -46,7 +46,7 @@ try:
     from flower.views import BaseHandler  # type: ignore[import-untyped]
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "celery_semaphore.flower needs Flower 2.1 or later: pip install 'celery-semaphore[flower]'"
+        "the Semaphores page needs Flower 2.1 or later: pip install 'celery-semaphore[flower]'"
     ) from exc
 
 __all__ = ["REFRESH_SECONDS", "add_semaphore_routes", "start_flower"]

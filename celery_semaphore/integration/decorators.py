@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from celery import Celery, Task
 
-from .bounded import Bounded
-from .errors import SemaphoreValidationError
+from ..errors import SemaphoreValidationError
+from .runner import Runner
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -53,7 +53,7 @@ def bounded(
         **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``on_lease_lost``,
             ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
             ``shed_max_retries``, ``shed_timeout``, ``interrupt``); see
-            :class:`celery_semaphore.config.Policy`.
+            :class:`celery_semaphore.integration.policy.Policy`.
 
     Returns:
         Callable[[F], F]: the decorator.
@@ -68,8 +68,8 @@ def bounded(
                 "@bounded must go under @app.task (applied to the function first), "
                 f"not above it: got the task {getattr(fn, 'name', fn)!r}"
             )
-        guard = Bounded(fn, semaphore, limit, options, app, redis, retries, retry_delay)
-        wrapped: F = guard.wrap(fn)  # type: ignore[assignment]
+        runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay)
+        wrapped: F = runner.wrap(fn)  # type: ignore[assignment]
         return wrapped
 
     return decorate

@@ -8,13 +8,15 @@ touched on the slow paths (a shed, a lost slot, a dead run's release), never per
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import redis
 from celery import Celery
 
-from .config import app_settings, client_for
-from .semaphore import logger
+from .settings import app_settings, client_for
+
+logger = logging.getLogger(__name__)
 
 FIELDS = ("shed", "lease_lost", "dead_released")
 _TTL = 24 * 3600

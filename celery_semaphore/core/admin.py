@@ -1,0 +1,198 @@
+"""What operator tools need from the lease algorithm, without a limit: every semaphore under a
+prefix, its live holders, and force release.
+
+:class:`Semaphore` delegates its ``holders`` and ``force_release*`` here; the views (CLI,
+``celery inspect semaphores``, Flower) and the worker's dead-run release use it directly,
+since they see semaphores whose limit they do not know.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from . import validation as check
+from .scripts import Keys, Scripts, backend_errors, check_cluster_key, redis_keys
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFIX = "semaphore"
+
+_GLOB = re.compile(r"([*?\[\]\\])")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One live holder of a semaphore, as Redis records it.
+
+    Attributes:
+        token (str): the acquisition's unique token.
+        acquired_at (float): when the slot was taken, epoch seconds by the Redis clock.
+        expires_at (float): when the lease lapses unless extended, epoch seconds (Redis clock).
+        expires_in (float): seconds from the server's "now" to ``expires_at``.
+        held_for (float): seconds from ``acquired_at`` to the server's "now".
+        metadata (Mapping[str, Any]): ``host``, ``pid`` and ``limit`` of the holder, plus
+            whatever it attached (a Celery task's id and name, say).
+    """
+
+    token: str
+    acquired_at: float
+    expires_at: float
+    expires_in: float
+    held_for: float
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) -> Holder:
+    """A :class:`Holder` from one row of holders.lua's reply (see its contract)."""
+    acquired, _, raw = info.partition("|")
+    try:
+        metadata = json.loads(raw) if raw else {}
+    except ValueError:
+        metadata = {"raw": raw}
+    acquired_ms = int(acquired) if acquired.isdigit() else now_ms
+    return Holder(
+        token=token,
+        acquired_at=acquired_ms / 1000,
+        expires_at=expires_at_ms / 1000,
+        expires_in=(expires_at_ms - now_ms) / 1000,
+        held_for=(now_ms - acquired_ms) / 1000,
+        metadata=metadata,
+    )
+
+
+class SemaphoreAdmin:
+    """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
+
+    Args:
+        client (redis.Redis): where the semaphores live (a cluster client works too).
+        prefix (str): their key namespace (default ``"semaphore"``).
+
+    Raises:
+        SemaphoreValidationError: ``prefix`` is not a non-empty str.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX) -> None:
+        self.client = client
+        self.prefix = check.check_key(prefix, "prefix")
+        self._scripts = Scripts(client)
+        # On a cluster, a script's two keys must share a slot (see redis_keys).
+        self._cluster = isinstance(client, redis.RedisCluster)
+
+    def keys_of(self, key: str) -> Keys:
+        """:func:`redis_keys` of ``key``; on a cluster, rejects a key they would not fit.
+
+        Raises:
+            SemaphoreValidationError: ``key`` starts with ``}`` and the client is a cluster's.
+        """
+        if self._cluster:
+            check_cluster_key(key)
+        return redis_keys(self.prefix, key)
+
+    def scan_keys(self, limit: int = 10_000) -> list[str]:
+        """The keys of every semaphore under the prefix (SCAN, never KEYS), sorted.
+
+        Args:
+            limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        head = f"{self.prefix}:{{"
+        found: list[str] = []
+        pattern = _GLOB.sub(r"\\\1", head) + "*"
+        with backend_errors(f"{self.prefix}:*"):
+            for raw in self.client.scan_iter(match=pattern, count=500, _type="zset"):
+                name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+                if name.startswith(head) and name.endswith("}"):
+                    found.append(name[len(head) : -1])
+                    if len(found) >= limit:
+                        break
+        return sorted(found)
+
+    def holders(self, key: str, limit: int | None = None) -> list[Holder]:
+        """Every live holder of ``key``, soonest expiry first (one round trip).
+
+        Args:
+            key (str): the semaphore's key.
+            limit (int | None): only to name in an error.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        with backend_errors(key, limit):
+            now_ms, rows = self._scripts.holders(self.keys_of(key))
+        return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
+
+    def force_release(self, key: str, token: str, limit: int | None = None) -> bool:
+        """Free one holder's slot by its token (from :meth:`holders`), as an operator would.
+
+        Returns:
+            bool: True when that holder was live until now.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``token`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        check.check_key(token, "token")
+        with backend_errors(key, limit):
+            live = self._scripts.release(self.keys_of(key), token)
+        if live:
+            logger.warning("semaphore %r: holder %s force-released", key, token)
+        return live
+
+    def force_release_all(self, key: str, limit: int | None = None) -> int:
+        """Free every slot of ``key`` at once (an operator's recovery tool).
+
+        The displaced holders keep running; each learns of it at its next renewal or release,
+        which answers "gone".
+
+        Returns:
+            int: how many live holders were displaced.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        with backend_errors(key, limit):
+            displaced = self._scripts.force_release_all(self.keys_of(key))
+        logger.warning(
+            "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
+        )
+        return displaced
+
+    def server_warnings(self) -> list[str]:
+        """What about the server could break the semaphore's promise, for a start-up log.
+
+        An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so
+        even the ``volatile-*`` policies pick them), which silently resets the count to zero
+        and lets up to ``limit`` more holders in. Only ``noeviction`` is safe. Servers that
+        refuse ``CONFIG GET`` (some managed services) yield no warning.
+
+        Returns:
+            list[str]: one sentence a problem; empty when none is found.
+        """
+        try:
+            reply = self.client.config_get("maxmemory-policy")
+        except redis.RedisError:
+            return []
+        policy: Any = reply.get("maxmemory-policy")
+        if isinstance(policy, bytes):
+            policy = policy.decode()
+        if policy and policy != "noeviction":
+            return [
+                f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
+                "semaphore's key, resetting its count and admitting more than its limit; "
+                "use 'noeviction' for the semaphore store"
+            ]
+        return []

@@ -1,0 +1,221 @@
+"""A held slot: the lease a holder keeps alive, gives back, or learns it has lost.
+
+:class:`Slot` is what :meth:`~celery_semaphore.core.semaphore.Semaphore.acquire` returns. Its
+public surface serves two readers: the holder (``extend``, ``release``, ``lost``,
+``when_lost``) and the renewer (``renew``, ``deadline``, ``renewed_at``, ``released``,
+``mark_lost``, ``check_deadline``, ``watch_lease``), which needs nothing private.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+from ..errors import SemaphoreLeaseLostError
+from . import validation as check
+from .scripts import Admitted, Keys, Scripts, backend_errors
+
+logger = logging.getLogger(__name__)
+
+
+class Slot:
+    """One held slot of a semaphore, returned by :meth:`Semaphore.acquire`.
+
+    Attributes:
+        key (str): the semaphore's key.
+        limit (int): the limit the slot was taken under.
+        token (str): unique to this acquisition; proves ownership to Redis.
+        lease (float): seconds the slot lives without an extend (updated by ``extend``).
+        lost (threading.Event): set the moment the slot is known to be gone. Long bodies can
+            poll ``slot.lost.is_set()`` or wait on it, to stop instead of running over the
+            limit.
+        acquired_at (float): epoch seconds, Redis clock.
+        expires_at (float): epoch seconds, Redis clock, as of the last successful extend.
+
+    A slot from :meth:`Semaphore.acquire` is not renewed in the background: call
+    :meth:`extend` yourself, or use :meth:`Semaphore.hold` / :meth:`Semaphore.run`. A slot is
+    also a context manager that releases it on exit.
+    """
+
+    def __init__(
+        self,
+        scripts: Scripts,
+        keys: Keys,
+        key: str,
+        limit: int,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+    ) -> None:
+        self.key = key
+        self.limit = limit
+        self.token = token
+        self.lease = lease
+        self.lost = threading.Event()
+        self.acquired_at = admitted.now_ms / 1000
+        self.expires_at = admitted.expires_at_ms / 1000
+        self._scripts = scripts
+        self._keys = keys
+        # Local monotonic time at which the last successful acquire/extend was *sent*: the
+        # lease began no earlier than that, so the slot is surely ours until `deadline`.
+        self._renewed_at = sent_at
+        # When the extend that set the current lease was sent: an older reply must not undo it.
+        self._lease_sent_at = sent_at
+        self._lost_reason = ""
+        self._released: bool | None = None
+        self._lost_callbacks: list[Callable[[Slot], object]] = []
+        # Set by a running Heartbeat, so that a changed lease re-plans its next renewal.
+        self._on_lease_change: Callable[[], object] | None = None
+        self._callbacks_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "held" if self._released is None else "released"
+        if self.lost.is_set():
+            state = "lost"
+        return f"<Slot key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
+
+    # -- the surface a renewer drives (see celery_semaphore.core.heartbeat) -------------
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` by which a renewal must succeed, or the slot counts as lost:
+        one lease after the last successful acquire or extend was *sent*."""
+        return self._renewed_at + self.lease
+
+    @property
+    def renewed_at(self) -> float:
+        """``time.monotonic()`` when the last successful acquire or extend was sent."""
+        return self._renewed_at
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has run (whatever it answered)."""
+        return self._released is not None
+
+    def watch_lease(self, callback: Callable[[], object] | None) -> None:
+        """Call ``callback()`` whenever :meth:`extend` changes the lease (a renewer re-plans);
+        None stops it."""
+        self._on_lease_change = callback
+
+    def mark_lost(self, reason: str) -> None:
+        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
+        with self._callbacks_lock:
+            if self.lost.is_set():
+                return
+            self._lost_reason = reason
+            self.lost.set()
+            callbacks, self._lost_callbacks = self._lost_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("lost-slot callback %r failed", callback)
+
+    def when_lost(self, callback: Callable[[Slot], object]) -> None:
+        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
+
+        It runs in whichever thread detects the loss (usually the heartbeat), or at once in
+        the caller's thread if the slot is already lost. Exceptions it raises are logged.
+        """
+        with self._callbacks_lock:
+            if not self.lost.is_set():
+                self._lost_callbacks.append(callback)
+                return
+        callback(self)
+
+    def check_deadline(self) -> None:
+        """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
+        if self._released is None and time.monotonic() >= self.deadline:
+            self.mark_lost("no renewal succeeded within one lease")
+
+    def renew(self, lease: float | None = None) -> bool:
+        """One extend round trip: True when the slot is still ours. It does not mark the
+        slot lost on False (the renewer decides); see :meth:`extend` for that.
+
+        Raises:
+            SemaphoreValidationError: as :meth:`extend`.
+            SemaphoreBackendError: the round trip failed.
+        """
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        sent_at = time.monotonic()
+        with backend_errors(self.key, self.limit):
+            expires_at_ms = self._scripts.extend(self._keys, self.token, ms)
+        if expires_at_ms is None:
+            return False
+        self._renewed_at = max(self._renewed_at, sent_at)
+        if sent_at < self._lease_sent_at:
+            return True  # a later extend has already set the lease; this reply is stale
+        changed = seconds != self.lease
+        self._lease_sent_at = sent_at
+        self.lease = seconds
+        self.expires_at = expires_at_ms / 1000
+        if changed and self._on_lease_change is not None:
+            self._on_lease_change()
+        return True
+
+    def extend(self, lease: float | None = None) -> bool:
+        """Renew the lease for ``lease`` seconds from now (one round trip).
+
+        Args:
+            lease (float | None): new lease in seconds; None keeps the current one.
+
+        Returns:
+            bool: True when the slot was still ours and is extended; False when it is gone
+            (lapsed, or taken by :meth:`Semaphore.force_release_all`), in which case
+            :attr:`lost` is set. False without a round trip once the slot was released.
+
+        Raises:
+            SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
+            SemaphoreBackendError: the round trip failed; the slot may well still be ours.
+        """
+        if lease is not None:
+            check.lease_ms(lease)
+        if self._released is not None:
+            return False
+        if self.renew(lease):
+            return True
+        self.mark_lost("extend found the slot gone")
+        return False
+
+    def release(self) -> bool:
+        """Give the slot back (one round trip; later calls repeat the first answer).
+
+        Returns:
+            bool: True when the slot was ours up to now. False when it had lapsed or been
+            taken away: the bound did not hold for the whole time it was used, and
+            :attr:`lost` is set.
+
+        Raises:
+            SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
+        """
+        if self._released is None:
+            with backend_errors(self.key, self.limit):
+                self._released = self._scripts.release(self._keys, self.token)
+            if not self._released:
+                self.mark_lost("release found the slot already gone")
+        return self._released
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports this slot's loss, naming why it was judged lost."""
+        reason = self._lost_reason or "the slot was lost"
+        return SemaphoreLeaseLostError(
+            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
+            self.key,
+            self.limit,
+        )

@@ -1,0 +1,16 @@
+"""The Celery glue: put a semaphore slot in front of a task's runs.
+
+Modules, bottom up: ``policy`` (the options, no Celery), ``store`` (which Redis, as Celery
+reads its settings), ``settings`` (the ``semaphore_*`` settings resolved per app), ``keys``
+(key templates), ``signals`` (what a run announces), ``stats`` (per-worker counters),
+``shedding`` (publish a run again), ``runner`` (run a body under a slot), ``task`` and
+``decorators`` (the two ways in), ``worker`` (bootstep, inspect command, dead-run release).
+"""
+
+# Imported for its effects: the inspect command, and the receiver that adds the bootstep.
+from . import worker as _worker  # noqa: F401
+from .decorators import bounded
+from .runner import current_slot
+from .task import SemaphoreTask
+
+__all__ = ["SemaphoreTask", "bounded", "current_slot"]

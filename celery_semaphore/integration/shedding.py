@@ -1,0 +1,120 @@
+"""Shedding: end a run that found every slot held, and publish it again with a countdown.
+
+The message is the one Celery's own ``retry()`` would publish (same id, same ``retries``),
+less the headers a broker added, plus the semaphore's headers that count the sheds of this
+attempt. See :func:`shed` for why RETRY is stored before publishing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore
+
+from ..errors import SemaphoreNotAcquiredError
+from .policy import Policy, countdown
+from .signals import semaphore_shed, send_event, task_label
+from .stats import bump
+
+logger = logging.getLogger(__name__)
+
+SHEDS_HEADER = "semaphore_sheds"
+"""Message header: how many times this task was shed so far."""
+FIRST_SHED_HEADER = "semaphore_first_shed_at"
+"""Message header: epoch seconds of the first shed, for the ``shed_timeout`` budget."""
+SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
+"""Message header: the ``request.retries`` the two above count for. Each attempt (each retry
+the task asks for itself) gets a fresh shed budget, so a user's ``self.retry()`` or
+``autoretry_for`` is never refused for sheds an earlier attempt spent."""
+
+BROKER_HEADERS = frozenset(
+    {
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+        "x-delivery-count",
+    }
+)
+"""Headers RabbitMQ adds to a delivered message. Published again, RabbitMQ (before 4.0.1,
+with quorum queues and delayed delivery) takes the message for a dead-letter cycle and drops
+it; Celery's own ``retry()`` leaves the ``x-death`` family out (5.7 and later) for that
+reason, and a shed leaves out all of them whatever the Celery version."""
+
+
+def retry_headers(request: Any) -> dict[str, Any]:
+    """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
+    broker added (:data:`BROKER_HEADERS`)."""
+    headers = request.as_execution_options().get("headers") or {}
+    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS}
+
+
+def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
+    """Publish the running task again with a countdown and end this run in state RETRY.
+
+    The RETRY state is stored *before* the message is published, and the run then ends with
+    ``Ignore`` so that Celery stores nothing more for it. Ending with ``Retry`` instead
+    would have Celery store RETRY after publishing, and a re-run quick enough to finish
+    first would have its SUCCESS overwritten (the result backend's check for SUCCESS and its
+    write are two steps): ``result.get()`` would then wait forever on a task that succeeded.
+    Celery's ``task_retry`` signal and ``on_retry`` hook therefore do not fire for a shed;
+    :data:`~celery_semaphore.signals.semaphore_shed` does.
+
+    Raises:
+        celery.exceptions.Ignore: always, after storing RETRY and publishing.
+        SemaphoreNotAcquiredError: the shed budget (count or time) is spent; nothing is
+            published and the task fails.
+    """
+    request = task.request
+    headers = retry_headers(request)
+    attempt = request.retries or 0
+    same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
+    sheds = int(headers.get(SHEDS_HEADER) or 0) if same_attempt else 0
+    first = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
+    spent = ""
+    if policy.shed_max_retries is not None and sheds >= policy.shed_max_retries:
+        spent = f"shed {sheds} times (shed_max_retries={policy.shed_max_retries})"
+    elif policy.shed_timeout is not None and time.time() - first >= policy.shed_timeout:
+        spent = f"shed for {time.time() - first:.1f}s (shed_timeout={policy.shed_timeout:g})"
+    if spent:
+        raise SemaphoreNotAcquiredError(
+            f"semaphore {key!r} (limit {limit}): {reason}; task {request.id} {spent}",
+            key,
+            limit,
+        )
+    delay = countdown(policy, sheds, random.random())
+    headers.update(
+        {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
+    )
+    if not (task.ignore_result or getattr(request, "ignore_result", False)):
+        with contextlib.suppress(NotImplementedError):  # no result backend configured
+            task.backend.mark_as_retry(request.id, None, request=request)
+    task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+    logger.info(
+        "%ssemaphore %r (limit %d): shed (%s), runs again in %.2fs",
+        task_label(task),
+        key,
+        limit,
+        reason,
+        delay,
+    )
+    semaphore_shed.send(
+        sender=task,
+        key=key,
+        limit=limit,
+        template=template,
+        countdown=delay,
+        sheds=sheds + 1,
+        reason=reason,
+    )
+    send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
+    bump(task.app, request.hostname, "shed")
+    raise Ignore()

@@ -1,0 +1,314 @@
+"""The worker's side: a bootstep that checks the bounded tasks at start-up, answers ``celery
+inspect semaphores`` and ``inspect stats``, and frees the slot of a run whose process died.
+
+Dead runs: a prefork child killed by SIGKILL, the OOM killer or a hard time limit cannot
+release its slot; without help the slot stays held until its lease runs out. The worker's
+main process learns of such deaths (Celery sends ``task_failure`` with ``WorkerLostError`` or
+``TimeLimitExceeded`` there, and ``task_revoked`` after ``revoke(terminate=True)``), so the
+step's :class:`DeadRunReleaser` finds the dead run's holder in Redis (by task id and host) and
+releases it once the holder's process has exited, rechecking on the worker's timer. When the
+message is requeued instead (``acks_late`` with ``reject_on_worker_lost``) Celery sends no
+signal, and the slot lapses within one lease.
+
+Importing this module registers the inspect command (the ``celery`` CLI checks command names,
+and imports this package through its ``celery.commands`` entry point) and connects one
+``worker_init`` receiver that adds the bootstep to the starting worker's app. The dead-run
+receivers are connected by the step while its worker runs, and only act for its app.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery import Celery, Task, bootsteps
+from celery.signals import task_failure, task_revoked, worker_init
+from celery.worker.control import inspect_command
+
+from ..core.admin import Holder, SemaphoreAdmin
+from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
+from . import stats
+from .runner import refusal_of, runner_of
+from .settings import app_settings, client_for, task_policy
+from .store import broker_visibility_timeout
+
+logger = logging.getLogger(__name__)
+
+_HOST = socket.gethostname()
+
+RECHECK = 0.1
+"""Seconds between checks of whether a dead run's process has exited."""
+PATIENCE = 10.0
+"""Seconds to keep checking before leaving a still-living holder's slot to its lease."""
+
+
+def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
+    """Every live slot whose holder recorded ``worker`` (a Celery node name) as its worker.
+
+    A holder that recorded the bare host part of the node name matches too: tasks run by
+    Celery's in-process test worker (``celery.contrib.testing``) see only that in
+    ``request.hostname``.
+
+    Returns:
+        list[dict[str, Any]]: one dict a slot: key, task_id, task_name, pid, held_for,
+        expires_in (seconds), token.
+
+    Raises:
+        SemaphoreBackendError: Redis failed.
+    """
+    admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+    names = {worker, worker.partition("@")[2] or worker}
+    rows = []
+    for key in admin.scan_keys():
+        for holder in admin.holders(key):
+            meta = holder.metadata
+            if meta.get("worker") in names:
+                rows.append(
+                    {
+                        "key": key,
+                        "task_id": meta.get("task_id"),
+                        "task_name": meta.get("task_name"),
+                        "pid": meta.get("pid"),
+                        "held_for": holder.held_for,
+                        "expires_in": holder.expires_in,
+                        "token": holder.token,
+                    }
+                )
+    return rows
+
+
+def worker_report(app: Celery, worker: str) -> dict[str, Any]:
+    """The slots ``worker``'s tasks hold now, and its counters.
+
+    Returns:
+        dict[str, Any]: ``{"held": [...], "counters": {...}}``, or ``{"error": "..."}`` when
+        the semaphore store cannot be read (never raises: it answers remote control).
+    """
+    try:
+        return {"held": held_by_worker(app, worker), "counters": stats.read(app, worker)}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def semaphores(state: Any, **_: Any) -> dict[str, Any]:
+    """Remote control: this worker's held slots (key, task id and name, pid, times)."""
+    consumer = state.consumer
+    return worker_report(consumer.app, consumer.hostname)
+
+
+inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(
+    semaphores
+)
+
+
+class DeadRunReleaser:
+    """Frees the slots of runs whose pool process died, from the worker's main process.
+
+    Args:
+        app (Celery): the worker's app; runs of other apps' tasks are left alone.
+        timer (Any): the worker's ``kombu`` timer, for rechecks of a holder still alive.
+    """
+
+    def __init__(self, app: Celery, timer: Any) -> None:
+        self.app = app
+        self.timer = timer
+
+    def on_task_failure(
+        self,
+        sender: Any = None,
+        task_id: str | None = None,
+        exception: BaseException | None = None,
+        args: Any = None,
+        kwargs: Any = None,
+        **_: Any,
+    ) -> None:
+        """``task_failure`` receiver. Ordinary failures are sent from the process that ran
+        the body, which released its slot already; only these two mean it is gone."""
+        if isinstance(exception, (WorkerLostError, TimeLimitExceeded)) and task_id:
+            self.release(sender, task_id, tuple(args or ()), dict(kwargs or {}))
+
+    def on_task_revoked(
+        self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
+    ) -> None:
+        """``task_revoked`` receiver: a terminated run's process may be gone."""
+        if terminated and request is not None:
+            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+            self.release(sender, request.id, args, kwargs)
+
+    def release(
+        self, task: Task, task_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> int:
+        """Release the slots run ``task_id`` of ``task`` holds from this host, once the
+        process that holds each one is gone.
+
+        A holder whose process is already dead is released now. One whose process still
+        runs (a hard time limit is signalled to the child just *after* Celery reports it; a
+        revoke may send a signal the child ignores) is checked again every ``RECHECK``
+        seconds for up to ``PATIENCE`` seconds, and left to its lease if it lives on: a body
+        that keeps running keeps renewing, and must keep its slot.
+
+        Returns:
+            int: how many slots were released now (later releases are logged, not counted).
+        """
+        found = runner_of(task)
+        if found is None or not task_id or getattr(task, "app", None) is not self.app:
+            return 0
+        runner, takes_task = found
+        try:
+            key = runner.key_for((task, *args) if takes_task else tuple(args), kwargs)
+            admin = runner.resolve(task.app)[0].admin
+            holders = [
+                h
+                for h in admin.holders(key)
+                if h.metadata.get("task_id") == task_id and h.metadata.get("host") == _HOST
+            ]
+        except (SemaphoreError, TypeError) as exc:
+            logger.warning("could not find the slot of dead task %s: %s", task_id, exc)
+            return 0
+        released = 0
+        for holder in holders:
+            release = _Release(self, admin, key, holder, task_id)
+            if release.attempt():
+                released += 1
+            else:
+                self.timer.call_after(RECHECK, release.retry)
+        return released
+
+
+class _Release:
+    """Releases one dead run's slot once its process is gone."""
+
+    def __init__(
+        self,
+        releaser: DeadRunReleaser,
+        admin: SemaphoreAdmin,
+        key: str,
+        holder: Holder,
+        task_id: str,
+    ) -> None:
+        self.releaser, self.admin, self.key = releaser, admin, key
+        self.holder, self.task_id = holder, task_id
+        self.deadline = time.monotonic() + PATIENCE
+
+    def attempt(self) -> bool:
+        """Release if the holder's process is gone; True when released (or already free)."""
+        pid = self.holder.metadata.get("pid")
+        if isinstance(pid, int) and not _pid_gone(pid):
+            return False
+        try:
+            if self.admin.force_release(self.key, self.holder.token):
+                stats.bump(self.releaser.app, self.holder.metadata.get("worker"), "dead_released")
+                logger.warning(
+                    "semaphore %r: released the slot of task %s, whose process died",
+                    self.key,
+                    self.task_id,
+                )
+        except SemaphoreError as exc:
+            logger.warning("could not release the slot of dead task %s: %s", self.task_id, exc)
+        return True
+
+    def retry(self) -> None:
+        if not self.attempt() and time.monotonic() < self.deadline:
+            self.releaser.timer.call_after(RECHECK, self.retry)
+
+
+def _pid_gone(pid: int) -> bool:
+    """True when process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: checks the bounded tasks, frees dead runs' slots, feeds
+    ``inspect stats``.
+
+    Creating the step resolves every bounded task's options against the app's
+    ``semaphore_*`` settings, so a bad setting, or a task option that conflicts with one,
+    stops the worker at start-up with a :class:`SemaphoreValidationError` naming it instead
+    of failing the task's first run; so does a task whose own options are invalid. With a
+    Redis broker, a ``shed_max_countdown`` above half the broker's ``visibility_timeout`` is
+    refused the same way: a message held back longer than that is delivered again, and the
+    task runs twice.
+    """
+
+    requires = ("celery.worker.components:Timer", "celery.worker.components:Pool")
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.releaser: DeadRunReleaser | None = None
+        app = worker.app
+        visibility = broker_visibility_timeout(app)
+        unreachable: SemaphoreBackendError | None = None
+        for task in list(app.tasks.values()):
+            refused = refusal_of(task)
+            if refused is not None:
+                raise refused
+            found = runner_of(task)
+            if found is None:
+                continue
+            policy = task_policy(app, found[0].options)
+            if visibility is not None and policy.shed_max_countdown > visibility / 2:
+                raise SemaphoreValidationError(
+                    f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
+                    f"must be at most half the Redis broker's visibility_timeout "
+                    f"({visibility:g}s), or held-back messages are delivered twice",
+                    None,
+                    found[0].limit,
+                )
+            try:
+                found[0].resolve(app)
+            except SemaphoreBackendError as exc:
+                unreachable = exc
+        if unreachable is not None:
+            # An unreachable store is no reason not to start: runs are shed until it is back.
+            logger.warning("semaphore store unreachable at start-up: %s", unreachable)
+
+    def start(self, worker: Any) -> None:
+        self.releaser = DeadRunReleaser(worker.app, worker.timer)
+        task_failure.connect(self.releaser.on_task_failure, weak=False)
+        task_revoked.connect(self.releaser.on_task_revoked, weak=False)
+        try:
+            stats.reset(worker.app, worker.hostname)
+            admin = SemaphoreAdmin(client_for(worker.app), app_settings(worker.app).prefix)
+            for warning in admin.server_warnings():
+                logger.warning("%s", warning)
+        except Exception:  # telemetry and advice: never stop a worker over them
+            logger.warning("could not check the semaphore store", exc_info=True)
+
+    def stop(self, worker: Any) -> None:
+        if self.releaser is not None:
+            task_failure.disconnect(self.releaser.on_task_failure)
+            task_revoked.disconnect(self.releaser.on_task_revoked)
+            self.releaser = None
+
+    def info(self, worker: Any) -> dict[str, Any]:
+        return {"semaphore": worker_report(worker.app, worker.hostname)}
+
+
+def _add_step(sender: Any = None, **_: Any) -> None:
+    # worker_init is sent before the worker builds its blueprint from app.steps, and before
+    # it forks: what is set on the app here reaches every pool process.
+    sender.app.__dict__["_semaphore_task_events"] = bool(getattr(sender, "task_events", False))
+    steps = sender.app.steps["worker"]
+    if SemaphoreStep not in steps:
+        steps.add(SemaphoreStep)
+
+
+worker_init.connect(_add_step, weak=False)

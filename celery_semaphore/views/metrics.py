@@ -1,0 +1,155 @@
+"""Prometheus metrics for bounded tasks (``pip install 'celery-semaphore[metrics]'``).
+
+Call :func:`install` once in the module that defines your Celery app; it connects handlers
+to :mod:`celery_semaphore.signals` in every process that imports that module::
+
+    from celery_semaphore import metrics
+    metrics.install()
+
+==================================== ========= ==============================================
+metric                               type      labels
+==================================== ========= ==============================================
+``semaphore_acquisitions_total``     counter   key, outcome (``acquired``/``shed``/``refused``)
+``semaphore_sheds_total``            counter   key (re-queued: full, unreachable, lost+retry)
+``semaphore_lease_lost_total``       counter   key
+``semaphore_renew_errors_total``     counter   key
+``semaphore_wait_seconds``           histogram key (time spent acquiring)
+``semaphore_hold_seconds``           histogram key (time a body held its slot)
+``semaphore_slots_held``             gauge     key (slots held by this process now)
+==================================== ========= ==============================================
+
+Label cardinality: a templated key (``"tenant:{tenant_id}"``) would make one series per
+tenant, so by default the ``key`` label is the *template* (the ``semaphore`` option as
+written) rather than the rendered key; static keys are their own template. Pass
+``key_label`` to choose otherwise, for example ``key_label=lambda key, template: key`` for a
+per-key series when the keys are few.
+
+Prefork workers run bodies in child processes, each with its own registry: use
+prometheus-client's multiprocess mode (set ``PROMETHEUS_MULTIPROC_DIR``) and serve the
+directory from the worker's main process, as prometheus-client documents. The gauge then
+sums live processes (``multiprocess_mode="livesum"``) as prometheus-client judges them: call
+its ``mark_process_dead(pid)`` when a pool process exits (``worker_process_shutdown``), or a
+SIGKILLed one keeps counting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from ..integration import signals
+
+KeyLabel = Callable[[str, str], str]
+
+
+def template_label(key: str, template: str) -> str:
+    """The default ``key`` label: the key's template (``key`` itself when it has none)."""
+    return template or key
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The installed collectors and the handlers feeding them (see :func:`install`)."""
+
+    acquisitions: Counter
+    sheds: Counter
+    lease_lost: Counter
+    renew_errors: Counter
+    wait: Histogram
+    hold: Histogram
+    held: Gauge
+    handlers: tuple[tuple[Any, Callable[..., None]], ...]
+
+    def uninstall(self) -> None:
+        """Disconnect the handlers (the collectors stay registered)."""
+        for signal, handler in self.handlers:
+            signal.disconnect(handler)
+
+
+def install(
+    registry: CollectorRegistry = REGISTRY,
+    key_label: KeyLabel = template_label,
+    namespace: str = "",
+    buckets: Sequence[float] = Histogram.DEFAULT_BUCKETS,
+) -> Metrics:
+    """Create the collectors in ``registry`` and start feeding them from the signals.
+
+    Args:
+        registry (CollectorRegistry): where to register; default the global registry.
+        key_label (Callable[[str, str], str]): maps (key, template) to the ``key`` label.
+        namespace (str): prefix for the metric names, as prometheus-client uses it.
+        buckets (Sequence[float]): histogram bucket bounds in seconds, for both the wait
+            and the hold histograms; the default is prometheus-client's (up to 10 s).
+
+    Returns:
+        Metrics: the collectors, and ``uninstall()`` to stop feeding them.
+
+    Raises:
+        ValueError: the metrics are already registered in ``registry``.
+    """
+    opts: dict[str, Any] = {"registry": registry, "namespace": namespace}
+    acquisitions = Counter(
+        "semaphore_acquisitions", "Slot acquisitions by outcome.", ["key", "outcome"], **opts
+    )
+    sheds = Counter("semaphore_sheds", "Runs shed and re-queued.", ["key"], **opts)
+    lease_lost = Counter("semaphore_lease_lost", "Slots lost while a body ran.", ["key"], **opts)
+    renew_errors = Counter(
+        "semaphore_renew_errors", "Renewal round trips that failed.", ["key"], **opts
+    )
+    wait = Histogram(
+        "semaphore_wait_seconds",
+        "Seconds spent acquiring a slot.",
+        ["key"],
+        buckets=buckets,
+        **opts,
+    )
+    hold = Histogram(
+        "semaphore_hold_seconds", "Seconds a body held its slot.", ["key"], buckets=buckets, **opts
+    )
+    in_use = Gauge(
+        "semaphore_slots_held",
+        "Slots held by live processes now.",
+        ["key"],
+        multiprocess_mode="livesum",
+        **opts,
+    )
+
+    def on_acquired(key: str = "", template: str = "", waited: float = 0.0, **_: Any) -> None:
+        label = key_label(key, template)
+        acquisitions.labels(label, "acquired").inc()
+        wait.labels(label).observe(waited)
+        in_use.labels(label).inc()
+
+    def on_released(key: str = "", template: str = "", held: float = 0.0, **_: Any) -> None:
+        label = key_label(key, template)
+        hold.labels(label).observe(held)
+        in_use.labels(label).dec()
+
+    def on_shed(key: str = "", template: str = "", **_: Any) -> None:
+        label = key_label(key, template)
+        acquisitions.labels(label, "shed").inc()
+        sheds.labels(label).inc()
+
+    def on_refused(key: str = "", template: str = "", **_: Any) -> None:
+        acquisitions.labels(key_label(key, template), "refused").inc()
+
+    def on_lost(key: str = "", template: str = "", **_: Any) -> None:
+        lease_lost.labels(key_label(key, template)).inc()
+
+    def on_renew_failed(key: str = "", template: str = "", **_: Any) -> None:
+        renew_errors.labels(key_label(key, template)).inc()
+
+    handlers = (
+        (signals.semaphore_acquired, on_acquired),
+        (signals.semaphore_released, on_released),
+        (signals.semaphore_shed, on_shed),
+        (signals.semaphore_refused, on_refused),
+        (signals.semaphore_lease_lost, on_lost),
+        (signals.semaphore_renew_failed, on_renew_failed),
+    )
+    for signal, handler in handlers:
+        signal.connect(handler, weak=False)
+    return Metrics(acquisitions, sheds, lease_lost, renew_errors, wait, hold, in_use, handlers)
