@@ -210,13 +210,17 @@ class Semaphore:
         """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
 
         Args:
-            key, retries, retry_delay, lease, metadata: as for :meth:`acquire`.
+            key (str): as for :meth:`acquire`.
+            retries (int): as for :meth:`acquire`.
+            retry_delay (float): as for :meth:`acquire`.
+            lease (float | None): as for :meth:`acquire`.
             heartbeat (float | bool | None): seconds between renewals. None (default): a
                 quarter of the lease, at least 0.001. False: no renewal; the slot lapses a
                 lease after it was taken. An explicit value must be at most half the lease.
             on_renew_error (Callable[[BaseException], object] | None): called with each
                 renewal round trip that failed (a dropped connection, a timeout). That is not
                 a loss: the next tick retries. Without it such errors are dropped.
+            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
 
         Yields:
             Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
