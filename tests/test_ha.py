@@ -218,9 +218,9 @@ def test_cluster_keys_of_every_shape_spread_over_the_nodes(
     assert isinstance(client, redis.RedisCluster)
     nodes = set()
     for key in KEYS:
-        slots_key, holders_key = redis_keys(sem.prefix, key)
-        assert client.keyslot(slots_key) == client.keyslot(holders_key), key
-        nodes.add(client.get_node_from_key(slots_key).name)
+        keys = redis_keys(sem.prefix, key)
+        assert len({client.keyslot(name) for name in keys}) == 1, key
+        nodes.add(client.get_node_from_key(keys.slots).name)
     assert len(nodes) == 3, "the keys should exercise every primary"
 
     slots = {key: sem.acquire(key, metadata={"key": key}) for key in KEYS}
@@ -244,8 +244,8 @@ def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSem
     sem = on_cluster(limit=1)
     client = sem.client
     assert isinstance(client, redis.RedisCluster)
-    slots_key, holders_key = redis_keys(sem.prefix, "}lead")
-    assert client.keyslot(slots_key) != client.keyslot(holders_key)
+    keys = redis_keys(sem.prefix, "}lead")
+    assert client.keyslot(keys.slots) != client.keyslot(keys.holders)
     calls: list[Callable[[], object]] = [
         lambda: sem.acquire("}lead"),
         lambda: sem.hold("}lead").__enter__(),
@@ -253,6 +253,10 @@ def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSem
         lambda: sem.holders("}lead"),
         lambda: sem.force_release("}lead", "token"),
         lambda: sem.force_release_all("}lead"),
+        lambda: sem.park("}lead", "w", b""),
+        lambda: sem.claim("}lead", "w"),
+        lambda: sem.admin.sweep("}lead"),
+        lambda: sem.admin.cancel("}lead", "w"),
     ]
     for call in calls:
         with pytest.raises(SemaphoreValidationError, match="starts with '}'") as info:
@@ -387,7 +391,7 @@ def test_a_failover_keeps_replicated_slots_and_reports_a_lost_write(
         # Both slots have reached the replica before it is promoted.
         assert wait_for(
             lambda: all(
-                on_replica.zscore(redis_keys(sem.prefix, key)[0], slot.token) is not None
+                on_replica.zscore(redis_keys(sem.prefix, key).slots, slot.token) is not None
                 for key, slot in slots.items()
             ),
             timeout=30,
@@ -405,7 +409,7 @@ def test_a_failover_keeps_replicated_slots_and_reports_a_lost_write(
         assert slots["dropped"].lost.wait(30), "the lost write was never noticed"
 
         # The "kept" holder renews on the new primary: its expiry there moves forward.
-        kept_key = redis_keys(sem.prefix, "kept")[0]
+        kept_key = redis_keys(sem.prefix, "kept").slots
         first = on_new.zscore(kept_key, slots["kept"].token)
         assert first is not None
         assert wait_for(
@@ -428,3 +432,18 @@ def test_a_failover_keeps_replicated_slots_and_reports_a_lost_write(
     assert on_old.info("replication")["role"] == "slave"
     on_old.close()
     sem.client.close()
+
+
+def test_the_waiting_room_works_on_a_cluster(on_cluster: MakeSemaphore) -> None:
+    handed: list[str] = []
+    sem = on_cluster(limit=1)
+    sem.handoffs.publisher = lambda key, handoffs: handed.extend(h.waiter for h in handoffs)
+    for key in KEYS:
+        holder = sem.acquire(key)
+        assert holder is not None
+        assert not isinstance(sem.park(key, "w", b"p"), Slot)
+        holder.release()
+        claimed = sem.claim(key, "w")
+        assert isinstance(claimed, Slot), key
+        claimed.release()
+    assert handed == ["w"] * len(KEYS)

@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from . import validation as check
+from .room import DEFAULT_CLAIM_TIMEOUT, HandoffRoute, Waiter
 from .scripts import Keys, Scripts, backend_errors, check_cluster_key, redis_keys
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,14 @@ class SemaphoreAdmin:
         SemaphoreValidationError: ``prefix`` is not a non-empty str.
     """
 
-    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        handoffs: HandoffRoute | None = None,
+    ) -> None:
         self.client = client
+        self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
         self.prefix = check.check_key(prefix, "prefix")
         self._scripts = Scripts(client)
         # On a cluster, a script's two keys must share a slot (see redis_keys).
@@ -145,7 +152,8 @@ class SemaphoreAdmin:
         key = check.check_key(key)
         check.check_key(token, "token")
         with backend_errors(key, limit):
-            live = self._scripts.release(self.keys_of(key), token)
+            live, handed = self._scripts.release(self.keys_of(key), token, self.handoffs.claim_ms)
+        self.handoffs.deliver(key, handed)
         if live:
             logger.warning("semaphore %r: holder %s force-released", key, token)
         return live
@@ -170,6 +178,53 @@ class SemaphoreAdmin:
             "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
         )
         return displaced
+
+    def room(self, key: str) -> list[Waiter]:
+        """The waiters parked on ``key``, oldest first (not those holding a reservation).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        keys = self.keys_of(check.check_key(key))
+        with backend_errors(key):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.time()
+            pipe.zrange(keys.room, 0, -1, withscores=True)
+            (seconds, micros), rows = pipe.execute()
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return [
+            Waiter(_text(waiter), score / 1000, (now_ms - score) / 1000) for waiter, score in rows
+        ]
+
+    def sweep(self, key: str) -> int:
+        """The room's safety net for ``key``: requeue waiters whose reservation lapsed and
+        hand every free slot to the oldest waiters; returns how many were handed off.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        keys = self.keys_of(check.check_key(key))
+        with backend_errors(key):
+            handed = self._scripts.sweep(keys, self.handoffs.claim_ms)
+        self.handoffs.deliver(key, handed)
+        return len(handed)
+
+    def cancel(self, key: str, waiter: str) -> bool:
+        """Take ``waiter`` out of ``key``'s room (its run was revoked or expired), handing
+        its reservation, if it had one, to the next waiter. True when it was there.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``waiter`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        keys = self.keys_of(check.check_key(key))
+        check.check_key(waiter, "waiter")
+        with backend_errors(key):
+            found, handed = self._scripts.cancel(keys, waiter, self.handoffs.claim_ms)
+        self.handoffs.deliver(key, handed)
+        return found
 
     def server_warnings(self) -> list[str]:
         """What about the server could break the semaphore's promise, for a start-up log.
@@ -196,3 +251,7 @@ class SemaphoreAdmin:
                 "use 'noeviction' for the semaphore store"
             ]
         return []
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

@@ -14,21 +14,67 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import RedisClusterException
 
 from ..errors import SemaphoreBackendError, SemaphoreValidationError
 
-Keys = tuple[str, str]
-"""A semaphore's two Redis keys: its sorted set of slots and its hash of holder metadata."""
 
-_NAMES = ("acquire", "extend", "release", "count", "holders", "force_release_all")
-_SOURCES = {
-    name: resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
-    for name in _NAMES
-}
+class Keys(NamedTuple):
+    """A semaphore's Redis keys, all under one hash tag (so one Redis Cluster slot)."""
+
+    slots: str
+    """Sorted set: holder token (or ``~<waiter>`` reservation) -> lease expiry, ms."""
+    holders: str
+    """Hash: holder token -> ``<acquired_at_ms>|<metadata JSON>``."""
+    room: str
+    """Sorted set: parked waiter id -> arrival, ms (the waiting room's order)."""
+    parked: str
+    """Hash: waiter id -> ``<arrival_ms>|<payload>``, and ``!limit`` -> the key's limit."""
+
+
+def _lua(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+_ROOM = ("park", "release", "sweep", "cancel")
+"""Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
+_KEYS = {
+    "acquire": 2, "extend": 2, "count": 1, "holders": 2, "force_release_all": 2,
+    "park": 4, "release": 4, "sweep": 4, "cancel": 4,
+}  # fmt: skip
+"""How many of a semaphore's keys each script takes (the first N of :class:`Keys`)."""
+_SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A slot reserved for a parked waiter, whose payload the caller must now publish."""
+
+    waiter: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Parked:
+    """park.lua parked the waiter: ``position`` older waiters are ahead of it."""
+
+    position: int
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class RoomFull:
+    """park.lua refused: the room already holds ``queued`` waiters (``max_queued``)."""
+
+    queued: int
+
+
+@dataclass(frozen=True)
+class NotWaiting:
+    """park.lua in claim mode: nothing is reserved or parked for the waiter."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +103,7 @@ def redis_keys(prefix: str, key: str) -> Keys:
     (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
-    return slots, f"{slots}:holders"
+    return Keys(slots, f"{slots}:holders", f"{slots}:room", f"{slots}:parked")
 
 
 def check_cluster_key(key: str) -> str:
@@ -74,6 +120,15 @@ def check_cluster_key(key: str) -> str:
             key,
         )
     return key
+
+
+def _handoffs(reply: Any, start: int) -> list[Handoff]:
+    """The {waiter, payload} pairs at ``reply[start:]``."""
+    return [
+        Handoff(_text(reply[i]), reply[i + 1] if isinstance(reply[i + 1], bytes)
+                else str(reply[i + 1]).encode())
+        for i in range(start, len(reply) - 1, 2)
+    ]  # fmt: skip
 
 
 def _text(value: Any) -> str:
@@ -102,8 +157,8 @@ class Scripts:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
 
-    def _call(self, name: str, keys: Keys, *args: str | int) -> Any:
-        return self._scripts[name](keys=keys, args=args)
+    def _call(self, name: str, keys: Keys, *args: str | int | bytes) -> Any:
+        return self._scripts[name](keys=keys[: _KEYS[name]], args=args)
 
     def acquire(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
@@ -119,9 +174,53 @@ class Scripts:
         reply = self._call("extend", keys, token, lease_ms)
         return int(reply[1]) if int(reply[0]) == 1 else None
 
-    def release(self, keys: Keys, token: str) -> bool:
-        """Remove ``token``; True when it was still a live holder until now."""
-        return int(self._call("release", keys, token)) == 1
+    def release(self, keys: Keys, token: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
+        """Remove ``token``: whether it was still a live holder until now, and the hand-offs
+        of the slot it freed (to the oldest parked waiter)."""
+        reply = self._call("release", keys, token, claim_ms)
+        return int(reply[0]) == 1, _handoffs(reply, 1)
+
+    def park(
+        self,
+        keys: Keys,
+        limit: int,
+        lease_ms: int,
+        token: str,
+        metadata: str,
+        waiter: str,
+        arrival_ms: int | None,
+        payload: bytes,
+        claim_ms: int,
+        room_ttl_ms: int,
+        max_queued: int,
+        claim_only: bool,
+    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+        """Take a slot in arrival order or park (see park.lua's contract)."""
+        reply = self._call(
+            "park", keys, limit, lease_ms, token, metadata, waiter,
+            "" if arrival_ms is None else arrival_ms, payload, claim_ms, room_ttl_ms,
+            max_queued, "claim" if claim_only else "park",
+        )  # fmt: skip
+        status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
+        result: Admitted | Parked | RoomFull | NotWaiting
+        if status == 1:
+            result = Admitted(value, now_ms)
+        elif status == 0:
+            result = Parked(value, now_ms)
+        elif status == -1:
+            result = RoomFull(value)
+        else:
+            result = NotWaiting()
+        return result, _handoffs(reply, 3)
+
+    def sweep(self, keys: Keys, claim_ms: int) -> list[Handoff]:
+        """Requeue lapsed reservations and hand free slots to the oldest waiters."""
+        return _handoffs(self._call("sweep", keys, claim_ms), 0)
+
+    def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
+        """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""
+        reply = self._call("cancel", keys, waiter, claim_ms)
+        return int(reply[0]) == 1, _handoffs(reply, 1)
 
     def count(self, keys: Keys) -> int:
         """How many holders are live by the server's clock."""

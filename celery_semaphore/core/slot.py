@@ -16,6 +16,7 @@ from types import TracebackType
 
 from ..errors import SemaphoreLeaseLostError
 from . import validation as check
+from .room import HandoffRoute
 from .scripts import Admitted, Keys, Scripts, backend_errors
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Slot:
         lease: float,
         admitted: Admitted,
         sent_at: float,
+        handoffs: HandoffRoute,
     ) -> None:
         self.key = key
         self.limit = limit
@@ -60,6 +62,7 @@ class Slot:
         self.expires_at = admitted.expires_at_ms / 1000
         self._scripts = scripts
         self._keys = keys
+        self._handoffs = handoffs
         # Local monotonic time at which the last successful acquire/extend was *sent*: the
         # lease began no earlier than that, so the slot is surely ours until `deadline`.
         self._renewed_at = sent_at
@@ -183,7 +186,9 @@ class Slot:
         return False
 
     def release(self) -> bool:
-        """Give the slot back (one round trip; later calls repeat the first answer).
+        """Give the slot back (one round trip; later calls repeat the first answer). When
+        waiters are parked on the key, the same call reserves the freed slot for the oldest,
+        and its payload is published (see :mod:`celery_semaphore.core.room`).
 
         Returns:
             bool: True when the slot was ours up to now. False when it had lapsed or been
@@ -195,7 +200,10 @@ class Slot:
         """
         if self._released is None:
             with backend_errors(self.key, self.limit):
-                self._released = self._scripts.release(self._keys, self.token)
+                self._released, handed = self._scripts.release(
+                    self._keys, self.token, self._handoffs.claim_ms
+                )
+            self._handoffs.deliver(self.key, handed)
             if not self._released:
                 self.mark_lost("release found the slot already gone")
         return self._released

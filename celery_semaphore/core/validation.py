@@ -98,6 +98,20 @@ def check_delay(delay: object, name: str = "retry_delay") -> float:
     return seconds
 
 
+MAX_EPOCH = 4_102_444_800.0
+"""Latest timestamp any argument accepts (2100-01-01): later ones are never what was meant."""
+
+
+def check_epoch(value: object, name: str) -> float:
+    """Return ``value`` as float epoch seconds if it is a finite number from 0 to
+    ``MAX_EPOCH`` (bool excluded), else raise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+        if math.isfinite(seconds) and 0 <= seconds <= MAX_EPOCH:
+            return seconds
+    raise SemaphoreValidationError(f"{name} must be epoch seconds from 0 to 2100, got {value!r}")
+
+
 def heartbeat_interval(heartbeat: object, lease: float, name: str = "heartbeat") -> float | None:
     """Resolve the renewal interval in float seconds, or ``None`` when renewal is off.
 

@@ -1,26 +1,34 @@
--- release: give one slot back.
+-- release: give one slot back, and hand it to the oldest parked waiter in the same step.
 --
--- KEYS[1]  slots    sorted set (see acquire.lua)
--- KEYS[2]  holders  hash (see acquire.lua)
--- ARGV[1]  token    the holder's token
+-- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- ARGV[1]  token     the holder's token
+-- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
 --
--- Returns 1 when the slot was still ours up to this moment (present, expiry in the future),
---         0 when it had lapsed or been taken away (the bound did not hold for the whole body).
--- The holder is removed either way, and an empty semaphore is deleted.
-local slots = KEYS[1]
-local holders = KEYS[2]
-local token = ARGV[1]
+-- Returns {owned, hand-offs...}: owned is 1 when the slot was still ours up to this moment
+-- (present, expiry in the future), 0 when it had lapsed or been taken away (the bound did
+-- not hold for the whole body); hand-offs are {waiter, payload} pairs the caller publishes.
+-- The holder is removed either way, and a semaphore with no holder and no room is deleted.
+-- The limit comes from the room ("!limit", written by park.lua): no room, no hand-off.
+local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local token, claim_ms = ARGV[1], tonumber(ARGV[2])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now = room_now_ms()
 
 local score = redis.call('ZSCORE', slots, token)
-local owned = 0
+local reply = {0}
 if score then
-  if tonumber(score) > now_ms then owned = 1 end
+  if tonumber(score) > now then reply[1] = 1 end
   redis.call('ZREM', slots, token)
   redis.call('HDEL', holders, token)
-  if redis.call('ZCARD', slots) == 0 then redis.call('DEL', slots, holders) end
 end
-return owned
+local limit = tonumber(redis.call('HGET', parked, '!limit'))
+if limit then
+  room_prune(slots, holders, room, parked, now)
+  local out = {}
+  room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+  for _, value in ipairs(out) do reply[#reply + 1] = value end
+elseif redis.call('ZCARD', slots) == 0 then
+  redis.call('DEL', slots, holders)
+end
+return reply

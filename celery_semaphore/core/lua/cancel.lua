@@ -1,0 +1,25 @@
+-- cancel: take a waiter out of the room (its task was revoked or expired), and hand its
+-- reservation, if it had one, to the next waiter.
+--
+-- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- ARGV[1]  waiter    the waiter's id
+-- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
+--
+-- Returns {found, hand-offs...}: found is 1 when the waiter was parked or reserved.
+local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local waiter, claim_ms = ARGV[1], tonumber(ARGV[2])
+
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local now = room_now_ms()
+local found = redis.call('ZREM', room, waiter) + redis.call('HDEL', parked, waiter)
+  + redis.call('ZREM', slots, '~' .. waiter)
+redis.call('HDEL', holders, '~' .. waiter)
+local reply = {found > 0 and 1 or 0}
+local limit = tonumber(redis.call('HGET', parked, '!limit'))
+if limit then
+  room_prune(slots, holders, room, parked, now)
+  local out = {}
+  room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+  for _, value in ipairs(out) do reply[#reply + 1] = value end
+end
+return reply

@@ -1,0 +1,97 @@
+-- park: take a slot for a waiter in arrival order, or park it in the waiting room; or, in
+-- claim mode, take the slot reserved for it by a hand-off.
+--
+-- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- ARGV[1]  limit        the key's limit (integer >= 1)
+-- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
+-- ARGV[3]  token        unique per acquisition
+-- ARGV[4]  metadata     JSON text describing the holder
+-- ARGV[5]  waiter       the waiter's id (a task id); never starts with "~" or "!"
+-- ARGV[6]  arrival_ms   when it first asked (epoch ms), or "" for now; a waiter already
+--                       parked keeps its first arrival
+-- ARGV[7]  payload      what to hand to whoever publishes it (opaque), or "" to keep the
+--                       parked one
+-- ARGV[8]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
+-- ARGV[9]  room_ttl_ms  how long an idle room lives (integer >= 1)
+-- ARGV[10] max_queued   refuse to park past this many waiters (0: no limit)
+-- ARGV[11] mode         "park", or "claim" (take only a reservation; never park anew)
+--
+-- Returns {1, expires_at_ms, now_ms, hand-offs...}   the waiter holds a slot (token)
+--         {0, position, now_ms, hand-offs...}        parked; position 0 is the next served
+--         {-1, queued, now_ms}                        the room is full (max_queued)
+--         {-2, 0, now_ms}                             claim mode: nothing reserved or parked
+--                                                     for this waiter (a duplicate delivery)
+-- hand-offs are {waiter, payload} pairs for slots freed here and reserved for older waiters;
+-- the caller publishes them.
+--
+-- The waiter joins the room before any free slot is handed out, so it is served in arrival
+-- order with everyone else: a free slot goes to it only if no older waiter is parked.
+local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local limit = tonumber(ARGV[1])
+local lease_ms = tonumber(ARGV[2])
+local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
+local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
+local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local now = room_now_ms()
+local arrival = tonumber(ARGV[6]) or now
+room_prune(slots, holders, room, parked, now)
+
+local function take(member)
+  if member then
+    redis.call('ZREM', slots, member)
+    redis.call('HDEL', holders, member)
+  end
+  redis.call('ZREM', room, waiter)
+  redis.call('HDEL', parked, waiter)
+  local expires_at_ms = now + lease_ms
+  redis.call('ZADD', slots, expires_at_ms, token)
+  redis.call('HSET', holders, token, now .. '|' .. metadata)
+  if redis.call('PTTL', slots) < lease_ms then
+    redis.call('PEXPIRE', slots, lease_ms)
+    redis.call('PEXPIRE', holders, lease_ms)
+  end
+  return expires_at_ms
+end
+
+local mine = redis.call('ZSCORE', slots, token)
+if mine then return {1, tonumber(mine), now} end
+if redis.call('ZSCORE', slots, '~' .. waiter) then
+  return {1, take('~' .. waiter), now}
+end
+
+local known = arrival_of(parked, waiter)
+if mode == 'claim' and not known then return {-2, 0, now} end
+if not known and max_queued > 0 and redis.call('ZCARD', room) >= max_queued then
+  return {-1, redis.call('ZCARD', room), now}
+end
+if known then
+  arrival = known
+  if payload == '' then
+    local entry = redis.call('HGET', parked, waiter)
+    payload = string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
+  end
+end
+redis.call('HSET', parked, waiter, arrival .. '|' .. payload, '!limit', limit)
+redis.call('ZADD', room, arrival, waiter)
+
+local out = {}
+room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+local reply = {0, 0, now}
+local others = {}
+for i = 1, #out, 2 do
+  if out[i] == waiter then
+    reply = {1, take('~' .. waiter), now}
+  else
+    others[#others + 1] = out[i]
+    others[#others + 1] = out[i + 1]
+  end
+end
+if reply[1] == 0 then reply[2] = redis.call('ZRANK', room, waiter) end
+for _, value in ipairs(others) do reply[#reply + 1] = value end
+if redis.call('PTTL', room) < room_ttl_ms then
+  redis.call('PEXPIRE', room, room_ttl_ms)
+  redis.call('PEXPIRE', parked, room_ttl_ms)
+end
+return reply

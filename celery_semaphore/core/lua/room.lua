@@ -1,0 +1,62 @@
+-- room: the waiting room's shared steps, prepended by scripts.py to the scripts that use it
+-- (park, release, sweep, cancel). Not a script of its own.
+--
+-- Keys of one semaphore (one hash tag, so one cluster slot):
+--   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>"
+--   holders  hash: token -> "<acquired_at_ms>|<metadata JSON>"
+--   room     sorted set: waiter id -> arrival (ms); the oldest is served first
+--   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the key's limit
+--
+-- A reservation holds a slot for one waiter, so the limit counts it like any holder; the
+-- waiter's run claims it when it starts (park.lua), or it lapses after the claim lease and
+-- the waiter goes back into the room at its old arrival time: nothing is lost, and the order
+-- is kept. (A plain acquire, which does not know the room, may prune a lapsed reservation
+-- without requeueing it; sweep.lua finds such waiters.)
+
+local function room_now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function arrival_of(parked, waiter)
+  local entry = redis.call('HGET', parked, waiter)
+  if not entry then return nil end
+  return tonumber(string.match(entry, '^(%d+)|'))
+end
+
+-- Drop lapsed holders; a lapsed reservation sends its waiter back into the room.
+local function room_prune(slots, holders, room, parked, now)
+  local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now)
+  if #expired == 0 then return end
+  redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
+  redis.call('HDEL', holders, unpack(expired))
+  for _, member in ipairs(expired) do
+    if string.sub(member, 1, 1) == '~' then
+      local waiter = string.sub(member, 2)
+      local arrival = arrival_of(parked, waiter)
+      if arrival then redis.call('ZADD', room, arrival, waiter) end
+    end
+  end
+end
+
+-- Reserve free slots for the oldest waiters; append {waiter, payload} pairs to out.
+local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+  while redis.call('ZCARD', slots) < limit do
+    local head = redis.call('ZRANGE', room, 0, 0)
+    if #head == 0 then break end
+    local waiter = head[1]
+    redis.call('ZREM', room, waiter)
+    local entry = redis.call('HGET', parked, waiter)
+    if entry then
+      redis.call('ZADD', slots, now + claim_ms, '~' .. waiter)
+      redis.call('HSET', holders, '~' .. waiter,
+        now .. '|' .. cjson.encode({reserved_for = waiter}))
+      out[#out + 1] = waiter
+      out[#out + 1] = string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
+    end
+  end
+  if redis.call('PTTL', slots) < claim_ms then
+    redis.call('PEXPIRE', slots, claim_ms)
+    redis.call('PEXPIRE', holders, claim_ms)
+  end
+end
