@@ -160,6 +160,14 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
                            f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
         return n
 
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", claim_timeout=5.0,
+              shared=False, name="csem.queued")  # fmt: skip
+    def queued(n: int, duration: float = 0.1) -> int:
+        recorder.rpush("test:queued:order", n)
+        with record("queued"):
+            time.sleep(duration)
+        return n
+
     return app
 
 

@@ -147,3 +147,14 @@ def acquire_at_once(sem: Any, key: str, callers: int) -> list[Any]:
 
     run_in_threads(caller, callers)
     return results
+
+
+def spearman(order: list[int]) -> float:
+    """Spearman's rank correlation of ``order`` (distinct values) with its sorted self: 1.0
+    when every run started in the order it asked, lower the more they were shuffled."""
+    n = len(order)
+    if n < 2:
+        return 1.0
+    ranks = {value: rank for rank, value in enumerate(sorted(order))}
+    moved = sum((ranks[value] - position) ** 2 for position, value in enumerate(order))
+    return 1 - 6 * moved / (n * (n * n - 1))

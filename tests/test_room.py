@@ -216,3 +216,18 @@ def test_a_room_of_10000_drains_in_order_with_nothing_lost(
     assert served == [f"w{n:05d}" for n in range(count)]
     assert sem.count("big") == 0
     assert sem.admin.room("big") == []
+
+
+def test_a_release_that_cannot_publish_leaves_the_slot_for_a_sweep(
+    redis_server: RedisServer, sem: Semaphore, published: Published
+) -> None:
+    mute = Semaphore(redis_server.url, limit=2)  # no on_handoff: it cannot start a run
+    slots = [mute.acquire("k"), mute.acquire("k")]
+    sem.park("k", "w1", b"p")
+    for slot in slots:
+        assert slot is not None
+        assert slot.release()
+    assert mute.count("k") == 0  # nothing reserved for a run nobody would start
+    assert [w.waiter for w in sem.admin.room("k")] == ["w1"]
+    assert sem.admin.sweep("k") == 1
+    assert published.waiters == ["w1"]

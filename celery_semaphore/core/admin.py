@@ -102,23 +102,25 @@ class SemaphoreAdmin:
             check_cluster_key(key)
         return redis_keys(self.prefix, key)
 
-    def scan_keys(self, limit: int = 10_000) -> list[str]:
+    def scan_keys(self, limit: int = 10_000, rooms: bool = False) -> list[str]:
         """The keys of every semaphore under the prefix (SCAN, never KEYS), sorted.
 
         Args:
             limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
+            rooms (bool): only the keys with a waiting room.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
         head = f"{self.prefix}:{{"
+        tail = "}:room" if rooms else "}"
         found: list[str] = []
-        pattern = _GLOB.sub(r"\\\1", head) + "*"
+        pattern = _GLOB.sub(r"\\\1", head) + "*" + tail
         with backend_errors(f"{self.prefix}:*"):
             for raw in self.client.scan_iter(match=pattern, count=500, _type="zset"):
                 name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-                if name.startswith(head) and name.endswith("}"):
-                    found.append(name[len(head) : -1])
+                if name.startswith(head) and name.endswith(tail):
+                    found.append(name[len(head) : -len(tail)])
                     if len(found) >= limit:
                         break
         return sorted(found)
@@ -152,7 +154,9 @@ class SemaphoreAdmin:
         key = check.check_key(key)
         check.check_key(token, "token")
         with backend_errors(key, limit):
-            live, handed = self._scripts.release(self.keys_of(key), token, self.handoffs.claim_ms)
+            live, handed = self._scripts.release(
+                self.keys_of(key), token, self.handoffs.release_claim_ms
+            )
         self.handoffs.deliver(key, handed)
         if live:
             logger.warning("semaphore %r: holder %s force-released", key, token)

@@ -60,6 +60,13 @@ class HandoffRoute:
         self.claim_ms = check.lease_ms(claim_timeout, "claim_timeout")
         self.publisher = check.check_callback(publisher, "on_handoff")
 
+    @property
+    def release_claim_ms(self) -> int:
+        """The claim lease for release.lua: 0 (hand nothing off) with no publisher, so the
+        freed slot stays free for the next sweep (run by a process that can publish) to hand
+        out, rather than sit reserved for a run nobody starts."""
+        return self.claim_ms if self.publisher is not None else 0
+
     def deliver(self, key: str, handoffs: Sequence[Handoff]) -> None:
         """Hand ``handoffs`` to the publisher. Never raises: a failure is logged, and the
         reservations lapse and are handed out again."""

@@ -201,7 +201,7 @@ class Slot:
         if self._released is None:
             with backend_errors(self.key, self.limit):
                 self._released, handed = self._scripts.release(
-                    self._keys, self.token, self._handoffs.claim_ms
+                    self._keys, self.token, self._handoffs.release_claim_ms
                 )
             self._handoffs.deliver(self.key, handed)
             if not self._released:

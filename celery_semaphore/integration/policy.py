@@ -17,7 +17,7 @@ from ..core import validation as check
 from ..core.semaphore import DEFAULT_LEASE
 from ..errors import SemaphoreValidationError
 
-ON_FULL = ("retry", "raise")
+ON_FULL = ("retry", "raise", "queue")
 ON_LEASE_LOST = ("raise", "retry")
 
 
@@ -30,7 +30,9 @@ class Policy:
         heartbeat (float | bool | None): renewal interval in seconds; None: lease / 4;
             False: no renewal.
         on_full (str): ``"retry"`` re-publishes the task with a countdown (shedding);
-            ``"raise"`` fails it with :class:`SemaphoreNotAcquiredError`.
+            ``"queue"`` parks it in the key's waiting room, to be started the moment a slot
+            is released, oldest first; ``"raise"`` fails it with
+            :class:`SemaphoreNotAcquiredError`.
         on_lease_lost (str): ``"raise"`` fails the task with
             :class:`SemaphoreLeaseLostError` even if the body returned; ``"retry"`` sheds it
             so it runs again (such sheds count against the shed budget).
@@ -47,6 +49,10 @@ class Policy:
             waits up to one lease.
         interrupt (bool): when the slot is lost, raise an exception inside the running body
             (at its next Python bytecode; a body blocked in C code notices when it returns).
+        claim_timeout (float): with ``"queue"``: seconds a slot handed to a parked run stays
+            reserved for it before the run goes back to the head of the room.
+        max_queued (int | None): with ``"queue"``: how many runs may be parked per key; a
+            run past that fails with :class:`SemaphoreNotAcquiredError`. None: no limit.
     """
 
     lease: float = DEFAULT_LEASE
@@ -59,6 +65,8 @@ class Policy:
     shed_max_retries: int | None = None
     shed_timeout: float | None = None
     interrupt: bool = False
+    claim_timeout: float = 30.0
+    max_queued: int | None = None
 
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
@@ -73,6 +81,9 @@ class Policy:
             check.check_retries(self.shed_max_retries, "shed_max_retries")
         if self.shed_timeout is not None:
             check.check_delay(self.shed_timeout, "shed_timeout")
+        check.lease_ms(self.claim_timeout, "claim_timeout")
+        if self.max_queued is not None:
+            check.check_limit(self.max_queued, "max_queued")
 
     def with_options(self, options: Mapping[str, Any]) -> Policy:
         """A copy with ``options`` (task options; None values ignored) applied and checked."""

@@ -47,18 +47,17 @@ from ..errors import (
 )
 from .keys import KeyTemplate
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
+from .room import HANDOFF_HEADER, claim_or_end, park_or_take, publisher_for
 from .settings import app_settings, client_for, task_policy
 from .shedding import shed
 from .signals import (
+    renew_failed_reporter,
+    report_lease_lost,
     semaphore_acquired,
-    semaphore_lease_lost,
     semaphore_refused,
     semaphore_released,
-    semaphore_renew_failed,
     send_event,
-    task_label,
 )
-from .stats import bump
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +174,15 @@ class Runner:
                 policy = task_policy(app, self.options)
                 prefix = DEFAULT_PREFIX if app is None else app_settings(app).prefix
                 client = self.redis if self.redis is not None else client_for(app)
-                found = (Semaphore(client, self.limit, policy.lease, prefix), policy)
+                semaphore = Semaphore(
+                    client,
+                    self.limit,
+                    policy.lease,
+                    prefix,
+                    claim_timeout=policy.claim_timeout,
+                    on_handoff=None if app is None else publisher_for(app),
+                )
+                found = (semaphore, policy)
                 if app is None:
                     self._unbound = found
                 else:
@@ -257,10 +264,18 @@ class Runner:
     def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         key = self.key_for(args, kwargs)
         started = time.monotonic()
+        metadata = _task_metadata(task)
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy = self.resolve(task.app)
-            slot = semaphore.acquire(key, metadata=_task_metadata(task))
+            if (task.request.headers or {}).get(HANDOFF_HEADER):
+                slot: Slot | None = claim_or_end(task, semaphore, key, metadata)
+            else:
+                slot = semaphore.acquire(key, metadata=metadata)
+                if slot is None and policy.on_full == "queue":
+                    slot = park_or_take(
+                        task, semaphore, policy, key, metadata, self.template.source
+                    )
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options)
             if policy.on_full == "raise":
@@ -299,7 +314,7 @@ class Runner:
         send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
         started = time.monotonic()
         try:
-            with guard(slot, interval, _renew_failed(task, slot, template)):
+            with guard(slot, interval, renew_failed_reporter(task, slot, template)):
                 token = _current_slot.set(slot)
                 try:
                     if interrupter is None:
@@ -323,7 +338,7 @@ class Runner:
                 lost=slot.lost.is_set(),
             )
             if slot.lost.is_set():
-                _lease_lost(task, slot, template)
+                report_lease_lost(task, slot, template)
 
     def _refused(
         self, task: Task | None, error: SemaphoreNotAcquiredError
@@ -376,29 +391,3 @@ def _full_error(key: str, limit: int) -> SemaphoreNotAcquiredError:
 def _task_metadata(task: Task) -> dict[str, Any]:
     request = task.request
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}
-
-
-def _renew_failed(task: Task | None, slot: Slot, template: str) -> Callable[[BaseException], None]:
-    def report(error: BaseException) -> None:
-        logger.warning(
-            "%ssemaphore %r: a renewal failed and will be retried: %s",
-            task_label(task),
-            slot.key,
-            error,
-        )
-        semaphore_renew_failed.send(
-            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, error=error
-        )
-
-    return report
-
-
-def _lease_lost(task: Task | None, slot: Slot, template: str) -> None:
-    reason = slot.lease_lost_error().message
-    logger.error("%s%s", task_label(task), reason)
-    semaphore_lease_lost.send(
-        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, reason=reason
-    )
-    send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
-    if task is not None:
-        bump(task.app, task.request.hostname, "lease_lost")

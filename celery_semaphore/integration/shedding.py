@@ -94,9 +94,7 @@ def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason
     headers.update(
         {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
     )
-    if not (task.ignore_result or getattr(request, "ignore_result", False)):
-        with contextlib.suppress(NotImplementedError):  # no result backend configured
-            task.backend.mark_as_retry(request.id, None, request=request)
+    mark_retry(task)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
     logger.info(
         "%ssemaphore %r (limit %d): shed (%s), runs again in %.2fs",
@@ -118,3 +116,12 @@ def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason
     send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
     bump(task.app, request.hostname, "shed")
     raise Ignore()
+
+
+def mark_retry(task: Task) -> None:
+    """Store state RETRY for the running task, before its message is published again (see
+    :func:`shed` for why before), unless it ignores results or there is no backend."""
+    request = task.request
+    if not (task.ignore_result or getattr(request, "ignore_result", False)):
+        with contextlib.suppress(NotImplementedError):  # no result backend configured
+            task.backend.mark_as_retry(request.id, None, request=request)

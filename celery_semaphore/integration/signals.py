@@ -32,10 +32,14 @@ Prometheus event counter.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery import Task
 from celery.utils.dispatch import Signal
+
+from ..core.slot import Slot
+from . import stats
 
 logger = logging.getLogger(__name__)
 
@@ -76,3 +80,34 @@ def task_label(task: Task | None) -> str:
     """``"Task <name>[<id>]: "`` to open a log line about a task's run (Celery's own wording),
     or ``""`` outside a task."""
     return "" if task is None else f"Task {task.name}[{task.request.id}]: "
+
+
+def renew_failed_reporter(
+    task: Task | None, slot: Slot, template: str
+) -> Callable[[BaseException], None]:
+    """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal."""
+
+    def report(error: BaseException) -> None:
+        logger.warning(
+            "%ssemaphore %r: a renewal failed and will be retried: %s",
+            task_label(task),
+            slot.key,
+            error,
+        )
+        semaphore_renew_failed.send(
+            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, error=error
+        )
+
+    return report
+
+
+def report_lease_lost(task: Task | None, slot: Slot, template: str) -> None:
+    """Log, signal, send an event and count the loss of a run's slot."""
+    reason = slot.lease_lost_error().message
+    logger.error("%s%s", task_label(task), reason)
+    semaphore_lease_lost.send(
+        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, reason=reason
+    )
+    send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
+    if task is not None:
+        stats.bump(task.app, task.request.hostname, "lease_lost")

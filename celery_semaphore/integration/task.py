@@ -59,6 +59,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     shed_max_retries: ClassVar[int | None] = None
     shed_timeout: ClassVar[float | None] = None
     interrupt: ClassVar[bool | None] = None
+    claim_timeout: ClassVar[float | None] = None
+    max_queued: ClassVar[int | None] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:

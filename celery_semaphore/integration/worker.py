@@ -31,8 +31,10 @@ from celery.signals import task_failure, task_revoked, worker_init
 from celery.worker.control import inspect_command
 
 from ..core.admin import Holder, SemaphoreAdmin
+from ..core.room import HandoffRoute
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
+from .room import publisher_for
 from .runner import refusal_of, runner_of
 from .settings import app_settings, client_for, task_policy
 from .store import broker_visibility_timeout
@@ -45,6 +47,8 @@ RECHECK = 0.1
 """Seconds between checks of whether a dead run's process has exited."""
 PATIENCE = 10.0
 """Seconds to keep checking before leaving a still-living holder's slot to its lease."""
+SWEEP_INTERVAL = 2.0
+"""Seconds between sweeps of the waiting rooms by each worker (see DeadRunReleaser.sweep)."""
 
 
 def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
@@ -135,10 +139,45 @@ class DeadRunReleaser:
     def on_task_revoked(
         self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any
     ) -> None:
-        """``task_revoked`` receiver: a terminated run's process may be gone."""
-        if terminated and request is not None:
-            args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+        """``task_revoked`` receiver: a terminated run's process may be gone; a run revoked
+        or expired before it ran leaves the waiting room (with its reservation, if any)."""
+        if request is None:
+            return
+        args, kwargs = tuple(request.args or ()), dict(request.kwargs or {})
+        if terminated:
             self.release(sender, request.id, args, kwargs)
+        else:
+            self.cancel(sender, request.id, args, kwargs)
+
+    def cancel(
+        self, task: Task, task_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        """Take run ``task_id`` out of its key's waiting room, if it is there."""
+        found = runner_of(task)
+        if found is None or not task_id or getattr(task, "app", None) is not self.app:
+            return
+        runner, takes_task = found
+        try:
+            key = runner.key_for((task, *args) if takes_task else tuple(args), kwargs)
+            if runner.resolve(task.app)[0].admin.cancel(key, task_id):
+                logger.info("semaphore %r: revoked task %s left the waiting room", key, task_id)
+        except (SemaphoreError, TypeError) as exc:
+            logger.warning("could not take task %s out of its waiting room: %s", task_id, exc)
+
+    def sweep(self) -> None:
+        """The waiting rooms' safety net: requeue lapsed hand-offs and hand free slots to the
+        oldest parked runs, for every room under the app's prefix. Never raises."""
+        try:
+            settings = app_settings(self.app)
+            admin = SemaphoreAdmin(
+                client_for(self.app),
+                settings.prefix,
+                HandoffRoute(settings.policy.claim_timeout, publisher_for(self.app)),
+            )
+            for key in admin.scan_keys(rooms=True):
+                admin.sweep(key)
+        except Exception:
+            logger.warning("could not sweep the waiting rooms", exc_info=True)
 
     def release(
         self, task: Task, task_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -253,6 +292,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.releaser: DeadRunReleaser | None = None
+        self._sweeps: Any = None
         app = worker.app
         visibility = broker_visibility_timeout(app)
         unreachable: SemaphoreBackendError | None = None
@@ -284,6 +324,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.releaser = DeadRunReleaser(worker.app, worker.timer)
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
+        self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, self.releaser.sweep)
         try:
             stats.reset(worker.app, worker.hostname)
             admin = SemaphoreAdmin(client_for(worker.app), app_settings(worker.app).prefix)
@@ -293,6 +334,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not check the semaphore store", exc_info=True)
 
     def stop(self, worker: Any) -> None:
+        if self._sweeps is not None:
+            self._sweeps.cancel()
+            self._sweeps = None
         if self.releaser is not None:
             task_failure.disconnect(self.releaser.on_task_failure)
             task_revoked.disconnect(self.releaser.on_task_revoked)

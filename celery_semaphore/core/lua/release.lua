@@ -2,7 +2,9 @@
 --
 -- KEYS[1..4]  slots, holders, room, parked (see room.lua)
 -- ARGV[1]  token     the holder's token
--- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
+-- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1), or
+--                    0 when the caller cannot publish hand-offs: the slot is left free, and
+--                    the next sweep hands it out
 --
 -- Returns {owned, hand-offs...}: owned is 1 when the slot was still ours up to this moment
 -- (present, expiry in the future), 0 when it had lapsed or been taken away (the bound did
@@ -23,12 +25,12 @@ if score then
   redis.call('HDEL', holders, token)
 end
 local limit = tonumber(redis.call('HGET', parked, '!limit'))
-if limit then
+if limit and claim_ms > 0 then
   room_prune(slots, holders, room, parked, now)
   local out = {}
   room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
   for _, value in ipairs(out) do reply[#reply + 1] = value end
-elseif redis.call('ZCARD', slots) == 0 then
+elseif not limit and redis.call('ZCARD', slots) == 0 then
   redis.call('DEL', slots, holders)
 end
 return reply

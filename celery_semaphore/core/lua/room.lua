@@ -41,6 +41,7 @@ end
 
 -- Reserve free slots for the oldest waiters; append {waiter, payload} pairs to out.
 local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+  if claim_ms <= 0 then return end
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end

@@ -1,0 +1,149 @@
+"""Parking: the waiting-room methods of :class:`~celery_semaphore.core.semaphore.Semaphore`
+(park a waiter, claim a handed-off slot); see :mod:`celery_semaphore.core.room`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import SemaphoreValidationError
+from . import validation as check
+from .room import DEFAULT_ROOM_TTL, HandoffRoute
+from .scripts import Admitted, Keys, NotWaiting, Parked, RoomFull, Scripts, backend_errors
+from .slot import Slot
+
+
+class WaitingRoom:
+    """The waiting-room methods of :class:`~celery_semaphore.core.semaphore.Semaphore`.
+
+    The attributes and the three methods below are :class:`Semaphore`'s own, declared here
+    so that the room's methods type-check on their own.
+    """
+
+    limit: int
+    lease: float
+    handoffs: HandoffRoute
+    _scripts: Scripts
+
+    def _redis_keys(self, key: str) -> Keys:
+        raise NotImplementedError
+
+    def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
+        raise NotImplementedError
+
+    def _slot(
+        self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted, sent_at: float
+    ) -> Slot:
+        raise NotImplementedError
+
+    def park(
+        self,
+        key: str,
+        waiter: str,
+        payload: bytes,
+        *,
+        arrival: float | None = None,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        max_queued: int = 0,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+    ) -> Slot | Parked | RoomFull:
+        """Take a slot of ``key`` in arrival order, or park ``waiter`` in its waiting room.
+
+        The waiter joins the room first, so a free slot goes to it only when no older waiter
+        is parked. Parked, it waits for a release to hand it a slot: the releasing process
+        reserves the slot for it and passes ``payload`` to ``on_handoff``, which starts the
+        waiter's run again; that run calls :meth:`claim`. Parking a waiter that is already
+        parked keeps its first arrival and replaces its payload.
+
+        Args:
+            key (str): the semaphore's key.
+            waiter (str): the waiter's id, unique among the key's waiters (a Celery task id);
+                must not start with ``~`` or ``!``.
+            payload (bytes): what ``on_handoff`` gets to start the waiter again (opaque).
+            arrival (float | None): epoch seconds when the waiter first asked; None: now.
+            lease (float | None): lease of a slot taken now; None: the semaphore's.
+            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
+            max_queued (int): refuse to park a new waiter past this many (0: no limit).
+            room_ttl (float): seconds an idle room lives before Redis expires it.
+
+        Returns:
+            Slot | Parked | RoomFull: the slot (the caller must release it), or where the
+            waiter stands, or a refusal because the room is full.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        result = self._park(
+            key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl, False
+        )
+        assert not isinstance(result, NotWaiting)
+        return result
+
+    def claim(
+        self,
+        key: str,
+        waiter: str,
+        *,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+    ) -> Slot | Parked | NotWaiting:
+        """Take the slot a hand-off reserved for ``waiter`` (its run has started).
+
+        Returns:
+            Slot | Parked | NotWaiting: the slot; or :class:`Parked` when the reservation
+            lapsed and the waiter is back in the room (its run should end and wait for the
+            next hand-off); or :class:`NotWaiting` when nothing is reserved or parked for it
+            (a duplicate delivery of a run that already claimed its slot: end it quietly).
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        result = self._park(key, waiter, b"", None, lease, metadata, 0, room_ttl, True)
+        assert not isinstance(result, RoomFull)
+        return result
+
+    def _park(
+        self,
+        key: str,
+        waiter: str,
+        payload: bytes,
+        arrival: float | None,
+        lease: float | None,
+        metadata: Mapping[str, Any] | None,
+        max_queued: int,
+        room_ttl: float,
+        claim_only: bool,
+    ) -> Slot | Parked | RoomFull | NotWaiting:
+        key = check.check_key(key)
+        check.check_key(waiter, "waiter")
+        if waiter[0] in "~!":
+            raise SemaphoreValidationError(f"waiter must not start with ~ or !, got {waiter!r}")
+        if not isinstance(payload, bytes):
+            raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        arrival_ms = (
+            None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+        )
+        check.check_retries(max_queued, "max_queued")
+        ttl_ms = check.lease_ms(room_ttl, "room_ttl")
+        info = self._metadata(metadata)
+        keys = self._redis_keys(key)
+        token = secrets.token_hex(16)
+        sent_at = time.monotonic()
+        with backend_errors(key, self.limit):
+            result, handed = self._scripts.park(
+                keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
+                self.handoffs.claim_ms, ttl_ms, max_queued, claim_only,
+            )  # fmt: skip
+        self.handoffs.deliver(key, handed)
+        if isinstance(result, Admitted):
+            return self._slot(keys, key, token, seconds, result, sent_at)
+        return result

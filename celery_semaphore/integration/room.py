@@ -1,0 +1,138 @@
+"""The waiting room, Celery side: park a run that found its key full, and start it again
+the moment a release hands it a slot.
+
+With ``on_full="queue"`` a run that finds every slot held is parked in the key's room (see
+:mod:`celery_semaphore.core.room`) with its message, as Celery's own ``retry()`` would
+publish it, and ends in state RETRY. When a holder releases, the same script call reserves
+the slot for the oldest parked run and the releasing process publishes that run's message
+with the ``semaphore_handoff`` header; the run claims its reservation when it starts. A
+delivery that finds nothing to claim (a duplicate) ends quietly. Every worker sweeps the
+rooms on its timer, so a room drains even when the process that should have published a
+hand-off died.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from celery import Celery, Task
+from celery.exceptions import Ignore
+from kombu.serialization import dumps, loads
+
+from ..core.room import Publisher
+from ..core.scripts import Handoff, NotWaiting, Parked, RoomFull
+from ..core.semaphore import Semaphore
+from ..core.slot import Slot
+from ..errors import SemaphoreNotAcquiredError
+from .policy import Policy
+from .shedding import FIRST_SHED_HEADER, mark_retry, retry_headers
+from .signals import semaphore_shed, send_event, task_label
+from .stats import bump
+
+logger = logging.getLogger(__name__)
+
+HANDOFF_HEADER = "semaphore_handoff"
+"""Message header of a run started by a hand-off: it claims its reservation."""
+
+
+def payload_of(task: Task, headers: dict[str, Any]) -> bytes:
+    """The running task's message as Celery's ``retry()`` would publish it, serialized with
+    the task's serializer, plus ``headers``."""
+    request = task.request
+    signature = task.signature_from_request(request, headers=headers)
+    serializer = task.serializer or task.app.conf.task_serializer
+    content_type, encoding, body = dumps(dict(signature), serializer=serializer)  # type: ignore[no-untyped-call]
+    data = body.encode(encoding) if isinstance(body, str) else body
+    return f"{content_type}\n{encoding}\n".encode() + data
+
+
+def publisher_for(app: Celery) -> Publisher:
+    """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message."""
+
+    def publish(key: str, handoffs: Sequence[Handoff]) -> None:
+        for handoff in handoffs:
+            content_type, encoding, body = handoff.payload.split(b"\n", 2)
+            options = loads(body, content_type.decode(), encoding.decode(), accept=None)  # type: ignore[no-untyped-call]
+            app.signature(options).apply_async()
+            logger.debug("semaphore %r: handed a slot to task %s", key, handoff.waiter)
+
+    return publish
+
+
+def claim_or_end(task: Task, semaphore: Semaphore, key: str, metadata: dict[str, Any]) -> Slot:
+    """Claim the slot a hand-off reserved for the running task, or end the run.
+
+    Raises:
+        celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
+            next hand-off starts it), or there was nothing to claim (a duplicate delivery,
+            whose task already ran or runs elsewhere).
+    """
+    result = semaphore.claim(key, task.request.id, metadata=metadata)
+    if isinstance(result, Slot):
+        return result
+    if isinstance(result, NotWaiting):
+        logger.info("%sa duplicate hand-off of semaphore %r ends here", task_label(task), key)
+    raise Ignore()
+
+
+def park_or_take(
+    task: Task,
+    semaphore: Semaphore,
+    policy: Policy,
+    key: str,
+    metadata: dict[str, Any],
+    template: str,
+) -> Slot:
+    """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
+
+    Returns:
+        Slot: a slot, when no older run is parked and one was free.
+
+    Raises:
+        celery.exceptions.Ignore: the run is parked (its state is RETRY); a hand-off starts
+            it again.
+        SemaphoreNotAcquiredError: the room already holds ``max_queued`` runs.
+    """
+    request = task.request
+    headers = retry_headers(request)
+    arrival = float(headers.get(FIRST_SHED_HEADER) or time.time())
+    headers.update({HANDOFF_HEADER: key, FIRST_SHED_HEADER: arrival})
+    result = semaphore.park(
+        key,
+        request.id,
+        payload_of(task, headers),
+        arrival=arrival,
+        metadata=metadata,
+        max_queued=policy.max_queued or 0,
+    )
+    if isinstance(result, Slot):
+        return result
+    if isinstance(result, RoomFull):
+        raise SemaphoreNotAcquiredError(
+            f"semaphore {key!r} (limit {semaphore.limit}): all slots held and "
+            f"{result.queued} runs already parked (max_queued={policy.max_queued})",
+            key,
+            semaphore.limit,
+        )
+    _parked(task, key, semaphore.limit, template, result)
+
+
+def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> NoReturn:
+    mark_retry(task)
+    logger.info(
+        "%ssemaphore %r (limit %d): parked, %d run(s) ahead",
+        task_label(task),
+        key,
+        limit,
+        parked.position,
+    )
+    reason = f"parked, {parked.position} ahead"
+    semaphore_shed.send(
+        sender=task, key=key, limit=limit, template=template, countdown=0.0, sheds=0, reason=reason
+    )
+    send_event(task, "shed", key=key, limit=limit, countdown=0.0, sheds=0, reason=reason)
+    bump(task.app, task.request.hostname, "parked")
+    raise Ignore()
