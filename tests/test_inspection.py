@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,25 @@ def test_status_shows_every_semaphore_and_its_holders(redis_server: RedisServer)
     first.release()
     second.release()
     assert "No slot is held." in celery_cli(redis_server.url, "semaphore", "status").stdout
+
+
+def test_status_shows_the_waiting_room_and_handed_off_slots(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=lambda key, handoffs: None)
+    holder = sem.acquire("reports")
+    assert holder is not None
+    sem.park("reports", "t-old", b"", arrival=time.time() - 30)
+    sem.park("reports", "t-new", b"")
+    text = celery_cli(redis_server.url, "semaphore", "status")
+    assert "reports  1/1 in use, 2 queued (oldest 3" in text.stdout, text.stdout
+    [view] = json.loads(celery_cli(redis_server.url, "semaphore", "status", "--json").stdout)
+    assert view["queued"] == 2
+    assert 29 < view["oldest_wait"] < 120
+    assert [w["waiter"] for w in view["waiting"]] == ["t-old", "t-new"]
+    holder.release()  # hands the slot to t-old
+    text = celery_cli(redis_server.url, "semaphore", "status")
+    assert "reports  1/1 in use, 1 queued" in text.stdout, text.stdout
+    assert "t-old" in text.stdout
+    assert "handed off" in text.stdout
 
 
 def test_a_dead_holders_unexpired_slot_shows_in_status(redis_server: RedisServer) -> None:

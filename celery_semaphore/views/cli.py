@@ -52,17 +52,22 @@ def render(semaphores: list[SemaphoreView]) -> str:
         return "No slot is held."
     lines = []
     for sem in semaphores:
-        if not sem.holders:
+        if not sem.holders and not sem.waiting:
             lines.append(f"{sem.key}  no slot held")
             continue
-        lines.append(f"{sem.key}  {sem.in_use}/{sem.limit} in use")
+        queued = ""
+        if sem.oldest_wait is not None:
+            queued = f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})"
+        lines.append(f"{sem.key}  {sem.in_use}/{sem.limit or '?'} in use{queued}")
         rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
         for holder in sem.holders:
             meta = holder.metadata
             rows.append(
                 (
-                    str(meta.get("task_id") or "-"),
-                    str(meta.get("task_name") or "-"),
+                    str(meta.get("task_id") or meta.get("reserved_for") or "-"),
+                    str(
+                        meta.get("task_name") or ("(handed off)" if "reserved_for" in meta else "-")
+                    ),
                     str(meta.get("worker") or meta.get("host") or "-"),
                     str(meta.get("pid") or "-"),
                     _seconds(holder.held_for),

@@ -209,7 +209,9 @@ _PAGE = """{% extends "base.html" %}
       <div class="card-header d-flex justify-content-between align-items-center">
         <h2 class="h5 mb-0 font-monospace">{{ sem.key }}</h2>
         <span class="semaphore-usage"><strong>{{ sem.in_use }}</strong> of
-          {{ sem.limit if sem.limit is not None else "?" }} in use</span>
+          {{ sem.limit if sem.limit is not None else "?" }} in use
+          {% if sem.waiting %}&middot; <strong class="semaphore-queued">{{ sem.queued }}</strong>
+          queued (oldest {{ seconds(sem.oldest_wait) }}){% end %}</span>
       </div>
       <div class="table-responsive">
         <table class="table table-hover align-middle mb-0" style="table-layout: fixed">
@@ -232,7 +234,9 @@ _PAGE = """{% extends "base.html" %}
                 <span class="text-body-secondary" title="token {{ holder.token }}">no task</span>
                 {% end %}
               </td>
-              <td class="text-truncate">{{ meta.get("task_name") or "—" }}</td>
+              {% set handed = "—" %}
+              {% if "reserved_for" in meta %}{% set handed = "handed off" %}{% end %}
+              <td class="text-truncate">{{ meta.get("task_name") or handed }}</td>
               <td class="text-truncate">{{ meta.get("worker") or meta.get("host") or "—" }}</td>
               <td class="text-end">{{ meta.get("pid", "—") }}</td>
               <td class="text-end">{{ seconds(holder.held_for) }}</td>

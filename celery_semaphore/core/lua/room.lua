@@ -51,7 +51,7 @@ local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now,
     if entry then
       redis.call('ZADD', slots, now + claim_ms, '~' .. waiter)
       redis.call('HSET', holders, '~' .. waiter,
-        now .. '|' .. cjson.encode({reserved_for = waiter}))
+        now .. "|" .. cjson.encode({reserved_for = waiter, limit = limit}))
       out[#out + 1] = waiter
       out[#out + 1] = string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
     end
