@@ -270,12 +270,11 @@ class Runner:
             semaphore, policy = self.resolve(task.app)
             if (task.request.headers or {}).get(HANDOFF_HEADER):
                 slot: Slot | None = claim_or_end(task, semaphore, key, metadata)
+            elif policy.on_full == "queue":
+                # One script call whether or not the key is full: take or park.
+                slot = park_or_take(task, semaphore, policy, key, metadata, self.template.source)
             else:
                 slot = semaphore.acquire(key, metadata=metadata)
-                if slot is None and policy.on_full == "queue":
-                    slot = park_or_take(
-                        task, semaphore, policy, key, metadata, self.template.source
-                    )
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options)
             if policy.on_full == "raise":

@@ -1,0 +1,47 @@
+"""The Celery app that bench_backlog.py drives: one task body, bounded three ways.
+
+Environment: BENCH_BROKER_URL, BENCH_SEMAPHORE_URL, BENCH_LIMIT. Each body records its start
+and end (``time.monotonic()``, system-wide on Linux) and its position in the start order in
+the semaphore Redis, so the benchmark measures from outside the library.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from celery import Celery
+
+from celery_semaphore import SemaphoreTask
+
+BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
+STORE = os.environ.get("BENCH_SEMAPHORE_URL", BROKER)
+LIMIT = int(os.environ.get("BENCH_LIMIT", "5"))
+
+app = Celery("backlog_bench", broker=BROKER, backend=BROKER)
+app.conf.update(semaphore_url=STORE, worker_prefetch_multiplier=1, task_acks_late=False)
+_client = redis.Redis.from_url(STORE)
+
+
+def _body(n: int, seconds: float) -> int:
+    start = time.monotonic()
+    _client.rpush("bench:order", n)
+    time.sleep(seconds)
+    _client.rpush("bench:intervals", f"{start} {time.monotonic()}")
+    return n
+
+
+@app.task(base=SemaphoreTask, semaphore="bench", limit=LIMIT, on_full="queue", name="queue")
+def queued(n: int, seconds: float) -> int:
+    return _body(n, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="bench", limit=LIMIT, on_full="retry", name="retry")
+def shed(n: int, seconds: float) -> int:
+    return _body(n, seconds)
+
+
+@app.task(name="unbounded")
+def unbounded(n: int, seconds: float) -> int:
+    return _body(n, seconds)

@@ -1,0 +1,147 @@
+"""A backlog through one prefork worker: the waiting room against countdown shedding, against
+the ideal N*d/L and the same task unbounded on a dedicated ``-c L`` worker.
+
+    python benchmarks/bench_backlog.py [--tasks 200] [--duration 0.2] [--limit 5]
+                                       [--concurrency 12] [--rounds 3]
+
+Each round runs every setup once, interleaved, on fresh private redis-servers (one for the
+broker and results, one for the semaphore). Reported per setup: time / ideal (median, min,
+max over rounds), peak bodies in flight (must be <= limit), body runs (must be N), semaphore
+script calls and server commands per task (INFO commandstats on the semaphore's Redis), and
+the Spearman correlation of start order with send order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+from celery import Celery
+from rich.console import Console
+from rich.table import Table
+
+from celery_semaphore.testing import RedisServer
+
+HERE = Path(__file__).resolve().parent
+SETUPS = {
+    # name: (task, worker concurrency or None for --concurrency)
+    "queue (waiting room)": ("queue", None),
+    "retry (countdown shedding, defaults)": ("retry", None),
+    "unbounded, dedicated -c L worker": ("unbounded", "limit"),
+}
+
+
+def peak(intervals: list[tuple[float, float]]) -> int:
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = now = 0
+    for _, step in events:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def spearman(order: list[int]) -> float:
+    n = len(order)
+    if n < 2:
+        return 1.0
+    ranks = {value: rank for rank, value in enumerate(sorted(order))}
+    moved = sum((ranks[v] - i) ** 2 for i, v in enumerate(order))
+    return 1 - 6 * moved / (n * (n * n - 1))
+
+
+def script_calls(client: redis.Redis) -> tuple[int, int]:
+    stats = client.info("commandstats")
+    scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+    return scripts, sum(v["calls"] for v in stats.values())
+
+
+def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
+    task, concurrency = SETUPS[setup]
+    workers = args.limit if concurrency == "limit" else args.concurrency
+    with RedisServer() as broker, RedisServer() as store:
+        env = {**os.environ, "BENCH_BROKER_URL": broker.url, "BENCH_SEMAPHORE_URL": store.url,
+               "BENCH_LIMIT": str(args.limit), "PYTHONPATH": str(HERE)}  # fmt: skip
+        command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
+                   "-c", str(workers), "-n", f"bench@{socket.gethostname()}", "--loglevel=ERROR",
+                   "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
+        worker = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
+        app = Celery("bench-client", broker=broker.url, backend=broker.url, set_as_current=False)
+        try:
+            deadline = time.monotonic() + 120
+            while not app.control.ping(timeout=0.5):
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise RuntimeError("the worker did not start")
+            client = store.client()
+            client.config_resetstat()
+            started = time.monotonic()
+            results = [app.send_task(task, (n, args.duration)) for n in range(args.tasks)]
+            for result in results:
+                result.get(timeout=600)
+            elapsed = time.monotonic() - started
+            scripts, commands = script_calls(client)
+            intervals = [
+                tuple(map(float, raw.split())) for raw in client.lrange("bench:intervals", 0, -1)
+            ]
+            order = [int(n) for n in client.lrange("bench:order", 0, -1)]
+            app.close()
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    ideal = args.tasks * args.duration / args.limit
+    return {
+        "ratio": elapsed / ideal,
+        "peak": peak(intervals),  # type: ignore[arg-type]
+        "runs": len(intervals),
+        "scripts": scripts / args.tasks,
+        "commands": commands / args.tasks,
+        "spearman": spearman(order),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--duration", type=float, default=0.2)
+    parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
+    for _ in range(args.rounds):
+        for name in SETUPS:
+            rows[name].append(run(name, args))
+            print(f"{name}: {rows[name][-1]}", file=sys.stderr, flush=True)
+    title = (f"{args.tasks} tasks of {args.duration}s on limit {args.limit}, one prefork "
+             f"worker -c {args.concurrency}; {args.rounds} rounds")  # fmt: skip
+    table = Table(title=title)
+    for column in ("setup", "time / ideal: median (min-max)", "peak", "runs",
+                   "scripts/task", "commands/task", "start order (Spearman)"):  # fmt: skip
+        table.add_column(column)
+    for name, runs in rows.items():
+        ratios = [r["ratio"] for r in runs]
+        table.add_row(
+            name,
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+            str(max(r["peak"] for r in runs)),
+            "/".join(str(r["runs"]) for r in runs),
+            f"{statistics.median(r['scripts'] for r in runs):.1f}",
+            f"{statistics.median(r['commands'] for r in runs):.1f}",
+            f"{min(r['spearman'] for r in runs):.3f}",
+        )
+    Console(width=150).print(table)
+
+
+if __name__ == "__main__":
+    main()
