@@ -8,9 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_semaphore import Semaphore
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
+
+from .celery_apps import make_app
 
 # Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
 isolate_worker_event_loops()
@@ -83,3 +86,13 @@ def make_semaphore(redis_server: RedisServer) -> Iterator[type[Semaphore]]:
     yield make  # type: ignore[misc]
     for sem in made:
         sem.client.close()
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    """The tests' Celery app (tests/celery_apps.py) on the shared server."""
+    app = make_app(redis_server.url)
+    yield app
+    # Drop AsyncResults (whose __del__ talks to the backend) while the server still runs.
+    gc.collect()
+    app.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import socket
@@ -31,15 +30,6 @@ from .celery_apps import interval_key, make_app
 from .helpers import peak_overlap, prefork_worker_process, read_intervals, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def app(redis_server: RedisServer) -> Iterator[Celery]:
-    app = make_app(redis_server.url)
-    yield app
-    # Drop AsyncResults (whose __del__ talks to the backend) while the server still runs.
-    gc.collect()
-    app.close()
 
 
 @pytest.fixture

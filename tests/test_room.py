@@ -119,27 +119,28 @@ def test_an_unclaimed_reservation_lapses_and_its_waiter_is_handed_the_next_slot(
     assert published.waiters == ["w1", "w1", "w2"]
 
 
-def test_a_claim_after_the_reservation_lapsed_takes_the_slot_if_it_is_still_first(
-    redis_server: RedisServer, published: Published
-) -> None:
-    sem = Semaphore(redis_server.url, limit=1, claim_timeout=0.1, on_handoff=published)
+def _lapsed_handoff(url: str, published: Published) -> Semaphore:
+    """Limit 1: w1 parked, the holder released (handing w1 the slot), the claim lease over."""
+    sem = Semaphore(url, limit=1, claim_timeout=0.1, on_handoff=published)
     holder = sem.acquire("k")
     assert holder is not None
     sem.park("k", "w1", b"p")
     holder.release()
-    time.sleep(0.2)  # past the claim timeout (the point of this test)
+    time.sleep(0.2)  # past the claim timeout: the point of the tests that use this
+    return sem
+
+
+def test_a_claim_after_the_reservation_lapsed_takes_the_slot_if_it_is_still_first(
+    redis_server: RedisServer, published: Published
+) -> None:
+    sem = _lapsed_handoff(redis_server.url, published)
     assert isinstance(sem.claim("k", "w1"), Slot)
 
 
 def test_a_reservation_pruned_by_a_plain_acquire_is_requeued_by_a_sweep(
     redis_server: RedisServer, published: Published
 ) -> None:
-    sem = Semaphore(redis_server.url, limit=1, claim_timeout=0.1, on_handoff=published)
-    holder = sem.acquire("k")
-    assert holder is not None
-    sem.park("k", "w1", b"p")
-    holder.release()
-    time.sleep(0.2)  # the reservation lapses
+    sem = _lapsed_handoff(redis_server.url, published)
     newcomer = sem.acquire("k")  # prunes it without knowing the room
     assert newcomer is not None
     assert sem.admin.room("k") == []

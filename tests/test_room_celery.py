@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import time
 from collections.abc import Iterator
@@ -15,18 +14,9 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore
 from celery_semaphore.integration.room import publisher_for
-from celery_semaphore.testing import RedisServer
 
-from .celery_apps import interval_key, make_app
+from .celery_apps import interval_key
 from .helpers import peak_overlap, prefork_worker_process, read_intervals, spearman, wait_for
-
-
-@pytest.fixture
-def app(redis_server: RedisServer) -> Iterator[Celery]:
-    app = make_app(redis_server.url)
-    yield app
-    gc.collect()
-    app.close()
 
 
 @pytest.fixture
