@@ -121,7 +121,8 @@ def app_from_env(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("CELERY_RESULT_BACKEND", redis_server.url)
     app = Celery("env", set_as_current=False)
     app.conf.update(semaphore_shed_countdown=0.05, semaphore_shed_max_countdown=0.3,
-                    worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)  # fmt: skip
+                    worker_hijack_root_logger=False,
+                    broker_connection_retry_on_startup=True)  # fmt: skip
     yield app
     gc.collect()
     app.close()
@@ -255,7 +256,8 @@ def test_tls_options_from_settings_are_used(tls_redis: tuple[RedisServer, int, P
 def shed_app(redis_server: RedisServer) -> Iterator[Celery]:
     app = Celery("shed", broker=redis_server.url, backend=redis_server.url, set_as_current=False)
     app.conf.update(semaphore_shed_countdown=0.02, semaphore_shed_max_countdown=0.1,
-                    worker_hijack_root_logger=False, broker_connection_retry_on_startup=True)  # fmt: skip
+                    worker_hijack_root_logger=False,
+                    broker_connection_retry_on_startup=True)  # fmt: skip
     yield app
     gc.collect()
     app.close()
