@@ -192,13 +192,9 @@ class SemaphoreAdmin:
         """
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.time()
-            pipe.zrange(keys.room, 0, -1, withscores=True)
-            (seconds, micros), rows = pipe.execute()
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
+            now_ms, rows = self._scripts.waiting(keys)
         return [
-            Waiter(_text(waiter), score / 1000, (now_ms - score) / 1000) for waiter, score in rows
+            Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
         ]
 
     def sweep(self, key: str) -> int:
@@ -255,7 +251,3 @@ class SemaphoreAdmin:
                 "use 'noeviction' for the semaphore store"
             ]
         return []
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)

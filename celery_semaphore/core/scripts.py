@@ -41,11 +41,13 @@ def _lua(name: str) -> str:
 
 _ROOM = ("park", "release", "sweep", "cancel")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
+_ALL, _PAIR = slice(0, 4), slice(0, 2)
 _KEYS = {
-    "acquire": 2, "extend": 2, "count": 1, "holders": 2, "force_release_all": 2,
-    "park": 4, "release": 4, "sweep": 4, "cancel": 4,
+    "acquire": _PAIR, "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
+    "force_release_all": _PAIR, "park": _ALL, "release": _ALL, "sweep": _ALL, "cancel": _ALL,
+    "waiting": slice(2, 3),
 }  # fmt: skip
-"""How many of a semaphore's keys each script takes (the first N of :class:`Keys`)."""
+"""Which of a semaphore's :class:`Keys` each script takes, in order."""
 _SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
 
 
@@ -158,7 +160,7 @@ class Scripts:
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
 
     def _call(self, name: str, keys: Keys, *args: str | int | bytes) -> Any:
-        return self._scripts[name](keys=keys[: _KEYS[name]], args=args)
+        return self._scripts[name](keys=keys[_KEYS[name]], args=args)
 
     def acquire(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
@@ -212,6 +214,14 @@ class Scripts:
         else:
             result = NotWaiting()
         return result, _handoffs(reply, 3)
+
+    def waiting(self, keys: Keys) -> tuple[int, list[tuple[str, int]]]:
+        """The server's time (epoch ms) and each parked ``(waiter, arrival_ms)``, oldest
+        first."""
+        reply = self._call("waiting", keys)
+        return int(reply[0]), [
+            (_text(reply[i]), int(reply[i + 1])) for i in range(1, len(reply) - 1, 2)
+        ]
 
     def sweep(self, keys: Keys, claim_ms: int) -> list[Handoff]:
         """Requeue lapsed reservations and hand free slots to the oldest waiters."""
