@@ -28,7 +28,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any, TypeVar
 
 import redis
@@ -137,12 +136,7 @@ class _Managed:
     def __enter__(self: _M) -> _M:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from types import TracebackType
 
 from ..errors import LeaseInterrupted
 from .slot import Slot
@@ -45,12 +44,7 @@ class Interrupter:
             if self._thread_id is not None:
                 _raise_in(self._thread_id, LeaseInterrupted)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         with self._lock:
             thread_id, self._thread_id = self._thread_id, None
             if thread_id is not None and exc_type is None:

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 
 from ..errors import SemaphoreLeaseLostError
 from . import validation as check
@@ -211,12 +210,7 @@ class Slot:
     def __enter__(self) -> Slot:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.release()
 
     def lease_lost_error(self) -> SemaphoreLeaseLostError:
