@@ -447,3 +447,24 @@ def test_the_waiting_room_works_on_a_cluster(on_cluster: MakeSemaphore) -> None:
         assert isinstance(claimed, Slot), key
         claimed.release()
     assert handed == ["w"] * len(KEYS)
+
+
+@pytest.mark.parametrize("setting", ["broker_url", "result_backend"])
+def test_a_sentinel_broker_or_backend_is_the_default_store(
+    sentinel_set: SentinelServers, setting: str
+) -> None:
+    from celery import Celery
+
+    from celery_semaphore.integration.settings import app_settings, client_for
+
+    sentinel = f"sentinel://127.0.0.1:{sentinel_set.sentinel.port}/0"
+    options = {"master_name": sentinel_set.service_name}
+    app = Celery("sentinel-store", set_as_current=False)
+    if setting == "broker_url":
+        app.conf.update(broker_url=sentinel, broker_transport_options=options)
+    else:
+        app.conf.update(broker_url="amqp://guest@127.0.0.1//", result_backend=sentinel,
+                        result_backend_transport_options=options)  # fmt: skip
+    assert app_settings(app).store.setting == setting
+    client_for(app).set(f"probe:{setting}", 1)
+    assert sentinel_set.master_client().get(f"probe:{setting}") == b"1"
