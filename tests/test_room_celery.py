@@ -94,3 +94,22 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
         assert wait_for(lambda: sem.admin.room("queued") == [], timeout=30)
         assert wait_for(lambda: sem.count("queued") == 0, timeout=30)
     assert _order(client) == [2]
+
+
+def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
+    app: Celery, client: redis.Redis
+) -> None:
+    # The slots are held, then released, by a process that cannot start a Celery run (as if
+    # the releaser had died between its release and the publish): only a worker's sweep can
+    # hand the freed slots to the parked runs.
+    task = app.tasks["csem.queued"]
+    mute = Semaphore(app.conf.semaphore_url, limit=3)
+    held = [mute.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        results = [task.delay(n, 0.0) for n in range(5)]
+        assert wait_for(lambda: len(mute.admin.room("queued")) == 5, timeout=30)
+        for slot in held:
+            assert slot is not None
+            slot.release()
+        assert sorted(r.get(timeout=60) for r in results) == list(range(5))
+    assert mute.count("queued") == 0

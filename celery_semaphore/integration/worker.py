@@ -293,6 +293,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         super().__init__(worker, **kwargs)
         self.releaser: DeadRunReleaser | None = None
         self._sweeps: Any = None
+        # Sweeping scans the keyspace: only workers of an app with a queueing task do it.
+        self.queues = False
         app = worker.app
         visibility = broker_visibility_timeout(app)
         unreachable: SemaphoreBackendError | None = None
@@ -304,6 +306,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if found is None:
                 continue
             policy = task_policy(app, found[0].options)
+            self.queues = self.queues or policy.on_full == "queue"
             if visibility is not None and policy.shed_max_countdown > visibility / 2:
                 raise SemaphoreValidationError(
                     f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
@@ -324,7 +327,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.releaser = DeadRunReleaser(worker.app, worker.timer)
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
-        self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, self.releaser.sweep)
+        if self.queues:
+            self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, self.releaser.sweep)
         try:
             stats.reset(worker.app, worker.hostname)
             admin = SemaphoreAdmin(client_for(worker.app), app_settings(worker.app).prefix)
