@@ -168,6 +168,14 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(duration)
         return n
 
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", bind=True,
+              max_retries=1, shared=False, name="csem.queued_retry")  # fmt: skip
+    def queued_retry(self: Any) -> int:
+        """Started by a hand-off, asks Celery for one retry, then succeeds."""
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.05)
+        return int(self.request.retries)
+
     return app
 
 

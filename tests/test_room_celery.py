@@ -113,3 +113,17 @@ def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
             slot.release()
         assert sorted(r.get(timeout=60) for r in results) == list(range(5))
     assert mute.count("queued") == 0
+
+
+def test_a_run_started_by_a_hand_off_can_retry_itself(app: Celery) -> None:
+    # Celery's retry() carries the hand-off header on; the retried run must not take it for a
+    # duplicate hand-off (and end quietly, losing the retry).
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        result = app.tasks["csem.queued_retry"].delay()
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 1, timeout=30)
+        held[0].release()  # type: ignore[union-attr]
+        assert result.get(timeout=60) == 1
+        for slot in held[1:]:
+            slot.release()  # type: ignore[union-attr]

@@ -28,14 +28,17 @@ from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
 from .policy import Policy
-from .shedding import FIRST_SHED_HEADER, mark_retry, retry_headers
+from .shedding import FIRST_SHED_HEADER, HANDOFF_HEADER, mark_retry, retry_headers
 from .signals import semaphore_shed, send_event, task_label
 from .stats import bump
 
 logger = logging.getLogger(__name__)
 
-HANDOFF_HEADER = "semaphore_handoff"
-"""Message header of a run started by a hand-off: it claims its reservation."""
+
+def is_handoff(request: Any) -> bool:
+    """Whether this delivery was published by a hand-off for this very attempt."""
+    mark = (request.headers or {}).get(HANDOFF_HEADER)
+    return mark is not None and mark == (request.retries or 0)
 
 
 def payload_of(task: Task, headers: dict[str, Any]) -> bytes:
@@ -99,7 +102,7 @@ def park_or_take(
     request = task.request
     headers = retry_headers(request)
     arrival = float(headers.get(FIRST_SHED_HEADER) or time.time())
-    headers.update({HANDOFF_HEADER: key, FIRST_SHED_HEADER: arrival})
+    headers.update({HANDOFF_HEADER: request.retries or 0, FIRST_SHED_HEADER: arrival})
     result = semaphore.park(
         key,
         request.id,

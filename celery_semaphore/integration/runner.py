@@ -47,7 +47,7 @@ from ..errors import (
 )
 from .keys import KeyTemplate
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
-from .room import HANDOFF_HEADER, claim_or_end, park_or_take, publisher_for
+from .room import claim_or_end, is_handoff, park_or_take, publisher_for
 from .settings import app_settings, client_for, task_policy
 from .shedding import shed
 from .signals import (
@@ -268,7 +268,7 @@ class Runner:
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy = self.resolve(task.app)
-            if (task.request.headers or {}).get(HANDOFF_HEADER):
+            if is_handoff(task.request):
                 slot: Slot | None = claim_or_end(task, semaphore, key, metadata)
             elif policy.on_full == "queue":
                 # One script call whether or not the key is full: take or park.

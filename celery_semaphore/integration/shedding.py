@@ -32,6 +32,11 @@ SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
 the task asks for itself) gets a fresh shed budget, so a user's ``self.retry()`` or
 ``autoretry_for`` is never refused for sheds an earlier attempt spent."""
 
+HANDOFF_HEADER = "semaphore_handoff"
+"""Message header of a run started by a hand-off of the waiting room: the attempt
+(``request.retries``) it was parked in. Only that attempt claims a reservation; a retry the
+task asks for itself carries the header on with a higher ``retries`` and is a new run."""
+
 BROKER_HEADERS = frozenset(
     {
         "x-death",
@@ -52,9 +57,9 @@ reason, and a shed leaves out all of them whatever the Celery version."""
 
 def retry_headers(request: Any) -> dict[str, Any]:
     """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
-    broker added (:data:`BROKER_HEADERS`)."""
+    broker added (:data:`BROKER_HEADERS`) and the hand-off mark of this delivery."""
     headers = request.as_execution_options().get("headers") or {}
-    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS}
+    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS and k != HANDOFF_HEADER}
 
 
 def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
