@@ -168,6 +168,12 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(duration)
         return n
 
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", shed_timeout=0.5,
+              shared=False, name="csem.queued_budget")  # fmt: skip
+    def queued_budget(n: int) -> int:
+        recorder.rpush("test:queued:order", n)
+        return n
+
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", bind=True,
               max_retries=1, shared=False, name="csem.queued_retry")  # fmt: skip
     def queued_retry(self: Any) -> int:

@@ -20,9 +20,11 @@ class Published:
 
     def __init__(self) -> None:
         self.handoffs: list[tuple[str, str, bytes]] = []
+        self.give_ups: list[str] = []
 
     def __call__(self, key: str, handoffs: Sequence[Handoff]) -> None:
-        self.handoffs.extend((key, h.waiter, h.payload) for h in handoffs)
+        self.handoffs.extend((key, h.waiter, h.payload) for h in handoffs if not h.give_up)
+        self.give_ups.extend(h.waiter for h in handoffs if h.give_up)
 
     @property
     def waiters(self) -> list[str]:
@@ -176,9 +178,9 @@ def test_room_keys_expire_and_bad_arguments_are_refused_before_redis(
     sem: Semaphore, client: redis.Redis
 ) -> None:
     _fill(sem)
-    sem.park("k", "w1", b"", room_ttl=120.0)
+    sem.park("k", "w1", b"", room_ttl=120.0, deadline=time.time() + 60)
     keys = redis_keys(sem.prefix, "k")
-    for name in keys:
+    for name in [*keys, sem.admin.room_index]:
         assert 0 < client.pttl(name) <= 120_000, name
     for bad in [
         lambda: sem.park("k", "~w", b""),
@@ -187,6 +189,8 @@ def test_room_keys_expire_and_bad_arguments_are_refused_before_redis(
         lambda: sem.park("k", "w", "text"),  # type: ignore[arg-type]
         lambda: sem.park("k", "w", b"", max_queued=-1),
         lambda: sem.park("k", "w", b"", room_ttl=0),
+        lambda: sem.park("k", "w", b"", deadline=-1.0),
+        lambda: sem.park("k", "w", b"", deadline=float("nan")),
         lambda: Semaphore(client, limit=1, claim_timeout=0),
         lambda: Semaphore(client, limit=1, on_handoff="publish"),  # type: ignore[arg-type]
     ]:
@@ -232,3 +236,60 @@ def test_a_release_that_cannot_publish_leaves_the_slot_for_a_sweep(
     assert [w.waiter for w in sem.admin.room("k")] == ["w1"]
     assert sem.admin.sweep("k") == 1
     assert published.waiters == ["w1"]
+
+
+def test_a_waiter_past_its_deadline_is_given_up_until_its_run_cancels_it(
+    redis_server: RedisServer, published: Published
+) -> None:
+    sem = Semaphore(redis_server.url, limit=1, claim_timeout=0.2, on_handoff=published)
+    holder = sem.acquire("k")
+    assert holder is not None
+    sem.park("k", "late", b"p", deadline=time.time() + 0.1)
+    sem.park("k", "patient", b"p")
+    assert wait_for(lambda: sem.admin.sweep("k") == 1, timeout=10)
+    assert published.give_ups == ["late"]
+    # Still parked until its run cancels it; a give-up whose message was lost is sent again.
+    assert [w.waiter for w in sem.admin.room("k")] == ["late", "patient"]
+    assert wait_for(lambda: sem.admin.sweep("k") == 1, timeout=10)
+    assert published.give_ups == ["late", "late"]
+    assert sem.admin.cancel("k", "late")
+    holder.release()
+    assert published.waiters == ["patient"]
+    claimed = sem.claim("k", "patient")
+    assert isinstance(claimed, Slot)
+    assert sem.admin.sweep("k") == 0
+    assert published.give_ups == ["late", "late"]
+    claimed.release()
+
+
+def test_a_hand_off_that_comes_before_the_deadline_ends_the_give_ups(
+    redis_server: RedisServer, published: Published
+) -> None:
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
+    holder = sem.acquire("k")
+    assert holder is not None
+    sem.park("k", "w", b"p", deadline=time.time() + 0.3)
+    holder.release()
+    claimed = sem.claim("k", "w")
+    assert isinstance(claimed, Slot)
+    time.sleep(0.4)  # past the deadline it no longer has: the point of the test
+    assert sem.admin.sweep("k") == 0
+    assert published.give_ups == []
+    claimed.release()
+
+
+def test_sweeps_find_rooms_through_the_index_and_a_full_scan_finds_the_rest(
+    sem: Semaphore, client: redis.Redis
+) -> None:
+    slots = _fill(sem)
+    sem.park("k", "w1", b"p")
+    _fill(sem, "unindexed")
+    sem.park("unindexed", "w2", b"p")
+    client.zrem(sem.admin.room_index, "unindexed")  # as if its parker died before indexing
+    assert sem.admin.rooms() == ["k"]
+    assert sem.admin.rooms(full_scan=True) == ["k", "unindexed"]
+    assert sem.admin.cancel("k", "w1")
+    sem.admin.sweep("k")  # the room is gone: it leaves the index
+    assert sem.admin.rooms() == []
+    for slot in slots:
+        slot.release()

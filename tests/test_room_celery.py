@@ -12,7 +12,7 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Semaphore
+from celery_semaphore import Semaphore, SemaphoreNotAcquiredError
 from celery_semaphore.integration.room import publisher_for
 
 from .celery_apps import interval_key
@@ -127,3 +127,24 @@ def test_a_run_started_by_a_hand_off_can_retry_itself(app: Celery) -> None:
         assert result.get(timeout=60) == 1
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
+
+
+def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
+    app: Celery, client: redis.Redis
+) -> None:
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        impatient = app.tasks["csem.queued_budget"].delay(1)
+        patient = app.tasks["csem.queued"].delay(2, 0.0)
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        # A worker's sweep gives the impatient run up once its 0.5 s budget has passed.
+        with pytest.raises(SemaphoreNotAcquiredError, match="shed_timeout=0.5"):
+            impatient.get(timeout=60)
+        assert [w.waiter for w in sem.admin.room("queued")] == [patient.id]
+        for slot in held:
+            assert slot is not None
+            slot.release()
+        assert patient.get(timeout=60) == 2
+    assert _order(client) == [2]  # the impatient body never ran
+    assert sem.count("queued") == 0

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from . import validation as check
 from .room import DEFAULT_CLAIM_TIMEOUT, HandoffRoute, Waiter
@@ -101,6 +103,38 @@ class SemaphoreAdmin:
         if self._cluster:
             check_cluster_key(key)
         return redis_keys(self.prefix, key)
+
+    @property
+    def room_index(self) -> str:
+        """The sorted set of keys whose waiting room may hold waiters (key -> last park, ms),
+        which the workers' sweeps visit instead of scanning the keyspace."""
+        return f"{self.prefix}:rooms"
+
+    def index_room(self, key: str, ttl_ms: int) -> None:
+        """Add ``key`` to :attr:`room_index` (its room just took a waiter). Never raises: a
+        key left out is found by the next full scan (see :meth:`rooms`)."""
+        try:
+            with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(self.room_index, {key: round(time.time() * 1000)})
+                pipe.pexpire(self.room_index, ttl_ms)
+                pipe.execute()
+        except (redis.RedisError, RedisClusterException) as exc:
+            logger.warning("could not index the waiting room of %r: %s", key, exc)
+
+    def rooms(self, full_scan: bool = False) -> list[str]:
+        """The keys whose waiting rooms a sweep visits: those in :attr:`room_index`, and with
+        ``full_scan`` every room a SCAN of the keyspace finds (the backstop for a parking
+        process that died before it indexed its room).
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        with backend_errors(self.room_index):
+            raw = self.client.zrange(self.room_index, 0, -1)
+        found = {m.decode("utf-8") if isinstance(m, bytes) else str(m) for m in raw}
+        if full_scan:
+            found.update(self.scan_keys(rooms=True))
+        return sorted(found)
 
     def scan_keys(self, limit: int = 10_000, rooms: bool = False) -> list[str]:
         """The keys of every semaphore under the prefix (SCAN, never KEYS), sorted.
@@ -198,8 +232,12 @@ class SemaphoreAdmin:
         ]
 
     def sweep(self, key: str) -> int:
-        """The room's safety net for ``key``: requeue waiters whose reservation lapsed and
-        hand every free slot to the oldest waiters; returns how many were handed off.
+        """The room's safety net for ``key``: requeue waiters whose reservation lapsed, hand
+        every free slot to the oldest waiters, and give up waiters past their deadline (see
+        :meth:`Semaphore.park`); a room found gone leaves :attr:`room_index`.
+
+        Returns:
+            int: how many slots were handed off and waiters given up.
 
         Raises:
             SemaphoreValidationError: ``key`` is not a non-empty str.
@@ -207,7 +245,9 @@ class SemaphoreAdmin:
         """
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            handed = self._scripts.sweep(keys, self.handoffs.claim_ms)
+            alive, handed = self._scripts.sweep(keys, self.handoffs.claim_ms)
+            if not alive:
+                self.client.zrem(self.room_index, key)
         self.handoffs.deliver(key, handed)
         return len(handed)
 

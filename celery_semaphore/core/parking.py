@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import SemaphoreValidationError
 from . import validation as check
+from .admin import SemaphoreAdmin
 from .room import DEFAULT_ROOM_TTL, HandoffRoute
 from .scripts import Admitted, Keys, NotWaiting, Parked, RoomFull, Scripts, backend_errors
 from .slot import Slot
@@ -26,6 +27,7 @@ class WaitingRoom:
     limit: int
     lease: float
     handoffs: HandoffRoute
+    admin: SemaphoreAdmin
     _scripts: Scripts
 
     def _redis_keys(self, key: str) -> Keys:
@@ -50,6 +52,7 @@ class WaitingRoom:
         metadata: Mapping[str, Any] | None = None,
         max_queued: int = 0,
         room_ttl: float = DEFAULT_ROOM_TTL,
+        deadline: float | None = None,
     ) -> Slot | Parked | RoomFull:
         """Take a slot of ``key`` in arrival order, or park ``waiter`` in its waiting room.
 
@@ -69,6 +72,11 @@ class WaitingRoom:
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
             max_queued (int): refuse to park a new waiter past this many (0: no limit).
             room_ttl (float): seconds an idle room lives before Redis expires it.
+            deadline (float | None): epoch seconds after which a newly parked waiter gives
+                up: a sweep (:meth:`SemaphoreAdmin.sweep`) then passes its payload to
+                ``on_handoff`` marked ``give_up``, and its run should :meth:`cancel` itself
+                and fail. None: it waits as long as it takes. A waiter parked again keeps
+                its first deadline.
 
         Returns:
             Slot | Parked | RoomFull: the slot (the caller must release it), or where the
@@ -78,9 +86,12 @@ class WaitingRoom:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
+        if deadline is not None:
+            check.check_epoch(deadline, "deadline")
         result = self._park(
-            key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl, False
-        )
+            key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
+            claim_only=False, deadline_ms=0 if deadline is None else round(deadline * 1000),
+        )  # fmt: skip
         assert not isinstance(result, NotWaiting)
         return result
 
@@ -105,7 +116,9 @@ class WaitingRoom:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        result = self._park(key, waiter, b"", None, lease, metadata, 0, room_ttl, True)
+        result = self._park(
+            key, waiter, b"", None, lease, metadata, 0, room_ttl, claim_only=True, deadline_ms=0
+        )
         assert not isinstance(result, RoomFull)
         return result
 
@@ -119,7 +132,9 @@ class WaitingRoom:
         metadata: Mapping[str, Any] | None,
         max_queued: int,
         room_ttl: float,
+        *,
         claim_only: bool,
+        deadline_ms: int,
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check.check_key(waiter, "waiter")
@@ -141,9 +156,11 @@ class WaitingRoom:
         with backend_errors(key, self.limit):
             result, handed = self._scripts.park(
                 keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
-                self.handoffs.claim_ms, ttl_ms, max_queued, claim_only,
+                self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
             )  # fmt: skip
         self.handoffs.deliver(key, handed)
+        if isinstance(result, Parked):
+            self.admin.index_room(key, ttl_ms)
         if isinstance(result, Admitted):
             return self._slot(keys, key, token, seconds, result, sent_at)
         return result

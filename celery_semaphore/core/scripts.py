@@ -33,6 +33,8 @@ class Keys(NamedTuple):
     """Sorted set: parked waiter id -> arrival, ms (the waiting room's order)."""
     parked: str
     """Hash: waiter id -> ``<arrival_ms>|<payload>``, and ``!limit`` -> the key's limit."""
+    deadlines: str
+    """Sorted set: parked waiter id -> when it gives up waiting, ms (waiters with a budget)."""
 
 
 def _lua(name: str) -> str:
@@ -41,10 +43,11 @@ def _lua(name: str) -> str:
 
 _ROOM = ("park", "release", "sweep", "cancel")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
-_ALL, _PAIR = slice(0, 4), slice(0, 2)
+_ALL, _PAIR = slice(0, 5), slice(0, 2)
 _KEYS = {
     "acquire": _PAIR, "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": _ALL, "release": _ALL, "sweep": _ALL, "cancel": _ALL,
+    "force_release_all": _PAIR, "park": _ALL, "release": slice(0, 4), "sweep": _ALL,
+    "cancel": _ALL,
     "waiting": slice(2, 3),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
@@ -53,10 +56,12 @@ _SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) fo
 
 @dataclass(frozen=True)
 class Handoff:
-    """A slot reserved for a parked waiter, whose payload the caller must now publish."""
+    """A slot reserved for a parked waiter, whose payload the caller must now publish; or,
+    with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail."""
 
     waiter: str
     payload: bytes
+    give_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,7 +110,7 @@ def redis_keys(prefix: str, key: str) -> Keys:
     (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
-    return Keys(slots, f"{slots}:holders", f"{slots}:room", f"{slots}:parked")
+    return Keys(slots, f"{slots}:holders", f"{slots}:room", f"{slots}:parked", f"{slots}:deadlines")
 
 
 def check_cluster_key(key: str) -> str:
@@ -124,11 +129,11 @@ def check_cluster_key(key: str) -> str:
     return key
 
 
-def _handoffs(reply: Any, start: int) -> list[Handoff]:
+def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
     """The {waiter, payload} pairs at ``reply[start:]``."""
     return [
         Handoff(_text(reply[i]), reply[i + 1] if isinstance(reply[i + 1], bytes)
-                else str(reply[i + 1]).encode())
+                else str(reply[i + 1]).encode(), give_up)
         for i in range(start, len(reply) - 1, 2)
     ]  # fmt: skip
 
@@ -196,12 +201,13 @@ class Scripts:
         room_ttl_ms: int,
         max_queued: int,
         claim_only: bool,
+        deadline_ms: int,
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
         reply = self._call(
             "park", keys, limit, lease_ms, token, metadata, waiter,
             "" if arrival_ms is None else arrival_ms, payload, claim_ms, room_ttl_ms,
-            max_queued, "claim" if claim_only else "park",
+            max_queued, "claim" if claim_only else "park", deadline_ms,
         )  # fmt: skip
         status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
         result: Admitted | Parked | RoomFull | NotWaiting
@@ -223,9 +229,11 @@ class Scripts:
             (_text(reply[i]), int(reply[i + 1])) for i in range(1, len(reply) - 1, 2)
         ]
 
-    def sweep(self, keys: Keys, claim_ms: int) -> list[Handoff]:
-        """Requeue lapsed reservations and hand free slots to the oldest waiters."""
-        return _handoffs(self._call("sweep", keys, claim_ms), 0)
+    def sweep(self, keys: Keys, claim_ms: int) -> tuple[bool, list[Handoff]]:
+        """Requeue lapsed reservations, hand free slots to the oldest waiters and give up
+        waiters past their deadline: whether the room still exists, and what to publish."""
+        alive, handed, give_ups = self._call("sweep", keys, claim_ms)
+        return int(alive) == 1, _handoffs(handed, 0) + _handoffs(give_ups, 0, give_up=True)
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""

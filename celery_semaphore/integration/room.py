@@ -28,7 +28,13 @@ from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
 from .policy import Policy
-from .shedding import FIRST_SHED_HEADER, HANDOFF_HEADER, mark_retry, retry_headers
+from .shedding import (
+    FIRST_SHED_HEADER,
+    GIVE_UP_HEADER,
+    HANDOFF_HEADER,
+    mark_retry,
+    retry_headers,
+)
 from .signals import semaphore_shed, send_event, task_label
 from .stats import bump
 
@@ -39,6 +45,12 @@ def is_handoff(request: Any) -> bool:
     """Whether this delivery was published by a hand-off for this very attempt."""
     mark = (request.headers or {}).get(HANDOFF_HEADER)
     return mark is not None and mark == (request.retries or 0)
+
+
+def is_give_up(request: Any) -> bool:
+    """Whether this delivery was published by a sweep because the run's ``shed_timeout``
+    passed while it was parked."""
+    return bool((request.headers or {}).get(GIVE_UP_HEADER)) and is_handoff(request)
 
 
 def payload_of(task: Task, headers: dict[str, Any]) -> bytes:
@@ -59,8 +71,16 @@ def publisher_for(app: Celery) -> Publisher:
         for handoff in handoffs:
             content_type, encoding, body = handoff.payload.split(b"\n", 2)
             options = loads(body, content_type.decode(), encoding.decode(), accept=None)  # type: ignore[no-untyped-call]
-            app.signature(options).apply_async()
-            logger.debug("semaphore %r: handed a slot to task %s", key, handoff.waiter)
+            signature = app.signature(options)
+            if handoff.give_up:
+                signature.options.setdefault("headers", {})[GIVE_UP_HEADER] = True
+            signature.apply_async()
+            logger.debug(
+                "semaphore %r: %s task %s",
+                key,
+                "gave up" if handoff.give_up else "handed a slot to",
+                handoff.waiter,
+            )
 
     return publish
 
@@ -81,6 +101,26 @@ def claim_or_end(task: Task, semaphore: Semaphore, key: str, metadata: dict[str,
     raise Ignore()
 
 
+def give_up_or_end(task: Task, semaphore: Semaphore, policy: Policy, key: str) -> NoReturn:
+    """End a run whose ``shed_timeout`` passed while it was parked: take it out of the room
+    and fail it, unless a hand-off got to it first (then this delivery ends quietly).
+
+    Raises:
+        SemaphoreNotAcquiredError: the run was still parked; it is out of the room now.
+        celery.exceptions.Ignore: it was no longer parked.
+    """
+    if not semaphore.admin.cancel(key, task.request.id):
+        raise Ignore()
+    headers = task.request.headers or {}
+    waited = time.time() - float(headers.get(FIRST_SHED_HEADER) or time.time())
+    raise SemaphoreNotAcquiredError(
+        f"semaphore {key!r} (limit {semaphore.limit}): parked for {waited:.1f}s, past "
+        f"shed_timeout={policy.shed_timeout}; task {task.request.id} gives up",
+        key,
+        semaphore.limit,
+    )
+
+
 def park_or_take(
     task: Task,
     semaphore: Semaphore,
@@ -98,6 +138,9 @@ def park_or_take(
         celery.exceptions.Ignore: the run is parked (its state is RETRY); a hand-off starts
             it again.
         SemaphoreNotAcquiredError: the room already holds ``max_queued`` runs.
+
+    With ``shed_timeout`` set, the run gives up that many seconds after it first asked: a
+    sweep publishes it marked to fail (see :func:`give_up_or_end`).
     """
     request = task.request
     headers = retry_headers(request)
@@ -110,6 +153,7 @@ def park_or_take(
         arrival=arrival,
         metadata=metadata,
         max_queued=policy.max_queued or 0,
+        deadline=None if policy.shed_timeout is None else arrival + policy.shed_timeout,
     )
     if isinstance(result, Slot):
         return result

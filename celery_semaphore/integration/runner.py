@@ -47,7 +47,14 @@ from ..errors import (
 )
 from .keys import KeyTemplate
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
-from .room import claim_or_end, is_handoff, park_or_take, publisher_for
+from .room import (
+    claim_or_end,
+    give_up_or_end,
+    is_give_up,
+    is_handoff,
+    park_or_take,
+    publisher_for,
+)
 from .settings import app_settings, client_for, task_policy
 from .shedding import shed
 from .signals import (
@@ -268,6 +275,11 @@ class Runner:
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy = self.resolve(task.app)
+            if is_give_up(task.request):
+                try:
+                    give_up_or_end(task, semaphore, policy, key)
+                except SemaphoreNotAcquiredError as exc:
+                    raise self._refused(task, exc) from None
             if is_handoff(task.request):
                 slot: Slot | None = claim_or_end(task, semaphore, key, metadata)
             elif policy.on_full == "queue":

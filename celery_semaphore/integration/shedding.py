@@ -37,6 +37,10 @@ HANDOFF_HEADER = "semaphore_handoff"
 (``request.retries``) it was parked in. Only that attempt claims a reservation; a retry the
 task asks for itself carries the header on with a higher ``retries`` and is a new run."""
 
+GIVE_UP_HEADER = "semaphore_give_up"
+"""Message header of a parked run whose ``shed_timeout`` passed while it waited: the run
+takes itself out of the room and fails instead of running."""
+
 BROKER_HEADERS = frozenset(
     {
         "x-death",
@@ -57,9 +61,13 @@ reason, and a shed leaves out all of them whatever the Celery version."""
 
 def retry_headers(request: Any) -> dict[str, Any]:
     """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
-    broker added (:data:`BROKER_HEADERS`) and the hand-off mark of this delivery."""
+    broker added (:data:`BROKER_HEADERS`) and the hand-off marks of this delivery."""
     headers = request.as_execution_options().get("headers") or {}
-    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS and k != HANDOFF_HEADER}
+    return {
+        k: v
+        for k, v in headers.items()
+        if k not in BROKER_HEADERS and k not in (HANDOFF_HEADER, GIVE_UP_HEADER)
+    }
 
 
 def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:

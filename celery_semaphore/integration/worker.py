@@ -49,6 +49,9 @@ PATIENCE = 10.0
 """Seconds to keep checking before leaving a still-living holder's slot to its lease."""
 SWEEP_INTERVAL = 2.0
 """Seconds between sweeps of the waiting rooms by each worker (see DeadRunReleaser.sweep)."""
+FULL_SCAN_INTERVAL = 60.0
+"""Seconds between the sweeps that also SCAN the keyspace for rooms missing from the index
+(a run that died between parking and indexing its room); the others read the index only."""
 
 
 def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
@@ -121,6 +124,7 @@ class DeadRunReleaser:
     def __init__(self, app: Celery, timer: Any) -> None:
         self.app = app
         self.timer = timer
+        self._scanned_at = -FULL_SCAN_INTERVAL  # the first sweep scans
 
     def on_task_failure(
         self,
@@ -174,8 +178,12 @@ class DeadRunReleaser:
                 settings.prefix,
                 HandoffRoute(settings.policy.claim_timeout, publisher_for(self.app)),
             )
-            for key in admin.scan_keys(rooms=True):
+            now = time.monotonic()
+            full_scan = now - self._scanned_at >= FULL_SCAN_INTERVAL
+            for key in admin.rooms(full_scan=full_scan):
                 admin.sweep(key)
+            if full_scan:
+                self._scanned_at = now
         except Exception:
             logger.warning("could not sweep the waiting rooms", exc_info=True)
 

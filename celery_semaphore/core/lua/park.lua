@@ -1,7 +1,7 @@
 -- park: take a slot for a waiter in arrival order, or park it in the waiting room; or, in
 -- claim mode, take the slot reserved for it by a hand-off.
 --
--- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- KEYS[1..5]  slots, holders, room, parked, deadlines (see room.lua)
 -- ARGV[1]  limit        the key's limit (integer >= 1)
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
 -- ARGV[3]  token        unique per acquisition
@@ -15,6 +15,7 @@
 -- ARGV[9]  room_ttl_ms  how long an idle room lives (integer >= 1)
 -- ARGV[10] max_queued   refuse to park past this many waiters (0: no limit)
 -- ARGV[11] mode         "park", or "claim" (take only a reservation; never park anew)
+-- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0
 --
 -- Returns {1, expires_at_ms, now_ms, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, hand-offs...}        parked; position 0 is the next served
@@ -26,12 +27,13 @@
 --
 -- The waiter joins the room before any free slot is handed out, so it is served in arrival
 -- order with everyone else: a free slot goes to it only if no older waiter is parked.
-local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local limit = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+local deadline_ms = tonumber(ARGV[12])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
@@ -45,6 +47,7 @@ local function take(member)
   end
   redis.call('ZREM', room, waiter)
   redis.call('HDEL', parked, waiter)
+  redis.call('ZREM', deadlines, waiter)
   local expires_at_ms = now + lease_ms
   redis.call('ZADD', slots, expires_at_ms, token)
   redis.call('HSET', holders, token, now .. '|' .. metadata)
@@ -70,11 +73,12 @@ if known then
   arrival = known
   if payload == '' then
     local entry = redis.call('HGET', parked, waiter)
-    payload = string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
+    payload = payload_of(entry)
   end
 end
 redis.call('HSET', parked, waiter, arrival .. '|' .. payload, '!limit', limit)
 redis.call('ZADD', room, arrival, waiter)
+if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
 local out = {}
 room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
@@ -93,5 +97,9 @@ for _, value in ipairs(others) do reply[#reply + 1] = value end
 if redis.call('PTTL', room) < room_ttl_ms then
   redis.call('PEXPIRE', room, room_ttl_ms)
   redis.call('PEXPIRE', parked, room_ttl_ms)
+end
+local deadlines_ttl = redis.call('PTTL', deadlines)
+if deadlines_ttl ~= -2 and deadlines_ttl < room_ttl_ms then
+  redis.call('PEXPIRE', deadlines, room_ttl_ms)
 end
 return reply

@@ -6,6 +6,8 @@
 --   holders  hash: token -> "<acquired_at_ms>|<metadata JSON>"
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
 --   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the key's limit
+--   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
+--            time budget are in it (sweep.lua sends them their give-up)
 --
 -- A reservation holds a slot for one waiter, so the limit counts it like any holder; the
 -- waiter's run claims it when it starts (park.lua), or it lapses after the claim lease and
@@ -22,6 +24,11 @@ local function arrival_of(parked, waiter)
   local entry = redis.call('HGET', parked, waiter)
   if not entry then return nil end
   return tonumber(string.match(entry, '^(%d+)|'))
+end
+
+-- The payload of a parked entry "<arrival_ms>|<payload>".
+local function payload_of(entry)
+  return string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
 end
 
 -- Drop lapsed holders; a lapsed reservation sends its waiter back into the room.
@@ -53,7 +60,7 @@ local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now,
       redis.call('HSET', holders, '~' .. waiter,
         now .. "|" .. cjson.encode({reserved_for = waiter, limit = limit}))
       out[#out + 1] = waiter
-      out[#out + 1] = string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
+      out[#out + 1] = payload_of(entry)
     end
   end
   if redis.call('PTTL', slots) < claim_ms then

@@ -1,22 +1,31 @@
 -- sweep: the waiting room's safety net, run on a timer by every worker of the app.
 --
--- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- KEYS[1..5]  slots, holders, room, parked, deadlines (see room.lua)
 -- ARGV[1]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
 --
--- Returns the hand-offs ({waiter, payload} pairs) the caller publishes.
+-- Returns {alive, hand-offs, give-ups}: alive is 0 once the room is gone (nothing parked);
+-- hand-offs and give-ups are flat {waiter, payload, ...} lists the caller publishes.
 --
 -- Frees lapsed holders and reservations, puts back into the room any parked waiter that is
 -- neither queued nor reserved (a plain acquire pruned its reservation), and hands every free
 -- slot to the oldest waiters. So a room drains even when every process that would have
 -- released a slot died, and a hand-off whose message was lost is published again once its
 -- reservation lapses.
-local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+--
+-- A waiter still in the room past its deadline is given up: its payload is returned for the
+-- caller to publish as a give-up (the run then cancels itself and fails). It stays parked
+-- until that run cancels it, and its deadline moves claim_ms ahead, so a give-up whose
+-- message was lost is sent again, and a hand-off that comes first still starts it.
+local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local claim_ms = tonumber(ARGV[1])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
 local limit = tonumber(redis.call('HGET', parked, '!limit'))
-if not limit then return {} end
+if not limit then
+  redis.call('DEL', deadlines)
+  return {0, {}, {}}
+end
 room_prune(slots, holders, room, parked, now)
 for _, waiter in ipairs(redis.call('HKEYS', parked)) do
   if waiter ~= '!limit' and not redis.call('ZSCORE', room, waiter)
@@ -26,7 +35,19 @@ for _, waiter in ipairs(redis.call('HKEYS', parked)) do
 end
 local out = {}
 room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
-if redis.call('ZCARD', room) == 0 and redis.call('HLEN', parked) <= 1 then
-  redis.call('DEL', room, parked)
+local give_ups = {}
+for _, waiter in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now)) do
+  local entry = redis.call('HGET', parked, waiter)
+  if not entry then
+    redis.call('ZREM', deadlines, waiter)
+  elseif redis.call('ZSCORE', room, waiter) then
+    redis.call('ZADD', deadlines, now + claim_ms, waiter)
+    give_ups[#give_ups + 1] = waiter
+    give_ups[#give_ups + 1] = payload_of(entry)
+  end
 end
-return out
+if redis.call('ZCARD', room) == 0 and redis.call('HLEN', parked) <= 1 then
+  redis.call('DEL', room, parked, deadlines)
+  return {0, out, give_ups}
+end
+return {1, out, give_ups}
