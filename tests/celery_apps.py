@@ -6,6 +6,7 @@ Redis through a client of their own, so the test can count concurrency without t
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -29,6 +30,16 @@ AT_LEAST_ONCE: dict[str, Any] = {
 
 def interval_key(label: str) -> str:
     return f"test:intervals:{label}"
+
+
+def room_runs_key(key: str) -> str:
+    """Where ``csem.room_step`` runs on semaphore key ``room:<key>`` record themselves."""
+    return f"test:room:{key}:runs"
+
+
+def room_callbacks_key(key: str) -> str:
+    """Where ``csem.room_collect`` records each of its runs."""
+    return f"test:room:{key}:callbacks"
 
 
 def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Celery:
@@ -181,6 +192,37 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         if self.request.retries == 0:
             raise self.retry(countdown=0.05)
         return int(self.request.retries)
+
+    @app.task(base=SemaphoreTask, semaphore="room:{key}", limit=2, on_full="queue",
+              claim_timeout=60.0, bind=True, shared=False, name="csem.room_step")  # fmt: skip
+    def room_step(
+        self: Any, value: int, step: int = 0, key: str = "compat", duration: float = 0.05
+    ) -> int:
+        """A waiting-room task on key ``room:<key>`` (limit 2): returns ``value + step`` (a
+        chain passes the previous link's result as ``value``). Each run records its interval
+        under ``interval_key("room:<key>")`` and, under ``room_runs_key(key)``, its task id,
+        arguments, start, end and whether its message carried the hand-off header. The long
+        claim_timeout keeps a lapsed reservation (a hand-off nobody published) from being
+        rescued by a sweep within a test's timeouts."""
+        start = time.monotonic()
+        try:
+            time.sleep(duration)
+        finally:
+            end = time.monotonic()
+            handoff = (self.request.headers or {}).get("semaphore_handoff") is not None
+            run = {"id": self.request.id, "value": value, "step": step, "start": start,
+                   "end": end, "handoff": handoff}  # fmt: skip
+            pipe = recorder.pipeline(transaction=False)
+            pipe.rpush(interval_key(f"room:{key}"), f"{start} {end}")
+            pipe.rpush(room_runs_key(key), json.dumps(run))
+            pipe.execute()
+        return value + step
+
+    @app.task(shared=False, name="csem.room_collect")
+    def room_collect(values: list[int], key: str) -> list[int]:
+        """An unbounded chord callback that records each of its runs."""
+        recorder.rpush(room_callbacks_key(key), json.dumps(values))
+        return sorted(values)
 
     return app
 

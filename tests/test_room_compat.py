@@ -1,0 +1,441 @@
+"""The waiting room (``on_full="queue"``) wherever a Celery user would use it: a RabbitMQ
+broker, Sentinel and Cluster stores, the prefork, threads and solo pools, canvas (group,
+chord, chain), eager mode and direct calls, and ``AsyncResult`` while a run is parked.
+
+Every task here passes ``on_full="queue"`` explicitly. The bounded runs record themselves
+(intervals, arguments, whether a hand-off started them) in Redis with a client of their own
+(``csem.room_step`` in tests/celery_apps.py), so peaks and run counts are measured outside
+the library. The backlogs are parked one by one behind slots the test holds, so their
+arrival order is their send order; the test then releases the slots through a semaphore
+that publishes hand-offs as the app's workers do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import socket
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery, chain, chord, group
+from celery.contrib.testing.worker import start_worker
+from celery.result import AsyncResult
+
+from celery_semaphore import Semaphore, SemaphoreTask, Slot
+from celery_semaphore.integration.room import publisher_for
+from celery_semaphore.testing import RedisServer, find_redis_cli, find_redis_server
+
+from .celery_apps import interval_key, make_app, room_callbacks_key, room_runs_key
+from .helpers import peak_overlap, prefork_worker_process, read_intervals, wait_for
+from .servers import ClusterServers, SentinelServers
+
+LIMIT = 2
+"""``csem.room_step``'s limit."""
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+ROOM_SUFFIXES = ("", ":holders", ":room", ":parked")
+"""The Redis keys of one semaphore key are ``semaphore:{<key>}`` and these suffixes."""
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _ha_capable() -> str:
+    """Why the Redis binaries here cannot run a cluster or Sentinel, or "" when they can."""
+    try:
+        server = find_redis_server()
+        find_redis_cli(server)
+    except FileNotFoundError as exc:
+        return str(exc)
+    out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"v=(\d+)\.", out.stdout)
+    if found is None or int(found.group(1)) < 5:
+        return f"{server} is not Redis 5.0 or later: {out.stdout.strip()!r}"
+    return ""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ClusterServers]:
+    reason = _ha_capable()
+    if reason:
+        pytest.skip(f"cannot run a Redis Cluster: {reason}")
+    with ClusterServers() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def sentinel_set() -> Iterator[SentinelServers]:
+    reason = _ha_capable()
+    if reason:
+        pytest.skip(f"cannot run Redis Sentinel: {reason}")
+    with SentinelServers() as started:
+        yield started
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _redis_names(key: str) -> list[str]:
+    """The Redis keys of semaphore key ``key`` under the default prefix."""
+    return [f"semaphore:{{{key}}}{suffix}" for suffix in ROOM_SUFFIXES]
+
+
+def _runs(client: redis.Redis, key: str) -> list[dict[str, Any]]:
+    """What each run of ``csem.room_step`` on ``room:<key>`` recorded, in start order."""
+    runs = [json.loads(raw) for raw in client.lrange(room_runs_key(key), 0, -1)]
+    return sorted(runs, key=lambda run: float(run["start"]))
+
+
+class Holding:
+    """Every slot of ``room:<key>``, held by a semaphore of ``app`` that publishes the
+    hand-offs its releases make, as the app's workers do."""
+
+    def __init__(self, app: Celery, store: str, key: str, limit: int = LIMIT) -> None:
+        self.key = f"room:{key}"
+        self.sem = Semaphore(store, limit=limit, on_handoff=publisher_for(app))
+        self.held: list[Slot] = []
+        for _ in range(limit):
+            slot = self.sem.acquire(self.key)
+            assert slot is not None
+            self.held.append(slot)
+
+    def parked(self) -> int:
+        return len(self.sem.admin.room(self.key))
+
+    def release(self) -> None:
+        while self.held:
+            assert self.held.pop(0).release()
+
+    def close(self) -> None:
+        self.release()
+        self.sem.client.close()
+
+
+@contextmanager
+def holding(app: Celery, store: str, key: str, limit: int = LIMIT) -> Iterator[Holding]:
+    held = Holding(app, store, key, limit)
+    try:
+        yield held
+    finally:
+        held.close()
+
+
+def _park_backlog(
+    app: Celery, holder: Holding, key: str, count: int, duration: float
+) -> list[AsyncResult]:
+    """Send ``count`` runs of ``csem.room_step`` on ``room:<key>`` (values 0, 1, ...), each
+    once the one before is parked: their arrival order is their send order."""
+    task = app.tasks["csem.room_step"]
+    results = []
+    for n in range(count):
+        results.append(task.delay(n, 0, key, duration))
+        assert wait_for(lambda n=n: holder.parked() == n + 1, timeout=30), n
+    # A parked run's state is RETRY (stored just after it parks).
+    assert wait_for(lambda: {r.state for r in results} == {"RETRY"}, timeout=30)
+    return results
+
+
+def _drain(
+    holder: Holding,
+    results: list[AsyncResult],
+    client: redis.Redis,
+    key: str,
+    side_by_side: bool = True,
+) -> None:
+    """Release the held slots; the parked backlog must drain at the limit, in arrival order,
+    each run exactly once, every result back through ``AsyncResult.get()``."""
+    holder.release()
+    count = len(results)
+    assert [r.get(timeout=60) for r in results] == list(range(count))
+    runs = _runs(client, key)
+    assert sorted(run["value"] for run in runs) == list(range(count)), runs
+    assert len({run["id"] for run in runs}) == count
+    assert all(run["handoff"] for run in runs), "a parked run started without a hand-off"
+    # The room hands slots out oldest first, and at most LIMIT runs hold or wait for a slot
+    # at once, so a run can only start before the (at most LIMIT - 1) older runs handed a
+    # slot at about the same time.
+    order = [run["value"] for run in runs]
+    assert all(abs(position - value) < LIMIT for position, value in enumerate(order)), order
+    peak = peak_overlap(read_intervals(client, interval_key(f"room:{key}")))
+    assert peak <= LIMIT
+    if side_by_side:
+        assert peak == LIMIT, "the backlog never ran at the limit"
+    assert holder.sem.admin.room(holder.key) == []
+    assert wait_for(lambda: holder.sem.count(holder.key) == 0, timeout=30)
+
+
+def _script_calls(client: redis.Redis) -> int:
+    stats = client.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
+
+
+# --- 1. a RabbitMQ broker --------------------------------------------------------------------
+
+
+def _delete_queue(app: Celery, queue: str) -> None:
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        channel.queue_delete(queue)
+        channel.exchange_delete(queue)
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+def test_a_backlog_drains_through_a_rabbitmq_broker(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    queue = f"csem-room-{uuid.uuid4().hex[:8]}"
+    app = make_app(redis_server.url, broker_url=AMQP_URL, task_default_queue=queue)
+    try:
+        with (
+            holding(app, redis_server.url, "rabbit") as holder,
+            start_worker(app, pool="threads", concurrency=6, perform_ping_check=False),
+        ):
+            results = _park_backlog(app, holder, "rabbit", 8, 0.2)
+            _drain(holder, results, client, "rabbit")
+    finally:
+        _delete_queue(app, queue)
+        app.close()
+
+
+# --- 2. Sentinel and Redis Cluster stores ----------------------------------------------------
+
+
+def _assert_room_keys_share_the_hash_tag(cluster: ClusterServers, key: str) -> None:
+    """The four Redis keys of ``key`` (slots, holders, room, parked) exist and, by the
+    server's own CLUSTER KEYSLOT, sit in the slot of the key's hash tag."""
+    names = set(_redis_names(key))
+    client = cluster.client()
+    node = cluster.nodes[0].client()
+    try:
+        found = {name.decode() for name in client.scan_iter(match=f"semaphore:{{{key}}}*")}
+        assert found == names
+        slots = {node.execute_command("CLUSTER KEYSLOT", name) for name in found}
+        assert slots == {node.execute_command("CLUSTER KEYSLOT", key)}
+    finally:
+        node.close()
+        client.close()
+
+
+@pytest.mark.parametrize("store", ["cluster", "sentinel_set"])
+def test_a_backlog_drains_on_a_cluster_or_sentinel_store(
+    store: str, request: pytest.FixtureRequest, redis_server: RedisServer, client: redis.Redis
+) -> None:
+    servers: ClusterServers | SentinelServers = request.getfixturevalue(store)
+    if isinstance(servers, ClusterServers):
+        admin: Any = servers.client()
+        admin.flushall()  # every primary
+    else:
+        admin = servers.master_client()
+        admin.flushall()
+    admin.close()
+    app = make_app(redis_server.url, semaphore_url=servers.url)
+    key = store.replace("_", "-")
+    with (
+        holding(app, servers.url, key) as holder,
+        start_worker(app, pool="threads", concurrency=6, perform_ping_check=False),
+    ):
+        results = _park_backlog(app, holder, key, 6, 0.2)
+        if isinstance(servers, ClusterServers):
+            _assert_room_keys_share_the_hash_tag(servers, f"room:{key}")
+        else:
+            primary = servers.primary().client()
+            assert primary.exists(*_redis_names(f"room:{key}")) == 4
+            primary.close()
+        _drain(holder, results, client, key)
+    app.close()
+
+
+# --- 3. pools --------------------------------------------------------------------------------
+
+
+def _worker(app: Celery, pool: str, log: Path) -> AbstractContextManager[object]:
+    if pool == "prefork":
+        return prefork_worker_process(app, log, concurrency=4)
+    if pool == "threads":
+        return start_worker(app, pool="threads", concurrency=4, perform_ping_check=False)
+    return start_worker(app, pool="solo", perform_ping_check=False)
+
+
+@pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
+def test_a_backlog_drains_in_each_pool(
+    pool: str, app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    # With solo, the one process that runs a holder also publishes the hand-off its release
+    # makes, and takes that message only after the holder's run has ended. The long
+    # claim_timeout of csem.room_step (60 s) means that a hand-off nobody published would
+    # not be rescued by a sweep before the results' timeouts: every run is started by one.
+    with (
+        holding(app, app.conf.semaphore_url, pool) as holder,
+        _worker(app, pool, tmp_path / "worker.log"),
+    ):
+        results = _park_backlog(app, holder, pool, 8, 0.2)
+        _drain(holder, results, client, pool, side_by_side=pool != "solo")
+
+
+# --- 4. canvas -------------------------------------------------------------------------------
+
+
+def test_groups_chords_and_chains_of_parked_runs_complete(app: Celery, client: redis.Redis) -> None:
+    step = app.tasks["csem.room_step"]
+    collect = app.tasks["csem.room_collect"]
+    key = "canvas"
+    with (
+        holding(app, app.conf.semaphore_url, key) as holder,
+        start_worker(app, pool="threads", concurrency=8, perform_ping_check=False),
+    ):
+        chained = chain(
+            step.s(1000, 1, key, 0.05),
+            step.s(step=2, key=key, duration=0.05),
+            step.s(step=3, key=key, duration=0.05),
+            step.s(step=4, key=key, duration=0.05),
+        ).delay()
+        # The chain's first link parks first, so it is served first; the links after it
+        # arrive while the group and the chord's header (8 runs of 0.2 s) hold the slots.
+        assert wait_for(lambda: holder.parked() == 1, timeout=30)
+        grouped = group(step.s(n, 0, key, 0.2) for n in range(4)).delay()
+        header = (step.s(n, 100, key, 0.2) for n in range(10, 14))
+        chorded = chord(header, collect.s(key)).delay()
+        # Every run that can start (4 of the group, 4 of the chord's header, the chain's
+        # first link) finds the key full and parks.
+        assert wait_for(lambda: holder.parked() == 9, timeout=30)
+        assert wait_for(lambda: {r.state for r in grouped.results} == {"RETRY"}, timeout=30)
+        holder.release()
+        assert chorded.get(timeout=60) == [110, 111, 112, 113]
+        assert chained.get(timeout=60) == 1010
+        assert grouped.get(timeout=60) == [0, 1, 2, 3]
+        runs = _runs(client, key)
+        # The chord's callback fired once, with every result of its header.
+        callbacks = [json.loads(raw) for raw in client.lrange(room_callbacks_key(key), 0, -1)]
+        assert len(callbacks) == 1
+        assert sorted(callbacks[0]) == [110, 111, 112, 113]
+    # Each bounded run ran exactly once.
+    expected = [(n, 0) for n in range(4)] + [(n, 100) for n in range(10, 14)]
+    expected += [(1000, 1), (1001, 2), (1003, 3), (1006, 4)]
+    assert sorted((run["value"], run["step"]) for run in runs) == sorted(expected)
+    assert len({run["id"] for run in runs}) == len(expected)
+    # Each link of the chain ran after the one before it ended, on that one's result.
+    links = sorted((run for run in runs if run["value"] >= 1000), key=lambda run: run["step"])
+    assert [link["step"] for link in links] == [1, 2, 3, 4]
+    assert all(later["start"] >= earlier["end"] for earlier, later in itertools.pairwise(links))
+    # The second link was parked too, and its hand-off carried the rest of the chain on.
+    assert links[1]["handoff"], links
+    assert peak_overlap(read_intervals(client, interval_key(f"room:{key}"))) <= LIMIT
+    assert holder.sem.admin.room(holder.key) == []
+    assert client.llen(room_callbacks_key(key)) == 1
+
+
+# --- 5. eager mode, direct calls, apply() ----------------------------------------------------
+
+
+CALLS: dict[str, Callable[[Any, str], Any]] = {
+    "eager": lambda task, key: task.delay(5, 1, key, 0.0).get(),
+    "direct": lambda task, key: task(5, 1, key, 0.0),
+    "apply": lambda task, key: task.apply((5, 1, key, 0.0)).get(),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(CALLS))
+def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
+    mode: str, redis_server: RedisServer, client: redis.Redis
+) -> None:
+    app = make_app(redis_server.url, task_always_eager=mode == "eager")
+    task = app.tasks["csem.room_step"]
+    key = f"outside-{mode}"
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            outcome["value"] = CALLS[mode](task, key)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    with holding(app, redis_server.url, key) as holder:
+        before = _script_calls(client)
+        caller = threading.Thread(target=call)
+        caller.start()
+        try:
+            # The call asks for a slot again and again, one script call each time.
+            assert wait_for(lambda: _script_calls(client) >= before + 5, timeout=30)
+            assert caller.is_alive(), outcome
+            assert client.llen(room_runs_key(key)) == 0  # the body has not run
+            assert holder.parked() == 0
+            holder.held.pop().release()
+            caller.join(timeout=60)
+        finally:
+            holder.release()
+            caller.join(timeout=60)
+    assert outcome == {"value": 6}
+    [run] = _runs(client, key)
+    assert not run["handoff"]
+    # Nothing was ever parked: the room's keys were never made.
+    assert client.exists(*_redis_names(holder.key)[2:]) == 0
+    app.close()
+
+
+# --- 6. AsyncResult while parked -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "store", ["backend-redis", "other-redis", "other-redis-app-ignores-results"]
+)
+def test_a_parked_run_is_in_retry_and_get_returns_once_it_runs(
+    store: str, request: pytest.FixtureRequest, redis_server: RedisServer
+) -> None:
+    # The semaphore on the result backend's Redis, or on another; with the app ignoring
+    # results, the task's own ignore_result=False must win for its parked runs too.
+    other = store != "backend-redis"
+    url = request.getfixturevalue("own_redis").url if other else redis_server.url
+    conf = {"task_ignore_result": True} if store.endswith("ignores-results") else {}
+    app = make_app(redis_server.url, semaphore_url=url, **conf)
+
+    @app.task(base=SemaphoreTask, semaphore="room:result", limit=1, on_full="queue",
+              ignore_result=False, shared=False, name="csem.room_result")  # fmt: skip
+    def room_result(n: int) -> dict[str, int]:
+        return {"n": n}
+
+    outcome: dict[str, Any] = {}
+    with (
+        holding(app, url, "result", limit=1) as holder,
+        start_worker(app, pool="threads", concurrency=4, perform_ping_check=False),
+    ):
+        result = room_result.delay(7)
+        assert wait_for(lambda: holder.parked() == 1, timeout=30)
+        assert wait_for(lambda: result.state == "RETRY", timeout=30)
+        if other:
+            # The room is in the semaphore's store; the backend holds only the result.
+            backend = redis.Redis.from_url(redis_server.url)
+            assert backend.exists(*_redis_names(holder.key)) == 0
+            backend.close()
+        assert holder.sem.client.exists(*_redis_names(holder.key)[2:]) == 2
+
+        def get() -> None:
+            try:
+                outcome["value"] = result.get(timeout=60)
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        getter = threading.Thread(target=get)
+        getter.start()
+        getter.join(timeout=0.5)
+        assert getter.is_alive(), outcome  # a parked run is not ready
+        holder.release()
+        getter.join(timeout=90)
+        assert not getter.is_alive()
+        assert outcome == {"value": {"n": 7}}
+        assert result.state == "SUCCESS"
+    app.close()
