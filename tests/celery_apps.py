@@ -67,7 +67,7 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             recorder.rpush(interval_key(label), f"{start} {time.monotonic()}")
 
     @app.task(base=SemaphoreTask, semaphore="provider", limit=3, bind=True, max_retries=0,
-              shared=False, name="csem.provider_call")  # fmt: skip
+              on_full="retry", shared=False, name="csem.provider_call")  # fmt: skip
     def provider_call(self: Any, n: int, duration: float = 0.1) -> dict[str, Any]:
         with record("provider"):
             time.sleep(duration)
@@ -94,7 +94,8 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         return sorted(values)
 
     @app.task(base=SemaphoreTask, semaphore="auto", limit=1, autoretry_for=(ConnectionError,),
-              bind=True, max_retries=0, shared=False, name="csem.autoretry")  # fmt: skip
+              bind=True, max_retries=0, on_full="retry", shared=False,
+              name="csem.autoretry")  # fmt: skip
     def autoretry(self: Any, duration: float) -> dict[str, Any]:
         with record("auto"):
             time.sleep(duration)

@@ -106,7 +106,7 @@ def test_precedence_task_option_over_app_setting_over_default() -> None:
     semaphore, policy = found[0].resolve(app)
     assert policy.lease == 10.0  # task option
     assert policy.shed_countdown == 2.0  # app setting
-    assert policy.on_full == "retry"  # default
+    assert policy.on_full == "queue"  # default
     assert semaphore.lease == 10.0
     assert semaphore.limit == 3
     assert semaphore.prefix == "semaphore"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from celery_semaphore import (
     SemaphoreValidationError,
     bounded,
 )
+from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.settings import app_settings, client_for
 from celery_semaphore.signals import semaphore_shed
 from celery_semaphore.testing import RedisServer
@@ -255,8 +257,8 @@ def test_tls_options_from_settings_are_used(tls_redis: tuple[RedisServer, int, P
 @pytest.fixture
 def shed_app(redis_server: RedisServer) -> Iterator[Celery]:
     app = Celery("shed", broker=redis_server.url, backend=redis_server.url, set_as_current=False)
-    app.conf.update(semaphore_shed_countdown=0.02, semaphore_shed_max_countdown=0.1,
-                    worker_hijack_root_logger=False,
+    app.conf.update(semaphore_on_full="retry", semaphore_shed_countdown=0.02,
+                    semaphore_shed_max_countdown=0.1, worker_hijack_root_logger=False,
                     broker_connection_retry_on_startup=True)  # fmt: skip
     yield app
     gc.collect()
@@ -299,14 +301,16 @@ def test_each_retry_of_the_task_gets_its_own_shed_budget(
     assert per_attempt == {0: 3, 1: 3, 2: 3}
 
 
+@pytest.mark.parametrize(("on_full", "sheds_seen"), [("retry", 1), ("queue", 0)])
 def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
-    shed_app: Celery, redis_server: RedisServer, client: redis.Redis
+    on_full: str, sheds_seen: int, shed_app: Celery, redis_server: RedisServer, client: redis.Redis
 ) -> None:
+    # Each attempt gets a fresh budget: parked or shed, the retry's clock starts when it asks.
     app = shed_app
     sem = Semaphore(redis_server.url, limit=1)
 
     @app.task(base=SemaphoreTask, semaphore="timeout", limit=1, shed_timeout=1.0, bind=True,
-              max_retries=1, shared=False, name="shed.timeout")  # fmt: skip
+              max_retries=1, on_full=on_full, shared=False, name="shed.timeout")  # fmt: skip
     def slow_retry(self: Any) -> int:
         if self.request.retries == 0:
             client.set("test:first-run", 1)
@@ -319,13 +323,17 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = slow_retry.delay()
-            assert wait_for(lambda: (0, 1) in sheds)
+            assert wait_for(lambda: (0, sheds_seen) in sheds)
             holder.release()
             assert wait_for(lambda: client.exists("test:first-run"))
             # Hold the key again before the retry (3 s later, past shed_timeout) arrives.
             holder = sem.acquire("timeout", retries=200, retry_delay=0.01)
             assert holder is not None
-            assert wait_for(lambda: (1, 1) in sheds)
+            assert wait_for(lambda: (1, sheds_seen) in sheds)
+            if on_full == "queue":  # parked with a deadline counted from the retry's arrival
+                deadline = client.zscore(redis_keys("semaphore", "timeout").deadlines, result.id)
+                assert deadline is not None
+                assert deadline / 1000 > time.time()
             holder.release()
             assert result.get(timeout=60) == 1
     finally:

@@ -29,9 +29,9 @@ class Policy:
         lease (float): seconds a slot lives without renewal.
         heartbeat (float | bool | None): renewal interval in seconds; None: lease / 4;
             False: no renewal.
-        on_full (str): ``"retry"`` re-publishes the task with a countdown (shedding);
-            ``"queue"`` parks it in the key's waiting room, to be started the moment a slot
-            is released, oldest first; ``"raise"`` fails it with
+        on_full (str): ``"queue"`` (the default) parks the run in the key's waiting room,
+            to be started the moment a slot is released, oldest first; ``"retry"``
+            re-publishes it with a countdown (shedding); ``"raise"`` fails it with
             :class:`SemaphoreNotAcquiredError`.
         on_lease_lost (str): ``"raise"`` fails the task with
             :class:`SemaphoreLeaseLostError` even if the body returned; ``"retry"`` sheds it
@@ -42,9 +42,13 @@ class Policy:
         shed_max_countdown (float): cap on any one countdown, seconds. Keep it well under the
             Redis broker's ``visibility_timeout`` (3600 s by default).
         shed_max_retries (int | None): how many times a task may be shed before it fails with
-            :class:`SemaphoreNotAcquiredError`; None: no limit.
-        shed_timeout (float | None): seconds after the first shed after which the task fails
-            instead of being shed again; None: no limit. Outside a worker (eager mode, a
+            :class:`SemaphoreNotAcquiredError`; None: no limit. A parked run is not shed, so
+            this does not apply to ``"queue"`` (except to the countdown sheds taken when
+            Redis is unreachable).
+        shed_timeout (float | None): seconds after the first shed (or, with ``"queue"``,
+            after the run first asked) after which the task fails instead of being shed
+            again or waiting on in the room; None: no limit. Parked runs are given up by
+            the workers' sweep, so within about 2 seconds after the budget. Outside a worker (eager mode, a
             direct call) this is how long to wait for a slot; when it is None such a call
             waits up to one lease.
         interrupt (bool): when the slot is lost, raise an exception inside the running body
@@ -57,7 +61,7 @@ class Policy:
 
     lease: float = DEFAULT_LEASE
     heartbeat: float | bool | None = None
-    on_full: str = "retry"
+    on_full: str = "queue"
     on_lease_lost: str = "raise"
     shed_countdown: float = 1.0
     shed_backoff: bool = True

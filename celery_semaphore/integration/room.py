@@ -32,6 +32,7 @@ from .shedding import (
     FIRST_SHED_HEADER,
     GIVE_UP_HEADER,
     HANDOFF_HEADER,
+    SHED_ATTEMPT_HEADER,
     mark_retry,
     retry_headers,
 )
@@ -144,8 +145,13 @@ def park_or_take(
     """
     request = task.request
     headers = retry_headers(request)
-    arrival = float(headers.get(FIRST_SHED_HEADER) or time.time())
-    headers.update({HANDOFF_HEADER: request.retries or 0, FIRST_SHED_HEADER: arrival})
+    attempt = request.retries or 0
+    # A retry the task asked for itself carries the headers on: it is a new arrival.
+    same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
+    arrival = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
+    headers.update(
+        {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
+    )
     result = semaphore.park(
         key,
         request.id,

@@ -12,13 +12,16 @@ task option              app setting                  default    meaning
 ``limit``                (none: required per task)               slots per key
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
-``on_full``              ``semaphore_on_full``        "retry"    "retry" (shed) or "raise"
+``on_full``              ``semaphore_on_full``        "queue"    "queue" (park), "retry" (shed),
+                                                                 "raise"
+``claim_timeout``        ``semaphore_claim_timeout``  30.0       seconds a hand-off stays reserved
+``max_queued``           ``semaphore_max_queued``     None       parked runs per key, then fail
 ``on_lease_lost``        ``semaphore_on_lease_lost``  "raise"    "raise" or "retry"
 ``shed_countdown``       ``semaphore_shed_countdown`` 1.0        first shed's countdown, s
 ``shed_backoff``         ``semaphore_shed_backoff``   True       exponential, full jitter
 ``shed_max_countdown``   ``semaphore_shed_max_countdown`` 60.0   cap on one countdown, s
 ``shed_max_retries``     ``semaphore_shed_max_retries``   None   sheds before failing
-``shed_timeout``         ``semaphore_shed_timeout``   None       seconds of shedding, then fail
+``shed_timeout``         ``semaphore_shed_timeout``   None       seconds shed or parked, then fail
 ``interrupt``            ``semaphore_interrupt``      False      stop the body on lease loss
 ======================== ============================ ========== ==========================
 
