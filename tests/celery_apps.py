@@ -235,6 +235,8 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
         _extra["semaphore_url"] = os.environ["CSEM_TEST_SEMAPHORE_URL"]
     if os.environ.get("CSEM_TEST_ACKS_LATE"):
         _extra.update(AT_LEAST_ONCE)
+    if "CSEM_TEST_DEFAULT_QUEUE" in os.environ:
+        _extra["task_default_queue"] = os.environ["CSEM_TEST_DEFAULT_QUEUE"]
     app = make_app(
         os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"), **_extra
     )

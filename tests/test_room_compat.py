@@ -184,6 +184,18 @@ def _script_calls(client: redis.Redis) -> int:
     )
 
 
+def _worker(
+    app: Celery, pool: str, log: Path, env: dict[str, str] | None = None
+) -> AbstractContextManager[object]:
+    """A worker of ``app`` with ``pool``: prefork as a ``celery worker`` subprocess (``env``
+    added to its environment), threads and solo in this process."""
+    if pool == "prefork":
+        return prefork_worker_process(app, log, concurrency=4, env=env)
+    if pool == "threads":
+        return start_worker(app, pool="threads", concurrency=4, perform_ping_check=False)
+    return start_worker(app, pool="solo", perform_ping_check=False)
+
+
 # --- 1. a RabbitMQ broker --------------------------------------------------------------------
 
 
@@ -195,15 +207,18 @@ def _delete_queue(app: Celery, queue: str) -> None:
 
 
 @pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_backlog_drains_through_a_rabbitmq_broker(
-    redis_server: RedisServer, client: redis.Redis
+    pool: str, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
 ) -> None:
+    # With prefork, each hand-off is published to RabbitMQ from a pool child.
     queue = f"csem-room-{uuid.uuid4().hex[:8]}"
     app = make_app(redis_server.url, broker_url=AMQP_URL, task_default_queue=queue)
+    env = {"CSEM_TEST_BROKER_URL": AMQP_URL, "CSEM_TEST_DEFAULT_QUEUE": queue}
     try:
         with (
             holding(app, redis_server.url, "rabbit") as holder,
-            start_worker(app, pool="threads", concurrency=6, perform_ping_check=False),
+            _worker(app, pool, tmp_path / "worker.log", env),
         ):
             results = _park_backlog(app, holder, "rabbit", 8, 0.2)
             _drain(holder, results, client, "rabbit")
@@ -261,14 +276,6 @@ def test_a_backlog_drains_on_a_cluster_or_sentinel_store(
 
 
 # --- 3. pools --------------------------------------------------------------------------------
-
-
-def _worker(app: Celery, pool: str, log: Path) -> AbstractContextManager[object]:
-    if pool == "prefork":
-        return prefork_worker_process(app, log, concurrency=4)
-    if pool == "threads":
-        return start_worker(app, pool="threads", concurrency=4, perform_ping_check=False)
-    return start_worker(app, pool="solo", perform_ping_check=False)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads", "solo"])
@@ -385,6 +392,40 @@ def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
     # Nothing was ever parked: the room's keys were never made.
     assert client.exists(*_redis_names(holder.key)[2:]) == 0
     app.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "apply"])
+def test_inside_a_workers_run_a_direct_call_or_apply_waits_too(
+    mode: str, app: Celery, client: redis.Redis
+) -> None:
+    # A task body that calls a queueing task directly (or through apply()) runs it in its
+    # own run: it waits for a slot there, and never parks.
+    step = app.tasks["csem.room_step"]
+    key = f"inside-{mode}"
+
+    @app.task(shared=False, name="csem.room_outer")
+    def outer() -> int:
+        client.set(f"test:room:{key}:outer", 1)
+        if mode == "direct":
+            return int(step(5, 1, key, 0.0))
+        return int(step.apply((5, 1, key, 0.0)).get())
+
+    with (
+        holding(app, app.conf.semaphore_url, key) as holder,
+        start_worker(app, pool="threads", concurrency=2, perform_ping_check=False),
+    ):
+        result = outer.delay()
+        assert wait_for(lambda: client.exists(f"test:room:{key}:outer"), timeout=30)
+        before = _script_calls(client)
+        assert wait_for(lambda: _script_calls(client) >= before + 5, timeout=30)
+        assert result.state == "PENDING"
+        assert client.llen(room_runs_key(key)) == 0
+        assert holder.parked() == 0
+        holder.held.pop().release()
+        assert result.get(timeout=60) == 6
+    [run] = _runs(client, key)
+    assert not run["handoff"]
+    assert client.exists(*_redis_names(holder.key)[2:]) == 0
 
 
 # --- 6. AsyncResult while parked -------------------------------------------------------------
