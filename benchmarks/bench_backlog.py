@@ -2,7 +2,7 @@
 the ideal N*d/L and the same task unbounded on a dedicated ``-c L`` worker.
 
     python benchmarks/bench_backlog.py [--tasks 200] [--duration 0.2] [--limit 5]
-                                       [--concurrency 12] [--rounds 3]
+                                       [--concurrency C ...] [--setups NAME ...] [--rounds 3]
 
 Each round runs every setup once, interleaved, on fresh private redis-servers (one for the
 broker and results, one for the semaphore). Reported per setup: time / ideal (median, min,
@@ -58,6 +58,25 @@ def spearman(order: list[int]) -> float:
     return 1 - 6 * moved / (n * (n * n - 1))
 
 
+def handoff_gaps(intervals: list[tuple[float, float]], limit: int) -> list[float]:
+    """Seconds each freed slot stood empty while runs were waiting: the k-th body to end frees
+    the slot the (k+limit)-th body to start takes (slots are interchangeable), so the gap is
+    that start minus that end. Only ends before the last start count (after it nobody waits)."""
+    starts = sorted(s for s, _ in intervals)
+    ends = sorted(e for _, e in intervals)
+    return [max(0.0, starts[k + limit] - ends[k]) for k in range(len(starts) - limit)]
+
+
+def round_trip(client: redis.Redis, n: int = 200) -> float:
+    """Median seconds of a PING to ``client``'s server: the broker round trip."""
+    times = []
+    for _ in range(n):
+        started = time.perf_counter()
+        client.ping()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def script_calls(client: redis.Redis) -> tuple[int, int]:
     stats = client.info("commandstats")
     scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
@@ -65,8 +84,8 @@ def script_calls(client: redis.Redis) -> tuple[int, int]:
 
 
 def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
-    task, concurrency = SETUPS[setup]
-    workers = args.limit if concurrency == "limit" else args.concurrency
+    task, _ = SETUPS[setup]
+    workers = args.processes
     with RedisServer() as broker, RedisServer() as store:
         env = {**os.environ, "BENCH_BROKER_URL": broker.url, "BENCH_SEMAPHORE_URL": store.url,
                "BENCH_LIMIT": str(args.limit), "PYTHONPATH": str(HERE)}  # fmt: skip
@@ -81,6 +100,7 @@ def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
                 if time.monotonic() > deadline or worker.poll() is not None:
                     raise RuntimeError("the worker did not start")
             client = store.client()
+            rtt = round_trip(broker.client())
             client.config_resetstat()
             started = time.monotonic()
             results = [app.send_task(task, (n, args.duration)) for n in range(args.tasks)]
@@ -100,7 +120,16 @@ def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 worker.kill()
     ideal = args.tasks * args.duration / args.limit
+    gaps = handoff_gaps(intervals, args.limit)  # type: ignore[arg-type]
+    if os.environ.get("BENCH_DEBUG"):
+        first = min(s for s, _ in intervals)
+        ends = sorted(e for _, e in intervals)
+        worst = sorted(range(len(gaps)), key=lambda k: -gaps[k])[:15]
+        print([(round(ends[k] - first, 2), round(gaps[k] * 1000)) for k in worst], file=sys.stderr)
     return {
+        "gap_median_ms": statistics.median(gaps) * 1000 if gaps else 0.0,
+        "gap_max_ms": max(gaps) * 1000 if gaps else 0.0,
+        "rtt_ms": rtt * 1000,
         "ratio": elapsed / ideal,
         "peak": peak(intervals),  # type: ignore[arg-type]
         "runs": len(intervals),
@@ -115,32 +144,51 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--duration", type=float, default=0.2)
     parser.add_argument("--limit", type=int, default=5)
-    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        help="worker processes for the bounded setups; default: L+1, 2L+2, 4L",
+    )
+    parser.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS))
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in SETUPS}
+    limit = args.limit
+    sizes = args.concurrency or [limit + 1, 2 * limit + 2, 4 * limit]
+    # The unbounded setup runs on a -c L worker whatever the sizes: once per round.
+    cases = [(name, limit if SETUPS[name][1] == "limit" else c)
+             for name in args.setups for c in sizes
+             if SETUPS[name][1] != "limit" or c == sizes[0]]  # fmt: skip
+    rows: dict[tuple[str, int], list[dict[str, Any]]] = {case: [] for case in cases}
     for _ in range(args.rounds):
-        for name in SETUPS:
-            rows[name].append(run(name, args))
-            print(f"{name}: {rows[name][-1]}", file=sys.stderr, flush=True)
-    title = (f"{args.tasks} tasks of {args.duration}s on limit {args.limit}, one prefork "
-             f"worker -c {args.concurrency}; {args.rounds} rounds")  # fmt: skip
+        for name, processes in cases:
+            args.processes = processes
+            rows[name, processes].append(run(name, args))
+            print(f"{name} -c {processes}: {rows[name, processes][-1]}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+    title = (f"{args.tasks} tasks of {args.duration}s on limit {limit}, one prefork worker; "
+             f"{args.rounds} rounds, interleaved; median (min-max)")  # fmt: skip
     table = Table(title=title)
-    for column in ("setup", "time / ideal: median (min-max)", "peak", "runs",
-                   "scripts/task", "commands/task", "start order (Spearman)"):  # fmt: skip
+    for column in ("setup", "-c", "time / ideal", "peak", "runs", "scripts/task",
+                   "commands/task", "Spearman", "slot idle, ms: median (max)",
+                   "broker RTT, ms"):  # fmt: skip
         table.add_column(column)
-    for name, runs in rows.items():
+    for (name, processes), runs in rows.items():
         ratios = [r["ratio"] for r in runs]
         table.add_row(
             name,
+            str(processes),
             f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
             str(max(r["peak"] for r in runs)),
             "/".join(str(r["runs"]) for r in runs),
             f"{statistics.median(r['scripts'] for r in runs):.1f}",
             f"{statistics.median(r['commands'] for r in runs):.1f}",
             f"{min(r['spearman'] for r in runs):.3f}",
+            f"{statistics.median(r['gap_median_ms'] for r in runs):.0f} "
+            f"({max(r['gap_max_ms'] for r in runs):.0f})",
+            f"{statistics.median(r['rtt_ms'] for r in runs):.2f}",
         )
-    Console(width=150).print(table)
+    Console(width=180).print(table)
 
 
 if __name__ == "__main__":

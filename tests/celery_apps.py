@@ -186,6 +186,18 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         recorder.rpush("test:queued:order", n)
         return n
 
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="wait", wait_timeout=30.0,
+              shared=False, name="csem.waits")  # fmt: skip
+    def waits(n: int) -> int:
+        recorder.rpush("test:queued:order", n)
+        return n
+
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="wait", wait_timeout=0.2,
+              shared=False, name="csem.waits_briefly")  # fmt: skip
+    def waits_briefly(n: int) -> int:
+        recorder.rpush("test:queued:order", n)
+        return n
+
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", bind=True,
               max_retries=1, shared=False, name="csem.queued_retry")  # fmt: skip
     def queued_retry(self: Any) -> int:

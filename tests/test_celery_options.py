@@ -30,7 +30,8 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("lease", {"lease": float("nan")}),
     ("heartbeat", {"heartbeat": 40.0}),  # above half the default 60 s lease
     ("heartbeat", {"heartbeat": -1}),
-    ("on_full", {"on_full": "wait"}),
+    ("on_full", {"on_full": "block"}),
+    ("wait_timeout", {"wait_timeout": -1}),
     ("on_lease_lost", {"on_lease_lost": "ignore"}),
     ("shed_countdown", {"shed_countdown": -1}),
     ("shed_backoff", {"shed_backoff": "yes"}),

@@ -13,6 +13,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreNotAcquiredError
+from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.room import publisher_for
 
 from .celery_apps import interval_key
@@ -139,7 +140,7 @@ def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
         patient = app.tasks["csem.queued"].delay(2, 0.0)
         assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
         # A worker's sweep gives the impatient run up once its 0.5 s budget has passed.
-        with pytest.raises(SemaphoreNotAcquiredError, match="shed_timeout=0.5"):
+        with pytest.raises(SemaphoreNotAcquiredError, match=r"shed_timeout=0\.5"):
             impatient.get(timeout=60)
         assert [w.waiter for w in sem.admin.room("queued")] == [patient.id]
         for slot in held:
@@ -148,3 +149,39 @@ def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
         assert patient.get(timeout=60) == 2
     assert _order(client) == [2]  # the impatient body never ran
     assert sem.count("queued") == 0
+
+
+def test_a_run_that_waits_in_the_worker_starts_on_the_release_without_parking(
+    app: Celery, client: redis.Redis
+) -> None:
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    blocked = redis_keys("semaphore", "queued").blocked
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        result = app.tasks["csem.waits"].delay(1)
+        assert wait_for(lambda: client.zcard(blocked) == 1, timeout=30)
+        assert result.state == "PENDING"  # waiting in the worker, not parked
+        held[0].release()  # type: ignore[union-attr]
+        assert result.get(timeout=60) == 1
+        assert sem.admin.room("queued") == []
+        for slot in held[1:]:
+            slot.release()  # type: ignore[union-attr]
+
+
+def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
+    app: Celery, client: redis.Redis
+) -> None:
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        first = app.tasks["csem.waits_briefly"].delay(1)
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 1, timeout=30)
+        second = app.tasks["csem.queued"].delay(2, 0.0)
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        assert [w.waiter for w in sem.admin.room("queued")] == [first.id, second.id]
+        held[0].release()  # type: ignore[union-attr]
+        assert first.get(timeout=60) == 1
+        assert second.get(timeout=60) == 2
+        for slot in held[1:]:
+            slot.release()  # type: ignore[union-attr]
+    assert _order(client) == [1, 2]

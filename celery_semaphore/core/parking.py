@@ -4,17 +4,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import SemaphoreValidationError
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
 from . import validation as check
 from .admin import SemaphoreAdmin
 from .room import DEFAULT_ROOM_TTL, HandoffRoute
-from .scripts import Admitted, Keys, NotWaiting, Parked, RoomFull, Scripts, backend_errors
+from .scripts import (
+    Admitted,
+    Full,
+    Keys,
+    NotWaiting,
+    Parked,
+    RoomFull,
+    Scripts,
+    backend_errors,
+)
 from .slot import Slot
+
+MAX_BLOCK = 2.0
+"""Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
 
 
 class WaitingRoom:
@@ -28,6 +42,7 @@ class WaitingRoom:
     lease: float
     handoffs: HandoffRoute
     admin: SemaphoreAdmin
+    client: Any
     _scripts: Scripts
 
     def _redis_keys(self, key: str) -> Keys:
@@ -157,6 +172,7 @@ class WaitingRoom:
             result, handed = self._scripts.park(
                 keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
+                self.handoffs.grace_ms,
             )  # fmt: skip
         self.handoffs.deliver(key, handed)
         if isinstance(result, Parked):
@@ -164,3 +180,33 @@ class WaitingRoom:
         if isinstance(result, Admitted):
             return self._slot(keys, key, token, seconds, result, sent_at)
         return result
+
+    def _wait_for_slot(
+        self, keys: Keys, key: str, token: str, lease: float, info: str, full: Full, wait: float
+    ) -> Slot | None:
+        """After ``full``, block for up to ``wait`` seconds until a release wakes this caller
+        (BLPOP on the key's wake list, pushed by release.lua when the room does not take the
+        freed slot), and take a slot; None when the time is up. No polling: each block ends
+        at a wake-up, at the soonest lease to lapse (a crashed holder frees its slot then,
+        and nobody pushes), or after :data:`MAX_BLOCK` seconds.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        ms = check.lease_ms(lease)
+        give_up = time.monotonic() + wait
+        try:
+            while (remaining := give_up - time.monotonic()) > 0:
+                with backend_errors(key, self.limit):
+                    # Registered before asking again: a release in between pushes a wake.
+                    now_ms = self._scripts.block(keys, token, math.ceil(remaining * 1000))
+                    sent_at = time.monotonic()
+                    reply = self._scripts.acquire(keys, self.limit, ms, token, info)
+                    if isinstance(reply, Admitted):
+                        return self._slot(keys, key, token, lease, reply, sent_at)
+                    lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
+                    self.client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+            return None
+        finally:
+            with contextlib.suppress(SemaphoreBackendError), backend_errors(key, self.limit):
+                self.client.zrem(keys.blocked, token)

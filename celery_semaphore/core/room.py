@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLAIM_TIMEOUT = 30.0
 """Seconds a hand-off's reservation waits for its run before it lapses."""
+DEFAULT_HANDOFF_GRACE = 0.05
+"""Seconds a reservation is kept for its run before a run that asks in person may take it."""
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds an idle room (no park, no hand-off) lives before Redis expires it."""
 
@@ -51,14 +53,24 @@ class HandoffRoute:
         claim_timeout (float): seconds a reservation waits for its run.
         publisher (Publisher | None): called with each batch of hand-offs; None leaves them
             to lapse and be handed out again by a sweep (a process that cannot publish).
+        grace (float): seconds a reservation is kept for its run alone; after that, a run
+            that asks for a slot in person (parks) takes it instead, and the passed-over
+            waiter stays at the head of the room. 0: never.
 
     Raises:
-        SemaphoreValidationError: ``claim_timeout`` is not a positive number of seconds.
+        SemaphoreValidationError: ``claim_timeout`` is not a positive number of seconds,
+            or ``grace`` is negative.
     """
 
-    def __init__(self, claim_timeout: float, publisher: Publisher | None) -> None:
+    def __init__(
+        self,
+        claim_timeout: float,
+        publisher: Publisher | None,
+        grace: float = DEFAULT_HANDOFF_GRACE,
+    ) -> None:
         self.claim_ms = check.lease_ms(claim_timeout, "claim_timeout")
         self.publisher = check.check_callback(publisher, "on_handoff")
+        self.grace_ms = round(check.check_delay(grace, "handoff_grace") * 1000)
 
     @property
     def release_claim_ms(self) -> int:

@@ -35,6 +35,10 @@ class Keys(NamedTuple):
     """Hash: waiter id -> ``<arrival_ms>|<payload>``, and ``!limit`` -> the key's limit."""
     deadlines: str
     """Sorted set: parked waiter id -> when it gives up waiting, ms (waiters with a budget)."""
+    blocked: str
+    """Sorted set: token of a caller blocked on :attr:`wake` -> when it stops blocking, ms."""
+    wake: str
+    """List: one element per freed slot the room did not take, to wake a blocked caller."""
 
 
 def _lua(name: str) -> str:
@@ -43,11 +47,11 @@ def _lua(name: str) -> str:
 
 _ROOM = ("park", "release", "sweep", "cancel")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
-_ALL, _PAIR = slice(0, 5), slice(0, 2)
+_ALL, _PAIR = slice(0, 7), slice(0, 2)
 _KEYS = {
     "acquire": _PAIR, "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": _ALL, "release": slice(0, 4), "sweep": _ALL,
-    "cancel": _ALL,
+    "force_release_all": _PAIR, "park": _ALL, "release": _ALL, "sweep": _ALL, "cancel": _ALL,
+    "block": slice(5, 6),
     "waiting": slice(2, 3),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
@@ -94,23 +98,27 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Full:
-    """acquire.lua found every slot held by ``holders`` live holders."""
+    """acquire.lua found every slot held by ``holders`` live holders, the first of whose
+    leases lapses at ``first_expiry_ms`` (epoch ms)."""
 
     holders: int
     now_ms: int
+    first_expiry_ms: int
 
 
 def redis_keys(prefix: str, key: str) -> Keys:
-    """The two Redis keys of semaphore ``key``: ``<prefix>:{<key>}`` and ``...:holders``.
+    """The Redis keys of semaphore ``key``: ``<prefix>:{<key>}``, ``...:holders`` and the
+    waiting room's (see :class:`Keys`).
 
-    The braces are a Redis Cluster hash tag, so both keys live in one cluster slot and each
+    The braces are a Redis Cluster hash tag, so all keys live in one cluster slot and each
     script can touch them atomically. The one exception is a key that starts with ``}``: its
     hash tag is empty, so Redis Cluster hashes each whole name and the two keys land in
     different slots. A :class:`Semaphore` on a cluster client therefore rejects such keys
     (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
-    return Keys(slots, f"{slots}:holders", f"{slots}:room", f"{slots}:parked", f"{slots}:deadlines")
+    names = ("holders", "room", "parked", "deadlines", "blocked", "wake")
+    return Keys(slots, *(f"{slots}:{name}" for name in names))
 
 
 def check_cluster_key(key: str) -> str:
@@ -174,7 +182,11 @@ class Scripts:
         reply = self._call("acquire", keys, limit, lease_ms, token, metadata)
         if int(reply[0]) == 1:
             return Admitted(int(reply[1]), int(reply[2]))
-        return Full(int(reply[1]), int(reply[2]))
+        return Full(int(reply[1]), int(reply[2]), int(reply[3]))
+
+    def block(self, keys: Keys, token: str, for_ms: int) -> int:
+        """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
+        return int(self._call("block", keys, token, for_ms))
 
     def extend(self, keys: Keys, token: str, lease_ms: int) -> int | None:
         """Renew ``token``'s lease: its new expiry (epoch ms), or None when it is gone."""
@@ -202,12 +214,13 @@ class Scripts:
         max_queued: int,
         claim_only: bool,
         deadline_ms: int,
+        grace_ms: int,
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
         reply = self._call(
             "park", keys, limit, lease_ms, token, metadata, waiter,
             "" if arrival_ms is None else arrival_ms, payload, claim_ms, room_ttl_ms,
-            max_queued, "claim" if claim_only else "park", deadline_ms,
+            max_queued, "claim" if claim_only else "park", deadline_ms, grace_ms,
         )  # fmt: skip
         status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
         result: Admitted | Parked | RoomFull | NotWaiting

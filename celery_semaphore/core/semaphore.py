@@ -34,8 +34,8 @@ from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
 from .heartbeat import Heartbeat, RenewErrorCallback
 from .parking import WaitingRoom
-from .room import DEFAULT_CLAIM_TIMEOUT, HandoffRoute, Publisher
-from .scripts import Admitted, Keys, Scripts, backend_errors
+from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
+from .scripts import Admitted, Full, Keys, Scripts, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
@@ -68,6 +68,11 @@ class Semaphore(WaitingRoom):
             and the hand-offs whenever a call of this semaphore reserves freed slots for
             parked waiters: it must publish their payloads. None leaves them to lapse and be
             handed out again by a sweep.
+        handoff_grace (float): seconds a reservation is kept for its waiter alone. A
+            waiter whose payload is slow to arrive (its message queued behind a backlog,
+            say) would leave the slot idle; past this grace a waiter that parks in person
+            takes the slot, and the passed-over one keeps its place at the head of the
+            room. Default 0.05; 0: strict order, never taken.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -92,6 +97,7 @@ class Semaphore(WaitingRoom):
         prefix: str = DEFAULT_PREFIX,
         claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
         on_handoff: Publisher | None = None,
+        handoff_grace: float = DEFAULT_HANDOFF_GRACE,
     ) -> None:
         self.limit = check.check_limit(limit)
         check.lease_ms(lease)
@@ -113,7 +119,7 @@ class Semaphore(WaitingRoom):
         self.client = client
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = Scripts(cast(Redis, client))
-        self.handoffs = HandoffRoute(claim_timeout, on_handoff)
+        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._identity = {"host": socket.gethostname()}
 
@@ -151,6 +157,7 @@ class Semaphore(WaitingRoom):
         retries: int = 0,
         retry_delay: float = 0.1,
         metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
     ) -> Slot | None:
         """Take a slot of ``key`` (one round trip per attempt), or None when all are held.
 
@@ -164,6 +171,10 @@ class Semaphore(WaitingRoom):
             retry_delay (float): seconds between attempts. Default 0.1.
             metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
                 shown by :meth:`holders` beside ``host``, ``pid`` and ``limit``.
+            wait (float): seconds to wait for a slot when every one is held, woken by the
+                release that frees one (no polling; see :meth:`_wait_for_slot`). A slot the
+                release hands to a parked waiter (:meth:`park`) does not wake anyone. Not
+                together with ``retries``. Default 0: fail fast.
 
         Returns:
             Slot | None: the slot, which the caller must release; None if every attempt found
@@ -179,6 +190,8 @@ class Semaphore(WaitingRoom):
         ms = check.lease_ms(seconds)
         attempts = check.check_retries(retries) + 1
         delay = check.check_delay(retry_delay)
+        if check.check_delay(wait, "wait") and attempts > 1:
+            raise SemaphoreValidationError("give acquire() retries or wait, not both")
         info = self._metadata(metadata)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
@@ -196,6 +209,11 @@ class Semaphore(WaitingRoom):
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
                     self._give_back(keys, key, token)
+            if wait and isinstance(reply, Full):
+                slot = self._wait_for_slot(keys, key, token, seconds, info, reply, wait)
+                if slot is not None:
+                    record(attempts, "acquired")
+                    return slot
             record(attempts, "full")
         return None
 

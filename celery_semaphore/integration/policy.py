@@ -17,7 +17,7 @@ from ..core import validation as check
 from ..core.semaphore import DEFAULT_LEASE
 from ..errors import SemaphoreValidationError
 
-ON_FULL = ("retry", "raise", "queue")
+ON_FULL = ("queue", "wait", "retry", "raise")
 ON_LEASE_LOST = ("raise", "retry")
 
 
@@ -30,7 +30,9 @@ class Policy:
         heartbeat (float | bool | None): renewal interval in seconds; None: lease / 4;
             False: no renewal.
         on_full (str): ``"queue"`` (the default) parks the run in the key's waiting room,
-            to be started the moment a slot is released, oldest first; ``"retry"``
+            to be started the moment a slot is released, oldest first; ``"wait"`` first
+            waits in the worker up to ``wait_timeout`` seconds for a release to wake it
+            (holding its pool process), then parks; ``"retry"``
             re-publishes it with a countdown (shedding); ``"raise"`` fails it with
             :class:`SemaphoreNotAcquiredError`.
         on_lease_lost (str): ``"raise"`` fails the task with
@@ -48,15 +50,17 @@ class Policy:
         shed_timeout (float | None): seconds after the first shed (or, with ``"queue"``,
             after the run first asked) after which the task fails instead of being shed
             again or waiting on in the room; None: no limit. Parked runs are given up by
-            the workers' sweep, so within about 2 seconds after the budget. Outside a worker (eager mode, a
-            direct call) this is how long to wait for a slot; when it is None such a call
-            waits up to one lease.
+            the workers' sweep, so within about 2 seconds after the budget. Outside a
+            worker (eager mode, a direct call) this is how long to wait for a slot; when it
+            is None such a call waits up to one lease.
         interrupt (bool): when the slot is lost, raise an exception inside the running body
             (at its next Python bytecode; a body blocked in C code notices when it returns).
         claim_timeout (float): with ``"queue"``: seconds a slot handed to a parked run stays
             reserved for it before the run goes back to the head of the room.
         max_queued (int | None): with ``"queue"``: how many runs may be parked per key; a
             run past that fails with :class:`SemaphoreNotAcquiredError`. None: no limit.
+        wait_timeout (float): with ``"wait"``: seconds a run waits in the worker before
+            it parks (after the ``wait_timeout`` of Sidekiq Enterprise's concurrent limiter).
     """
 
     lease: float = DEFAULT_LEASE
@@ -71,6 +75,7 @@ class Policy:
     interrupt: bool = False
     claim_timeout: float = 30.0
     max_queued: int | None = None
+    wait_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
@@ -88,6 +93,7 @@ class Policy:
         check.lease_ms(self.claim_timeout, "claim_timeout")
         if self.max_queued is not None:
             check.check_limit(self.max_queued, "max_queued")
+        check.check_delay(self.wait_timeout, "wait_timeout")
 
     def with_options(self, options: Mapping[str, Any]) -> Policy:
         """A copy with ``options`` (task options; None values ignored) applied and checked."""

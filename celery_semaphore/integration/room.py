@@ -129,8 +129,12 @@ def park_or_take(
     key: str,
     metadata: dict[str, Any],
     template: str,
+    asked: float | None = None,
 ) -> Slot:
     """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
+
+    ``asked`` is when this run first asked for a slot (epoch seconds; None: now), for a run
+    that waited in the worker before parking.
 
     Returns:
         Slot: a slot, when no older run is parked and one was free.
@@ -148,7 +152,8 @@ def park_or_take(
     attempt = request.retries or 0
     # A retry the task asked for itself carries the headers on: it is a new arrival.
     same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
-    arrival = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
+    now = time.time() if asked is None else asked
+    arrival = float(headers.get(FIRST_SHED_HEADER) or now) if same_attempt else now
     headers.update(
         {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
     )

@@ -14,7 +14,8 @@ How a run goes:
   state RETRY. The shed count travels in the ``semaphore_sheds`` message header, so a task's
   ``max_retries`` and ``request.retries`` only ever count its own retries.
 * Outside a worker (eager mode, ``apply()``, a direct call) nothing is published: the run
-  waits for a slot up to its budget, then raises :class:`SemaphoreNotAcquiredError`.
+  waits for a slot up to its budget (woken by the release that frees one), then raises
+  :class:`SemaphoreNotAcquiredError`.
 * A plain function (not running as a task) fails fast, or retries as ``retries`` says.
 """
 
@@ -24,7 +25,6 @@ import contextvars
 import functools
 import inspect
 import logging
-import math
 import threading
 import time
 import weakref
@@ -250,12 +250,8 @@ class Runner:
         semaphore, policy = self.resolve(task.app)
         key = self.key_for(args, kwargs)
         budget = policy.wait_budget()
-        delay = min(0.1, budget) if budget else 0.0
-        retries = math.ceil(budget / delay) if delay else 0
         started = time.monotonic()
-        slot = semaphore.acquire(
-            key, retries=retries, retry_delay=delay, metadata=_task_metadata(task)
-        )
+        slot = semaphore.acquire(key, wait=budget, metadata=_task_metadata(task))
         if slot is None:
             raise self._refused(
                 task,
@@ -285,6 +281,13 @@ class Runner:
             elif policy.on_full == "queue":
                 # One script call whether or not the key is full: take or park.
                 slot = park_or_take(task, semaphore, policy, key, metadata, self.template.source)
+            elif policy.on_full == "wait":
+                asked = time.time()
+                slot = semaphore.acquire(key, metadata=metadata, wait=policy.wait_timeout)
+                if slot is None:
+                    slot = park_or_take(
+                        task, semaphore, policy, key, metadata, self.template.source, asked
+                    )
             else:
                 slot = semaphore.acquire(key, metadata=metadata)
         except SemaphoreBackendError as exc:

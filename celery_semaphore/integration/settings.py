@@ -12,8 +12,9 @@ task option              app setting                  default    meaning
 ``limit``                (none: required per task)               slots per key
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
-``on_full``              ``semaphore_on_full``        "queue"    "queue" (park), "retry" (shed),
-                                                                 "raise"
+``on_full``              ``semaphore_on_full``        "queue"    "queue" (park), "wait" (then
+                                                                 park), "retry" (shed), "raise"
+``wait_timeout``         ``semaphore_wait_timeout``   5.0        "wait": seconds in the worker
 ``claim_timeout``        ``semaphore_claim_timeout``  30.0       seconds a hand-off stays reserved
 ``max_queued``           ``semaphore_max_queued``     None       parked runs per key, then fail
 ``on_lease_lost``        ``semaphore_on_lease_lost``  "raise"    "raise" or "retry"

@@ -8,7 +8,9 @@
 -- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
 --
 -- Returns {1, expires_at_ms, now_ms} when the token holds a slot, or
---         {0, live_holders, now_ms}  when every slot is held by others.
+--         {0, live_holders, now_ms, first_expiry_ms}  when every slot is held by others
+--         (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a slot
+--         knows when one frees itself).
 --
 -- Expired holders are pruned here, so a crashed holder's slot comes back on the next
 -- acquire with no sweeper. A token that already holds a live slot is answered with that slot
@@ -39,7 +41,8 @@ end
 
 local live = redis.call('ZCARD', slots)
 if live >= limit then
-  return {0, live, now_ms}
+  local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
+  return {0, live, now_ms, tonumber(first[2])}
 end
 
 local expires_at_ms = now_ms + lease_ms

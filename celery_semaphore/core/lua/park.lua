@@ -1,7 +1,7 @@
 -- park: take a slot for a waiter in arrival order, or park it in the waiting room; or, in
 -- claim mode, take the slot reserved for it by a hand-off.
 --
--- KEYS[1..5]  slots, holders, room, parked, deadlines (see room.lua)
+-- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  limit        the key's limit (integer >= 1)
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
 -- ARGV[3]  token        unique per acquisition
@@ -16,6 +16,8 @@
 -- ARGV[10] max_queued   refuse to park past this many waiters (0: no limit)
 -- ARGV[11] mode         "park", or "claim" (take only a reservation; never park anew)
 -- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0
+-- ARGV[13] grace_ms     a reservation its run has not claimed within this long may be taken
+--                       by this waiter, which is here now (0: never)
 --
 -- Returns {1, expires_at_ms, now_ms, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, hand-offs...}        parked; position 0 is the next served
@@ -28,12 +30,13 @@
 -- The waiter joins the room before any free slot is handed out, so it is served in arrival
 -- order with everyone else: a free slot goes to it only if no older waiter is parked.
 local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local blocked, wake = KEYS[6], KEYS[7]
 local limit = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
-local deadline_ms = tonumber(ARGV[12])
+local deadline_ms, grace_ms = tonumber(ARGV[12]), tonumber(ARGV[13])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
@@ -90,6 +93,21 @@ for i = 1, #out, 2 do
   else
     others[#others + 1] = out[i]
     others[#others + 1] = out[i + 1]
+  end
+end
+if reply[1] == 0 and grace_ms > 0 then
+  -- A reservation not claimed within grace_ms: its run's message is still on its way (behind
+  -- a backlog in the broker queue, say) while this run is here now. This run takes the slot
+  -- rather than leave it idle; the passed-over waiter keeps its place at the head of the
+  -- room, and its message, when it comes, finds it parked and waits for the next hand-off.
+  local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', now + claim_ms - grace_ms)
+  for _, member in ipairs(stale) do
+    if string.sub(member, 1, 1) == '~' then
+      local passed = string.sub(member, 2)
+      redis.call('ZADD', room, arrival_of(parked, passed) or now, passed)
+      reply = {1, take(member), now}
+      break
+    end
   end
 end
 if reply[1] == 0 then reply[2] = redis.call('ZRANK', room, waiter) end

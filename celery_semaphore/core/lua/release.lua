@@ -1,6 +1,6 @@
 -- release: give one slot back, and hand it to the oldest parked waiter in the same step.
 --
--- KEYS[1..4]  slots, holders, room, parked (see room.lua)
+-- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  token     the holder's token
 -- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1), or
 --                    0 when the caller cannot publish hand-offs: the slot is left free, and
@@ -11,7 +11,9 @@
 -- not hold for the whole body); hand-offs are {waiter, payload} pairs the caller publishes.
 -- The holder is removed either way, and a semaphore with no holder and no room is deleted.
 -- The limit comes from the room ("!limit", written by park.lua): no room, no hand-off.
+-- A freed slot that no parked waiter took wakes one caller blocked on the wake list.
 local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local blocked, wake = KEYS[6], KEYS[7]
 local token, claim_ms = ARGV[1], tonumber(ARGV[2])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -33,4 +35,5 @@ if limit and claim_ms > 0 then
 elseif not limit and redis.call('ZCARD', slots) == 0 then
   redis.call('DEL', slots, holders)
 end
+if score and #reply == 1 then room_wake(blocked, wake, now) end
 return reply

@@ -8,6 +8,9 @@
 --   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the key's limit
 --   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
 --            time budget are in it (sweep.lua sends them their give-up)
+--   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
+--   wake     list: one element pushed per freed slot that no parked waiter took, to wake one
+--            blocked caller (Semaphore.acquire with wait=...)
 --
 -- A reservation holds a slot for one waiter, so the limit counts it like any holder; the
 -- waiter's run claims it when it starts (park.lua), or it lapses after the claim lease and
@@ -67,4 +70,17 @@ local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now,
     redis.call('PEXPIRE', slots, claim_ms)
     redis.call('PEXPIRE', holders, claim_ms)
   end
+end
+
+-- Wake one caller blocked on the wake list, if any (a slot was freed and the room did not
+-- take it). The list is trimmed to the number of blocked callers, so it stays small.
+local function room_wake(blocked, wake, now)
+  if redis.call('EXISTS', blocked) == 0 then return end
+  redis.call('ZREMRANGEBYSCORE', blocked, '-inf', now)
+  local count = redis.call('ZCARD', blocked)
+  if count == 0 then return end
+  redis.call('LPUSH', wake, now)
+  redis.call('LTRIM', wake, 0, count - 1)
+  local last = redis.call('ZRANGE', blocked, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', wake, math.max(1, tonumber(last[2]) - now))
 end

@@ -1,6 +1,6 @@
 -- sweep: the waiting room's safety net, run on a timer by every worker of the app.
 --
--- KEYS[1..5]  slots, holders, room, parked, deadlines (see room.lua)
+-- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
 --
 -- Returns {alive, hand-offs, give-ups}: alive is 0 once the room is gone (nothing parked);
@@ -17,6 +17,7 @@
 -- until that run cancels it, and its deadline moves claim_ms ahead, so a give-up whose
 -- message was lost is sent again, and a hand-off that comes first still starts it.
 local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local blocked, wake = KEYS[6], KEYS[7]
 local claim_ms = tonumber(ARGV[1])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -35,6 +36,7 @@ for _, waiter in ipairs(redis.call('HKEYS', parked)) do
 end
 local out = {}
 room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+if redis.call('ZCARD', slots) < limit then room_wake(blocked, wake, now) end
 local give_ups = {}
 for _, waiter in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now)) do
   local entry = redis.call('HGET', parked, waiter)
