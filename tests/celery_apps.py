@@ -252,3 +252,111 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
     app = make_app(
         os.environ["CSEM_TEST_REDIS_URL"], os.environ.get("CSEM_TEST_BROKER_URL"), **_extra
     )
+
+
+# The waiting room's fault tests (tests/test_room_faults.py and the soak's backlog phase).
+
+GATE_OPEN = "test:gate:open"
+"""While this key is missing, ``csem.gate`` runs asked to ``hold`` keep their slot."""
+STALLED_PUBLISH = "test:stalled-publish"
+"""The pid of the process whose hand-off publish ``stall_first_handoff_publish`` stopped."""
+BLOCKING = "test:blocking"
+"""The pids of the ``csem.block_until`` runs that started."""
+SOAK_QUEUED_DONE = "test:soak-queue:done"
+"""``csem.soak_queued`` runs that finished their body (one ``n`` a run)."""
+
+
+def gate_key(what: str, n: int | None = None) -> str:
+    """Where ``csem.gate`` records ``what`` ("started", "finished", "pid"), per run ``n``."""
+    return f"test:gate:{what}" if n is None else f"test:gate:{what}:{n}"
+
+
+def add_room_fault_tasks(app: Celery) -> Celery:
+    """Add the waiting room's fault-test tasks to ``app`` (one of :func:`make_app`'s):
+
+    * ``csem.gate(n, hold=False)``: key "gate", limit 1, ``on_full="queue"``, lease 2 s,
+      ``claim_timeout`` 2 s. Each run records its ``n`` under ``gate_key("started")``, its
+      pid under ``gate_key("pid", n)``, holds its slot while ``hold`` until the test sets
+      :data:`GATE_OPEN` (at most 60 s), then records ``n`` under ``gate_key("finished")``
+      and its interval under ``interval_key("gate")``. A body killed midway records a start
+      and nothing else.
+    * ``csem.block_until(flag)``: unbounded; records its pid under :data:`BLOCKING` and
+      keeps its pool process busy until the test sets ``flag`` (at most 60 s).
+    * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
+      "soak-queue", limit 4, lease 2 s, heartbeat 0.2 s, ``claim_timeout`` 2 s); records its
+      interval (with whether its slot was lost) and, when its body ends, ``n`` under
+      :data:`SOAK_QUEUED_DONE`.
+    """
+    recorder = redis.Redis.from_url(app.conf.result_backend)
+
+    @app.task(base=SemaphoreTask, semaphore="gate", limit=1, lease=2.0, on_full="queue",
+              claim_timeout=2.0, shared=False, name="csem.gate")  # fmt: skip
+    def gate(n: int, hold: bool = False) -> int:
+        start = time.monotonic()
+        recorder.rpush(gate_key("started"), n)
+        recorder.set(gate_key("pid", n), os.getpid())
+        deadline = start + 60
+        while hold and not recorder.exists(GATE_OPEN) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        recorder.rpush(gate_key("finished"), n)
+        recorder.rpush(interval_key("gate"), f"{start} {time.monotonic()}")
+        return n
+
+    @app.task(shared=False, name="csem.block_until")
+    def block_until(flag: str) -> str:
+        recorder.rpush(BLOCKING, os.getpid())
+        deadline = time.monotonic() + 60
+        while not recorder.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return flag
+
+    @app.task(base=SemaphoreTask, semaphore="soak-queue", limit=4, lease=2.0, heartbeat=0.2,
+              on_full="queue", claim_timeout=2.0, shared=False,
+              name="csem.soak_queued")  # fmt: skip
+    def soak_queued(n: int, seconds: float) -> int:
+        slot = current_slot()
+        assert slot is not None
+        start = time.monotonic()
+        try:
+            time.sleep(seconds)
+        finally:
+            pipe = recorder.pipeline(transaction=False)
+            pipe.rpush(interval_key("soak-queue"),
+                       f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
+            pipe.rpush(SOAK_QUEUED_DONE, n)
+            pipe.execute()
+        return n
+
+    return app
+
+
+def stall_first_handoff_publish(redis_url: str) -> None:
+    """Stop the first hand-off publish of any process that imported this (a worker's main
+    process or pool children) just before it reaches the broker: the process that wins
+    :data:`STALLED_PUBLISH` in Redis writes its pid there and waits (60 s at most) for the
+    test to SIGKILL it. Later hand-offs, in any process, are published as usual."""
+    from celery.signals import before_task_publish
+
+    recorder = redis.Redis.from_url(redis_url)
+
+    def stall(headers: dict[str, Any] | None = None, **_: Any) -> None:
+        if (headers or {}).get("semaphore_handoff") is None:
+            return
+        if not recorder.set(STALLED_PUBLISH, os.getpid(), nx=True):
+            return
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    before_task_publish.connect(stall, weak=False)
+
+
+if "CSEM_TEST_REDIS_URL" in os.environ:
+    add_room_fault_tasks(app)
+    if os.environ.get("CSEM_TEST_STALL_HANDOFF"):
+        stall_first_handoff_publish(os.environ["CSEM_TEST_REDIS_URL"])
+    if os.environ.get("CSEM_TEST_VISIBILITY_TIMEOUT"):
+        app.conf.broker_transport_options = {
+            **(app.conf.broker_transport_options or {}),
+            "visibility_timeout": float(os.environ["CSEM_TEST_VISIBILITY_TIMEOUT"]),
+        }

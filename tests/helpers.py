@@ -158,3 +158,27 @@ def spearman(order: list[int]) -> float:
     ranks = {value: rank for rank, value in enumerate(sorted(order))}
     moved = sum((ranks[value] - position) ** 2 for position, value in enumerate(order))
     return 1 - 6 * moved / (n * (n * n - 1))
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (a prefork worker's pool processes)."""
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split()]
+
+
+def unacked_task_ids(client: Any) -> list[str]:
+    """The task ids of the messages a Redis broker (``client``) has delivered and not yet
+    had acknowledged (kombu's ``unacked`` hash): prefetched by a worker, running with
+    ``acks_late``, or stranded by a worker that died."""
+    import json
+
+    ids = []
+    for raw in client.hvals("unacked"):
+        message = json.loads(raw)[0]
+        ids.append(str((message.get("headers") or {}).get("id")))
+    return sorted(ids)
+
+
+def int_list(client: Any, key: str) -> list[int]:
+    """The Redis list ``key`` as ints."""
+    return [int(v) for v in client.lrange(key, 0, -1)]

@@ -1,0 +1,409 @@
+"""Faults in the waiting room (``on_full="queue"``): killed releasers and workers, a restarted
+store, expired and revoked parked runs. Real redis-server processes, real Celery workers.
+
+Every test uses ``csem.gate`` (tests/celery_apps.py: key "gate", limit 1, lease 2 s,
+``claim_timeout`` 2 s), whose runs record their starts and ends in Redis, so the test counts
+body runs without the library's help.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from celery.exceptions import TimeoutError as CeleryTimeoutError
+from celery.signals import task_postrun
+
+from celery_semaphore import Semaphore
+from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.integration.room import publisher_for
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import (
+    BLOCKING,
+    GATE_OPEN,
+    STALLED_PUBLISH,
+    add_room_fault_tasks,
+    gate_key,
+    interval_key,
+    make_app,
+)
+from .helpers import (
+    child_pids,
+    int_list,
+    peak_overlap,
+    prefork_worker_process,
+    read_intervals,
+    unacked_task_ids,
+    wait_for,
+)
+
+KEY = "gate"
+
+
+class RunLost(AssertionError):
+    """A run that Celery's delivery settings promise to run never finished."""
+
+
+@pytest.fixture
+def gate_app(app: Celery) -> Celery:
+    """The tests' app on the shared server, with the waiting room's fault-test tasks."""
+    return add_room_fault_tasks(app)
+
+
+def _holder(app: Celery) -> Semaphore:
+    """A semaphore of the gate's key that hands its released slots off as a worker would."""
+    return Semaphore(
+        app.conf.semaphore_url, limit=1, claim_timeout=2.0, on_handoff=publisher_for(app)
+    )
+
+
+def _room(sem: Semaphore) -> list[str]:
+    return [w.waiter for w in sem.admin.room(KEY)]
+
+
+def _park(app: Celery, sem: Semaphore, *runs: tuple[Any, ...]) -> list[Any]:
+    """Send ``csem.gate`` runs one by one, each parked before the next is sent (so the room
+    holds them after those already there, in that order)."""
+    results: list[Any] = []
+    before = _room(sem)
+    for args in runs:
+        results.append(app.tasks["csem.gate"].apply_async(args))
+        ids = before + [r.id for r in results]
+        assert wait_for(lambda ids=ids: _room(sem) == ids, timeout=60), (_room(sem), ids)
+    return results
+
+
+def _drained(sem: Semaphore) -> bool:
+    return sem.count(KEY) == 0 and _room(sem) == []
+
+
+def _broker_idle(client: redis.Redis) -> bool:
+    """No task message waits in the broker's queue or is out for delivery."""
+    return client.llen("celery") == 0 and unacked_task_ids(client) == []
+
+
+@contextmanager
+def _worker(app: Celery, pool: str, tmp_path: Path) -> Iterator[None]:
+    if pool == "prefork":
+        with prefork_worker_process(app, tmp_path / "worker.log", concurrency=2):
+            yield
+    else:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            yield
+
+
+def _kill_worker(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a prefork worker: its main process, then each pool process."""
+    children = child_pids(proc.pid)
+    proc.kill()
+    proc.wait()
+    for pid in children:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# -- the process that hands a slot off dies -----------------------------------------------
+
+
+def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
+    gate_app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves: when the process that released a slot dies after release.lua reserved the
+    slot for the oldest parked run but before it published that run's message, the run is
+    not lost and runs exactly once: the reservation lapses after ``claim_timeout`` and the
+    worker's sweep hands the slot to the same run again and publishes it.
+
+    The releaser is a real prefork pool process ending a bounded run; a ``before_task_publish``
+    receiver stops its hand-off publish (the script call is done, the message not yet sent)
+    and the test SIGKILLs it there.
+    """
+    sem = _holder(gate_app)
+    env = {"CSEM_TEST_STALL_HANDOFF": "1"}
+    with prefork_worker_process(gate_app, tmp_path / "w.log", concurrency=2, env=env) as worker:
+        releaser = gate_app.tasks["csem.gate"].delay(0, hold=True)
+        assert wait_for(lambda: int_list(client, gate_key("started")) == [0], timeout=60)
+        (parked,) = _park(gate_app, sem, (1,))
+        client.set(GATE_OPEN, 1)  # run 0 ends: its release reserves the slot for run 1
+        assert wait_for(lambda: client.get(STALLED_PUBLISH) is not None, timeout=60)
+        pid = int(client.get(STALLED_PUBLISH))  # type: ignore[arg-type]
+        assert pid in child_pids(worker.pid), "the stalled publisher is not a pool process"
+        # The slot is reserved for run 1, and its message was never sent.
+        assert client.zscore(redis_keys("semaphore", KEY).slots, f"~{parked.id}") is not None
+        assert int_list(client, gate_key("started")) == [0]
+        os.kill(pid, signal.SIGKILL)
+        assert parked.get(timeout=60) == 1
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    # The worker is stopped: nothing can start run 1 again.
+    assert sorted(int_list(client, gate_key("started"))) == [0, 1]
+    assert sorted(int_list(client, gate_key("finished"))) == [0, 1]
+    # Run 0's body ran, but its process died before the task returned: Celery (acks early)
+    # reports the run lost, as for any pool process killed mid-task.
+    assert releaser.state == "FAILURE"
+    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
+
+
+# -- a worker dies with a hand-off ---------------------------------------------------------
+
+
+def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
+    gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves: a whole worker SIGKILLed while it holds the message of a handed-off run
+    (prefetched, not started; the slot reserved for it) loses nothing and runs nothing
+    twice. Another worker's sweep hands the lapsed reservation to the same run again and
+    starts it; when the broker later redelivers the dead worker's stranded message (its
+    visibility timeout passed), that second delivery finds nothing to claim and ends
+    quietly (state IGNORED), without running the body or touching the run's result.
+    """
+    sem = _holder(gate_app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    block = gate_app.tasks["csem.block_until"]
+    with prefork_worker_process(gate_app, tmp_path / "a.log", concurrency=2) as worker_a:
+        block.delay("test:unblock")  # one pool process busy; the other parks the run
+        assert wait_for(lambda: client.llen(BLOCKING) == 1, timeout=60)
+        (waiter,) = _park(gate_app, sem, (1,))
+        block.delay("test:unblock")  # now both are busy: a hand-off can only be prefetched
+        assert wait_for(lambda: client.llen(BLOCKING) == 2, timeout=60)
+        assert held.release()  # reserves the slot for the run and publishes its hand-off
+        assert wait_for(
+            lambda: client.llen("celery") == 0 and unacked_task_ids(client) == [waiter.id],
+            timeout=60,
+        )
+        _kill_worker(worker_a)
+    assert int_list(client, gate_key("started")) == []
+    assert unacked_task_ids(client) == [waiter.id]  # stranded with the dead worker
+
+    # Worker B (the broker's default visibility timeout: the stranded message stays out).
+    with start_worker(gate_app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert waiter.get(timeout=60) == 1
+        assert wait_for(lambda: _drained(sem), timeout=30)
+    assert int_list(client, gate_key("started")) == [1]
+
+    # Worker C restores messages out for more than a second: the stranded one comes back.
+    seen: list[tuple[str, str]] = []
+
+    def on_postrun(task_id: str = "", state: str = "", **_: Any) -> None:
+        seen.append((task_id, state))
+
+    app_c = add_room_fault_tasks(
+        make_app(
+            redis_server.url,
+            broker_transport_options={
+                "visibility_timeout": 1,
+                "unacked_restore_interval": 1,
+                "unacked_restore_throttle": 1,
+            },
+        )
+    )
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        with start_worker(app_c, pool="threads", concurrency=2, perform_ping_check=False):
+            assert wait_for(lambda: (waiter.id, "IGNORED") in seen, timeout=60), seen
+            assert wait_for(lambda: _broker_idle(client), timeout=30)
+    finally:
+        task_postrun.disconnect(on_postrun)
+        app_c.close()
+    assert int_list(client, gate_key("started")) == [1]
+    assert int_list(client, gate_key("finished")) == [1]
+    assert waiter.state == "SUCCESS"
+    assert _drained(sem)
+
+
+def _lost_on_redelivery_reason() -> str:
+    return (
+        "bug: with acks_late and reject_on_worker_lost, a run started by a hand-off whose "
+        "pool process dies mid-body is requeued by Celery, but the redelivery (still marked "
+        "semaphore_handoff) finds no reservation and no parked entry (the first delivery's "
+        "claim removed both), so claim_or_end takes it for a duplicate and ends it with "
+        "Ignore: the body never completes and the result stays RETRY"
+    )
+
+
+@pytest.mark.parametrize(
+    "acks",
+    [
+        "early",
+        pytest.param(
+            "late",
+            marks=pytest.mark.xfail(
+                strict=True, raises=RunLost, reason=_lost_on_redelivery_reason()
+            ),
+        ),
+    ],
+)
+def test_a_handed_off_run_whose_pool_process_is_killed(
+    acks: str, gate_app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves, for a run started by a hand-off whose pool process is SIGKILLed while its body
+    runs (it holds the claimed slot), that its slot is not leaked (the next parked run gets
+    it, and the count returns to 0) and that the run ends as Celery's delivery settings say:
+
+    * acks early (Celery's default): the run fails with WorkerLostError and is not run
+      again; the worker's main process frees its slot at once and hands it to the next run.
+    * acks late with reject_on_worker_lost (at least once): the message is requeued, and the
+      run runs again to the end exactly once (its body started twice, finished once).
+    """
+    sem = _holder(gate_app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    env = {"CSEM_TEST_ACKS_LATE": "1"} if acks == "late" else {}
+    with prefork_worker_process(gate_app, tmp_path / "w.log", concurrency=2, env=env) as worker:
+        victim, following = _park(gate_app, sem, (1, True), (2,))
+        assert held.release()  # hands the slot to the victim, which claims it and holds it
+        assert wait_for(lambda: client.get(gate_key("pid", 1)) is not None, timeout=60)
+        pid = int(client.get(gate_key("pid", 1)))  # type: ignore[arg-type]
+        assert pid in child_pids(worker.pid)
+        os.kill(pid, signal.SIGKILL)
+        client.set(GATE_OPEN, 1)  # a second run of the victim would not wait
+        assert following.get(timeout=60) == 2
+        if acks == "early":
+            assert wait_for(lambda: victim.state == "FAILURE", timeout=30)
+            assert "WorkerLostError" in repr(victim.result)
+        else:
+            try:  # it ran before the following run, had it run again: 15 s are plenty
+                assert victim.get(timeout=15) == 1
+            except CeleryTimeoutError:
+                raise RunLost(f"the victim never finished: state {victim.state}") from None
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    started, finished = (
+        int_list(client, gate_key("started")),
+        int_list(client, gate_key("finished")),
+    )
+    assert (started.count(2), finished.count(2)) == (1, 1)
+    if acks == "early":
+        assert (started.count(1), finished.count(1)) == (1, 0)
+    else:
+        assert (started.count(1), finished.count(1)) == (2, 1)
+    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
+
+
+# -- the store restarts with the room in it ------------------------------------------------
+
+
+@pytest.mark.parametrize("persistence", ["appendonly", "snapshot"])
+def test_a_room_survives_a_restart_of_a_persistent_store_and_drains(
+    persistence: str, redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """Proves: with persistence (``appendonly yes``, or an RDB snapshot taken after the runs
+    parked), a restart of the semaphore store keeps the room: the same runs are parked in
+    the same order afterwards, the holder's slot is still its own, and its release starts
+    the room draining; each parked run then runs exactly once, one at a time."""
+    args = ("--appendonly", "yes") if persistence == "appendonly" else ()
+    with RedisServer(extra_args=args) as store:
+        app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url))
+        sem = _holder(app)
+        held = sem.acquire(KEY)
+        assert held is not None
+        try:
+            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+                parked = _park(app, sem, (0,), (1,), (2,))
+                if persistence == "snapshot":
+                    admin = store.client()
+                    assert admin.save()
+                    admin.close()
+                store.restart()
+                assert _room(sem) == [r.id for r in parked]
+                assert held.release()  # still its slot: the restart did not take it away
+                assert [r.get(timeout=60) for r in parked] == [0, 1, 2]
+                assert wait_for(lambda: _drained(sem), timeout=30)
+        finally:
+            app.close()
+    assert int_list(client, gate_key("started")) == [0, 1, 2]
+    assert int_list(client, gate_key("finished")) == [0, 1, 2]
+    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
+
+
+def test_a_restart_without_persistence_loses_the_parked_runs(
+    redis_server: RedisServer, own_redis: RedisServer, client: redis.Redis
+) -> None:
+    """Proves what a restart of a store without persistence does to the room: the parked
+    runs are gone for good. The room held the only copy of their messages (each was
+    acknowledged when its run parked), so nothing is left in the broker to redeliver and
+    nothing in the store for a sweep to find: they never run, and their results stay RETRY.
+    The holder's slot is gone too (its release reports the loss), and the key itself works
+    at once for new runs."""
+    app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=own_redis.url))
+    sem = _holder(app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            parked = _park(app, sem, (0,), (1,), (2,))
+            own_redis.restart()
+            assert _room(sem) == []
+            assert sem.count(KEY) == 0
+            assert not held.release()  # reported lost: its slot went with the dataset
+            assert held.lost.is_set()
+            fresh = app.tasks["csem.gate"].delay(9)
+            assert fresh.get(timeout=60) == 9  # a new run takes a slot at once
+            # No message anywhere, no record in the store: nothing can start the parked runs.
+            assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
+            assert [r.state for r in parked] == ["RETRY"] * 3
+    finally:
+        app.close()
+    assert int_list(client, gate_key("started")) == [9]
+
+
+# -- parked runs that must not run ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_a_parked_run_whose_expiry_passes_is_revoked_and_passes_its_hand_off_on(
+    pool: str, gate_app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves: a parked run whose ``expires`` passes while it waits does not run its body.
+    When a release hands it the slot, the worker that receives its message finds it
+    expired and revokes it (state REVOKED, as Celery does for any expired message), takes it
+    out of the room with its reservation, and hands the slot to the next parked run, which
+    runs. Nothing is left held or parked."""
+    sem = _holder(gate_app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    gate = gate_app.tasks["csem.gate"]
+    with _worker(gate_app, pool, tmp_path):
+        expires_at = time.time() + 5  # room to park it first, even on a slow machine
+        doomed = gate.apply_async((1,), expires=5.0)
+        assert wait_for(lambda: _room(sem) == [doomed.id], timeout=60)
+        (kept,) = _park(gate_app, sem, (2,))
+        assert time.time() < expires_at, "parked too late to test expiry in the room"
+        assert wait_for(lambda: time.time() > expires_at + 1, timeout=30)  # the fault
+        assert held.release()  # hands the slot to the expired run, oldest in the room
+        assert kept.get(timeout=60) == 2
+        assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    assert int_list(client, gate_key("started")) == [2]
+
+
+def test_a_revoked_parked_run_leaves_the_room_in_a_prefork_worker(
+    gate_app: Celery, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves the revoke of a parked run with a prefork worker, whose path differs from an
+    in-process worker's: the revoked-id set, the REVOKED verdict, the ``task_revoked``
+    signal and the cancel (with the hand-off of the run's reservation to the next parked
+    run, published from there) all happen in the worker's main process, which never runs a
+    body. The revoked run never runs, leaves the room, and the next one runs."""
+    sem = _holder(gate_app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    with prefork_worker_process(gate_app, tmp_path / "w.log", concurrency=2):
+        doomed, kept = _park(gate_app, sem, (1,), (2,))
+        # Wait for the worker's answer, so the revoke is known before the hand-off arrives.
+        replies = gate_app.control.revoke(doomed.id, reply=True, timeout=10, limit=1)
+        assert replies, "the worker did not answer the revoke"
+        assert held.release()  # hands the slot to the revoked run, oldest in the room
+        assert kept.get(timeout=60) == 2
+        assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    assert int_list(client, gate_key("started")) == [2]
