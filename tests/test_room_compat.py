@@ -297,7 +297,9 @@ def test_a_backlog_drains_in_each_pool(
 # --- 4. canvas -------------------------------------------------------------------------------
 
 
-def test_groups_chords_and_chains_of_parked_runs_complete(app: Celery, client: redis.Redis) -> None:
+def test_groups_chords_chains_and_links_of_parked_runs_complete(
+    app: Celery, client: redis.Redis
+) -> None:
     step = app.tasks["csem.room_step"]
     collect = app.tasks["csem.room_collect"]
     key = "canvas"
@@ -317,14 +319,17 @@ def test_groups_chords_and_chains_of_parked_runs_complete(app: Celery, client: r
         grouped = group(step.s(n, 0, key, 0.2) for n in range(4)).delay()
         header = (step.s(n, 100, key, 0.2) for n in range(10, 14))
         chorded = chord(header, collect.s(key)).delay()
+        linked = step.apply_async((2000, 0, key, 0.05), link=collect.si([2000], f"{key}-link"))
         # Every run that can start (4 of the group, 4 of the chord's header, the chain's
-        # first link) finds the key full and parks.
-        assert wait_for(lambda: holder.parked() == 9, timeout=30)
+        # first link, the run with a link callback) finds the key full and parks.
+        assert wait_for(lambda: holder.parked() == 10, timeout=30)
         assert wait_for(lambda: {r.state for r in grouped.results} == {"RETRY"}, timeout=30)
         holder.release()
         assert chorded.get(timeout=60) == [110, 111, 112, 113]
         assert chained.get(timeout=60) == 1010
         assert grouped.get(timeout=60) == [0, 1, 2, 3]
+        assert linked.get(timeout=60) == 2000
+        assert wait_for(lambda: client.llen(room_callbacks_key(f"{key}-link")) >= 1, timeout=30)
         runs = _runs(client, key)
         # The chord's callback fired once, with every result of its header.
         callbacks = [json.loads(raw) for raw in client.lrange(room_callbacks_key(key), 0, -1)]
@@ -332,11 +337,11 @@ def test_groups_chords_and_chains_of_parked_runs_complete(app: Celery, client: r
         assert sorted(callbacks[0]) == [110, 111, 112, 113]
     # Each bounded run ran exactly once.
     expected = [(n, 0) for n in range(4)] + [(n, 100) for n in range(10, 14)]
-    expected += [(1000, 1), (1001, 2), (1003, 3), (1006, 4)]
+    expected += [(1000, 1), (1001, 2), (1003, 3), (1006, 4), (2000, 0)]
     assert sorted((run["value"], run["step"]) for run in runs) == sorted(expected)
     assert len({run["id"] for run in runs}) == len(expected)
     # Each link of the chain ran after the one before it ended, on that one's result.
-    links = sorted((run for run in runs if run["value"] >= 1000), key=lambda run: run["step"])
+    links = sorted((r for r in runs if 1000 <= r["value"] < 2000), key=lambda r: r["step"])
     assert [link["step"] for link in links] == [1, 2, 3, 4]
     assert all(later["start"] >= earlier["end"] for earlier, later in itertools.pairwise(links))
     # The second link was parked too, and its hand-off carried the rest of the chain on.
@@ -344,6 +349,7 @@ def test_groups_chords_and_chains_of_parked_runs_complete(app: Celery, client: r
     assert peak_overlap(read_intervals(client, interval_key(f"room:{key}"))) <= LIMIT
     assert holder.sem.admin.room(holder.key) == []
     assert client.llen(room_callbacks_key(key)) == 1
+    assert client.llen(room_callbacks_key(f"{key}-link")) == 1  # the link callback, once
 
 
 # --- 5. eager mode, direct calls, apply() ----------------------------------------------------
