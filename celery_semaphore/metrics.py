@@ -3,6 +3,6 @@
 They live in :mod:`celery_semaphore.views.metrics`; see there for each metric.
 """
 
-from .views.metrics import Metrics, install, template_label
+from .views.metrics import Metrics, RoomCollector, install, template_label
 
-__all__ = ["Metrics", "install", "template_label"]
+__all__ = ["Metrics", "RoomCollector", "install", "template_label"]

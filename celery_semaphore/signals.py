@@ -7,6 +7,7 @@ arguments.
 from .integration.signals import (
     semaphore_acquired,
     semaphore_lease_lost,
+    semaphore_parked,
     semaphore_refused,
     semaphore_released,
     semaphore_renew_failed,
@@ -16,6 +17,7 @@ from .integration.signals import (
 __all__ = [
     "semaphore_acquired",
     "semaphore_lease_lost",
+    "semaphore_parked",
     "semaphore_refused",
     "semaphore_released",
     "semaphore_renew_failed",

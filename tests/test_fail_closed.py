@@ -25,7 +25,7 @@ from celery_semaphore import (
 )
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.settings import app_settings, client_for
-from celery_semaphore.signals import semaphore_shed
+from celery_semaphore.signals import semaphore_parked, semaphore_shed
 from celery_semaphore.testing import RedisServer
 
 from .helpers import wait_for
@@ -265,15 +265,22 @@ def shed_app(redis_server: RedisServer) -> Iterator[Celery]:
     app.close()
 
 
-def _record_sheds() -> tuple[list[tuple[int, int]], Callable[..., None]]:
-    """(attempt, sheds so far) for each shed in this process, and the receiver to disconnect."""
+def _record_sheds() -> tuple[list[tuple[int, int]], Callable[[], None]]:
+    """(attempt, sheds so far) for each shed in this process, (attempt, 0) for each park,
+    and a function that stops recording."""
     seen: list[tuple[int, int]] = []
 
     def on_shed(sender: Any = None, **kwargs: Any) -> None:
-        seen.append((sender.request.retries, kwargs["sheds"]))
+        seen.append((sender.request.retries, kwargs.get("sheds", 0)))
 
     semaphore_shed.connect(on_shed, weak=False)
-    return seen, on_shed
+    semaphore_parked.connect(on_shed, weak=False)
+
+    def stop() -> None:
+        semaphore_shed.disconnect(on_shed)
+        semaphore_parked.disconnect(on_shed)
+
+    return seen, stop
 
 
 def test_each_retry_of_the_task_gets_its_own_shed_budget(
@@ -288,14 +295,14 @@ def test_each_retry_of_the_task_gets_its_own_shed_budget(
 
     holder = Semaphore(redis_server.url, limit=1).acquire("budget")
     assert holder is not None
-    sheds, receiver = _record_sheds()
+    sheds, stop_recording = _record_sheds()
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = budget.delay()
             with pytest.raises(SemaphoreNotAcquiredError):
                 result.get(timeout=60)
     finally:
-        semaphore_shed.disconnect(receiver)
+        stop_recording()
         holder.release()
     per_attempt = {a: max(n for b, n in sheds if b == a) for a, _ in sheds}
     assert per_attempt == {0: 3, 1: 3, 2: 3}
@@ -319,7 +326,7 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
 
     holder = sem.acquire("timeout")
     assert holder is not None
-    sheds, receiver = _record_sheds()
+    sheds, stop_recording = _record_sheds()
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = slow_retry.delay()
@@ -337,7 +344,7 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
             holder.release()
             assert result.get(timeout=60) == 1
     finally:
-        semaphore_shed.disconnect(receiver)
+        stop_recording()
 
 
 def test_a_shed_carries_celerys_retry_headers_and_nothing_the_broker_added(
@@ -354,7 +361,7 @@ def test_a_shed_carries_celerys_retry_headers_and_nothing_the_broker_added(
     assert holder is not None
     broker_added = {"x-death": [{"count": 1, "queue": "q"}], "x-first-death-queue": "q",
                     "x-last-death-reason": "expired", "x-delivery-count": 2}  # fmt: skip
-    sheds, receiver = _record_sheds()
+    sheds, stop_recording = _record_sheds()
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             result = headers.apply_async(headers={**broker_added, "tenant": "acme"})
@@ -362,7 +369,7 @@ def test_a_shed_carries_celerys_retry_headers_and_nothing_the_broker_added(
             holder.release()
             keys = result.get(timeout=60)
     finally:
-        semaphore_shed.disconnect(receiver)
+        stop_recording()
     assert "tenant" in keys
     assert "semaphore_sheds" in keys
     assert not set(broker_added) & set(keys)

@@ -144,7 +144,7 @@ def test_inspect_and_stats_list_a_held_slot_until_it_is_released(
 
     stats = app.control.inspect(timeout=5).stats()[hostname]["semaphore"]
     assert [h["task_id"] for h in stats["held"]] == [result.id]
-    assert set(stats["counters"]) == {"shed", "lease_lost", "dead_released"}
+    assert set(stats["counters"]) == {"shed", "parked", "lease_lost", "dead_released"}
 
     cli = celery_cli(redis_server.url, "inspect", "semaphores", "--timeout", "5")
     assert cli.returncode == 0, cli.stdout + cli.stderr

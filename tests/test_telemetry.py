@@ -53,6 +53,26 @@ def test_metrics_count_acquisitions_sheds_and_holds(
     assert value(registry, "semaphore_slots_held", **key) == 0
 
 
+def test_parked_runs_are_counted_and_the_rooms_are_gauged_from_redis(
+    registry: CollectorRegistry, app: Celery, redis_server: RedisServer
+) -> None:
+    sem = Semaphore(redis_server.url, limit=3)
+    held = [sem.acquire("queued") for _ in range(3)]
+    rooms = CollectorRegistry()
+    rooms.register(metrics.RoomCollector(redis_server.client()))
+    assert value(rooms, "semaphore_queued", key="queued") == 0
+    results = [app.tasks["csem.queued"].delay(n, 0.0) for n in range(4)]
+    assert wait_for(lambda: value(rooms, "semaphore_queued", key="queued") == 4, timeout=30)
+    assert value(registry, "semaphore_parked_total", key="queued") == 4
+    assert value(registry, "semaphore_acquisitions_total", key="queued", outcome="parked") == 4
+    assert wait_for(lambda: value(rooms, "semaphore_oldest_wait_seconds", key="queued") > 0.1)
+    for slot in held:
+        assert slot is not None
+        slot.release()
+    assert [r.get(timeout=60) for r in results] == [0, 1, 2, 3]
+    assert wait_for(lambda: rooms.get_sample_value("semaphore_queued", {"key": "queued"}) is None)
+
+
 def test_templated_keys_are_labelled_by_their_template(
     registry: CollectorRegistry, app: Celery
 ) -> None:

@@ -224,10 +224,24 @@ class SemaphoreAdmin:
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
+        return self._waiting(key, -1)[1]
+
+    def room_head(self, key: str) -> tuple[int, Waiter | None]:
+        """How many waiters are parked on ``key``, and the oldest (one round trip, however
+        big the room).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        count, head = self._waiting(key, 0)
+        return count, (head[0] if head else None)
+
+    def _waiting(self, key: str, last: int) -> tuple[int, list[Waiter]]:
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            now_ms, rows = self._scripts.waiting(keys)
-        return [
+            now_ms, count, rows = self._scripts.waiting(keys, last)
+        return count, [
             Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
         ]
 

@@ -234,13 +234,15 @@ class Scripts:
             result = NotWaiting()
         return result, _handoffs(reply, 3)
 
-    def waiting(self, keys: Keys) -> tuple[int, list[tuple[str, int]]]:
-        """The server's time (epoch ms) and each parked ``(waiter, arrival_ms)``, oldest
-        first."""
-        reply = self._call("waiting", keys)
-        return int(reply[0]), [
-            (_text(reply[i]), int(reply[i + 1])) for i in range(1, len(reply) - 1, 2)
-        ]
+    def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
+        """The server's time (epoch ms), how many are parked, and the oldest ``rows`` parked
+        ``(waiter, arrival_ms)`` (-1: all), oldest first."""
+        reply = self._call("waiting", keys, rows)
+        return (
+            int(reply[0]),
+            int(reply[1]),
+            [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply) - 1, 2)],
+        )
 
     def sweep(self, keys: Keys, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Requeue lapsed reservations, hand free slots to the oldest waiters and give up

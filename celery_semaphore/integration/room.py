@@ -36,7 +36,7 @@ from .shedding import (
     mark_retry,
     retry_headers,
 )
-from .signals import semaphore_shed, send_event, task_label
+from .signals import semaphore_parked, send_event, task_label
 from .stats import bump
 
 logger = logging.getLogger(__name__)
@@ -187,10 +187,9 @@ def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> 
         limit,
         parked.position,
     )
-    reason = f"parked, {parked.position} ahead"
-    semaphore_shed.send(
-        sender=task, key=key, limit=limit, template=template, countdown=0.0, sheds=0, reason=reason
+    semaphore_parked.send(
+        sender=task, key=key, limit=limit, template=template, position=parked.position
     )
-    send_event(task, "shed", key=key, limit=limit, countdown=0.0, sheds=0, reason=reason)
+    send_event(task, "parked", key=key, limit=limit, position=parked.position)
     bump(task.app, task.request.hostname, "parked")
     raise Ignore()

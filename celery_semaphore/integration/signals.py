@@ -17,6 +17,7 @@ signal                           keyword arguments
 ``semaphore_acquired``           key, limit, template, slot, waited (seconds acquiring)
 ``semaphore_released``           key, limit, template, slot, held (seconds), lost (bool)
 ``semaphore_shed``               key, limit, template, countdown (s), sheds (so far), reason
+``semaphore_parked``             key, limit, template, position (older runs parked ahead)
 ``semaphore_refused``            key, limit, template, reason (the run fails instead)
 ``semaphore_lease_lost``         key, limit, template, slot, reason
 ``semaphore_renew_failed``       key, limit, template, slot, error
@@ -24,9 +25,9 @@ signal                           keyword arguments
 
 When the worker sends task events (``celery worker -E``, or ``worker_send_task_events``; a
 worker's ``-E`` is passed on to its pool processes when it starts), the same moments are
-also sent as ``task-semaphore-acquired``, ``task-semaphore-shed`` and
-``task-semaphore-lost`` events, which Flower lists with the task and counts in its
-Prometheus event counter.
+also sent as ``task-semaphore-acquired``, ``task-semaphore-shed``,
+``task-semaphore-parked`` and ``task-semaphore-lost`` events, which Flower lists with the
+task and counts in its Prometheus event counter.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ semaphore_released = Signal(
 semaphore_shed = Signal(
     name="semaphore_shed", providing_args=_COMMON | {"countdown", "sheds", "reason"}
 )
+semaphore_parked = Signal(name="semaphore_parked", providing_args=_COMMON | {"position"})
 semaphore_refused = Signal(name="semaphore_refused", providing_args=_COMMON | {"reason"})
 semaphore_lease_lost = Signal(
     name="semaphore_lease_lost", providing_args=_COMMON | {"slot", "reason"}

@@ -1,9 +1,11 @@
-"""Per-worker counters kept in Redis: how often a worker's tasks were shed or lost a slot.
+"""Per-worker counters kept in Redis: how often a worker's tasks were shed, parked or lost a
+slot.
 
 A prefork worker's tasks run in child processes while ``celery inspect stats`` is answered by
 the main process, so the counters live in Redis, in one hash per worker node
 (``<prefix>:stats:<node name>``, expiring a day after its last update). They are only
-touched on the slow paths (a shed, a lost slot, a dead run's release), never per acquire.
+touched on the slow paths (a shed, a park, a lost slot, a dead run's release), never per
+acquire.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .settings import app_settings, client_for
 
 logger = logging.getLogger(__name__)
 
-FIELDS = ("shed", "lease_lost", "dead_released")
+FIELDS = ("shed", "parked", "lease_lost", "dead_released")
 _TTL = 24 * 3600
 
 

@@ -9,14 +9,20 @@ to :mod:`celery_semaphore.signals` in every process that imports that module::
 ==================================== ========= ==============================================
 metric                               type      labels
 ==================================== ========= ==============================================
-``semaphore_acquisitions_total``     counter   key, outcome (``acquired``/``shed``/``refused``)
+``semaphore_acquisitions_total``     counter   key, outcome (``acquired``/``shed``/``parked``/
+                                               ``refused``)
 ``semaphore_sheds_total``            counter   key (re-queued: full, unreachable, lost+retry)
+``semaphore_parked_total``           counter   key (runs parked in the waiting room)
 ``semaphore_lease_lost_total``       counter   key
 ``semaphore_renew_errors_total``     counter   key
 ``semaphore_wait_seconds``           histogram key (time spent acquiring)
 ``semaphore_hold_seconds``           histogram key (time a body held its slot)
 ``semaphore_slots_held``             gauge     key (slots held by this process now)
 ==================================== ========= ==============================================
+
+The waiting rooms live in Redis, not in any one process, so their gauges come from a
+collector that reads Redis at each scrape: register a :class:`RoomCollector` once, in the
+process that serves the metrics (see its docstring).
 
 Label cardinality: a templated key (``"tenant:{tenant_id}"``) would make one series per
 tenant, so by default the ``key`` label is the *template* (the ``semaphore`` option as
@@ -34,13 +40,21 @@ SIGKILLed one keeps counting.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from ..core.admin import DEFAULT_PREFIX, SemaphoreAdmin
+from ..errors import SemaphoreError
 from ..integration import signals
+
+logger = logging.getLogger(__name__)
 
 KeyLabel = Callable[[str, str], str]
 
@@ -56,6 +70,7 @@ class Metrics:
 
     acquisitions: Counter
     sheds: Counter
+    parked: Counter
     lease_lost: Counter
     renew_errors: Counter
     wait: Histogram
@@ -95,6 +110,7 @@ def install(
         "semaphore_acquisitions", "Slot acquisitions by outcome.", ["key", "outcome"], **opts
     )
     sheds = Counter("semaphore_sheds", "Runs shed and re-queued.", ["key"], **opts)
+    parked = Counter("semaphore_parked", "Runs parked in the waiting room.", ["key"], **opts)
     lease_lost = Counter("semaphore_lease_lost", "Slots lost while a body ran.", ["key"], **opts)
     renew_errors = Counter(
         "semaphore_renew_errors", "Renewal round trips that failed.", ["key"], **opts
@@ -133,6 +149,11 @@ def install(
         acquisitions.labels(label, "shed").inc()
         sheds.labels(label).inc()
 
+    def on_parked(key: str = "", template: str = "", **_: Any) -> None:
+        label = key_label(key, template)
+        acquisitions.labels(label, "parked").inc()
+        parked.labels(label).inc()
+
     def on_refused(key: str = "", template: str = "", **_: Any) -> None:
         acquisitions.labels(key_label(key, template), "refused").inc()
 
@@ -146,10 +167,70 @@ def install(
         (signals.semaphore_acquired, on_acquired),
         (signals.semaphore_released, on_released),
         (signals.semaphore_shed, on_shed),
+        (signals.semaphore_parked, on_parked),
         (signals.semaphore_refused, on_refused),
         (signals.semaphore_lease_lost, on_lost),
         (signals.semaphore_renew_failed, on_renew_failed),
     )
     for signal, handler in handlers:
         signal.connect(handler, weak=False)
-    return Metrics(acquisitions, sheds, lease_lost, renew_errors, wait, hold, in_use, handlers)
+    return Metrics(
+        acquisitions, sheds, parked, lease_lost, renew_errors, wait, hold, in_use, handlers
+    )
+
+
+class RoomCollector(Collector):
+    """Gauges of the waiting rooms, read from Redis at each scrape (one round trip per room
+    with runs parked, plus one to list them).
+
+    ==================================== ========= ==========================================
+    metric                               type      labels
+    ==================================== ========= ==========================================
+    ``semaphore_queued``                 gauge     key (runs parked in its waiting room)
+    ``semaphore_oldest_wait_seconds``    gauge     key (how long the oldest has waited)
+    ==================================== ========= ==========================================
+
+    The ``key`` label is the rendered key: a room exists only while runs wait in it, so
+    there is one series per key with a backlog. Register it once, where the metrics are
+    served (a worker's main process, or a small exporter)::
+
+        from prometheus_client import REGISTRY
+        from celery_semaphore.metrics import RoomCollector
+        from celery_semaphore.integration.settings import client_for
+
+        REGISTRY.register(RoomCollector(client_for(app)))
+
+    Args:
+        client (redis.Redis): the Redis holding the semaphores.
+        prefix (str): their key namespace (``semaphore_prefix``).
+        namespace (str): prefix for the metric names, as for :func:`install`.
+
+    A scrape that cannot reach Redis yields the gauges empty and logs a warning.
+    """
+
+    def __init__(
+        self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, namespace: str = ""
+    ) -> None:
+        self.admin = SemaphoreAdmin(client, prefix)
+        self.namespace = f"{namespace}_" if namespace else ""
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield ``semaphore_queued`` and ``semaphore_oldest_wait_seconds``."""
+        queued = GaugeMetricFamily(
+            f"{self.namespace}semaphore_queued", "Runs parked in the waiting room.", labels=["key"]
+        )
+        oldest = GaugeMetricFamily(
+            f"{self.namespace}semaphore_oldest_wait_seconds",
+            "Seconds the oldest parked run has waited.",
+            labels=["key"],
+        )
+        try:
+            for key in self.admin.rooms():
+                count, head = self.admin.room_head(key)
+                queued.add_metric([key], count)
+                if head is not None:
+                    oldest.add_metric([key], head.waited)
+        except SemaphoreError as exc:
+            logger.warning("could not read the waiting rooms for metrics: %s", exc)
+        yield queued
+        yield oldest
