@@ -177,11 +177,10 @@ def _drain(
     assert wait_for(lambda: holder.sem.count(holder.key) == 0, timeout=30)
 
 
-def _script_calls(client: redis.Redis) -> int:
-    stats = client.info("commandstats")
-    return sum(
-        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
-    )
+WATCH = 0.5
+"""Seconds a test watches a call that must still be waiting (a run that must not start, a
+result that must not be ready). Only a bug ends such a wait early, so a slow machine makes
+the check no weaker."""
 
 
 def _worker(
@@ -232,13 +231,14 @@ def test_a_backlog_drains_through_a_rabbitmq_broker(
 
 def _assert_room_keys_share_the_hash_tag(cluster: ClusterServers, key: str) -> None:
     """The four Redis keys of ``key`` (slots, holders, room, parked) exist and, by the
-    server's own CLUSTER KEYSLOT, sit in the slot of the key's hash tag."""
+    server's own CLUSTER KEYSLOT, they and any other key of it sit in the slot of the key's
+    hash tag."""
     names = set(_redis_names(key))
     client = cluster.client()
     node = cluster.nodes[0].client()
     try:
         found = {name.decode() for name in client.scan_iter(match=f"semaphore:{{{key}}}*")}
-        assert found == names
+        assert names <= found, found
         slots = {node.execute_command("CLUSTER KEYSLOT", name) for name in found}
         assert slots == {node.execute_command("CLUSTER KEYSLOT", key)}
     finally:
@@ -378,13 +378,11 @@ def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
             outcome["error"] = exc
 
     with holding(app, redis_server.url, key) as holder:
-        before = _script_calls(client)
         caller = threading.Thread(target=call)
         caller.start()
         try:
-            # The call asks for a slot again and again, one script call each time.
-            assert wait_for(lambda: _script_calls(client) >= before + 5, timeout=30)
-            assert caller.is_alive(), outcome
+            caller.join(timeout=WATCH)
+            assert caller.is_alive(), outcome  # it waits for a slot
             assert client.llen(room_runs_key(key)) == 0  # the body has not run
             assert holder.parked() == 0
             holder.held.pop().release()
@@ -422,8 +420,7 @@ def test_inside_a_workers_run_a_direct_call_or_apply_waits_too(
     ):
         result = outer.delay()
         assert wait_for(lambda: client.exists(f"test:room:{key}:outer"), timeout=30)
-        before = _script_calls(client)
-        assert wait_for(lambda: _script_calls(client) >= before + 5, timeout=30)
+        assert not wait_for(result.ready, timeout=WATCH)  # the call in it waits for a slot
         assert result.state == "PENDING"
         assert client.llen(room_runs_key(key)) == 0
         assert holder.parked() == 0
@@ -478,7 +475,7 @@ def test_a_parked_run_is_in_retry_and_get_returns_once_it_runs(
 
         getter = threading.Thread(target=get)
         getter.start()
-        getter.join(timeout=0.5)
+        getter.join(timeout=WATCH)
         assert getter.is_alive(), outcome  # a parked run is not ready
         holder.release()
         getter.join(timeout=90)
