@@ -1,6 +1,7 @@
 """The waiting room (``on_full="queue"``) wherever a Celery user would use it: a RabbitMQ
 broker, Sentinel and Cluster stores, the prefork, threads and solo pools, canvas (group,
-chord, chain), eager mode and direct calls, and ``AsyncResult`` while a run is parked.
+chord, chain, link), eager mode, direct calls and ``apply()`` (outside a worker and inside
+a worker's run), and ``AsyncResult`` while a run is parked.
 
 Every task here passes ``on_full="queue"`` explicitly. The bounded runs record themselves
 (intervals, arguments, whether a hand-off started them) in Redis with a client of their own
@@ -179,8 +180,8 @@ def _drain(
 
 WATCH = 0.5
 """Seconds a test watches a call that must still be waiting (a run that must not start, a
-result that must not be ready). Only a bug ends such a wait early, so a slow machine makes
-the check no weaker."""
+result that must not be ready). Only a bug ends such a wait early, so a slow machine can
+make the check weaker but never makes it fail."""
 
 
 def _worker(
