@@ -2,7 +2,8 @@
 
 Starts Redis (a private server unless REDIS_URL is set), starts a real prefork worker with
 more processes than the limit, sends a burst of bounded tasks, shows live progress, and ends
-with a summary: peak in flight, 429s, sheds, and time taken against the ideal.
+with a summary: peak in flight, 429s, runs that waited in the waiting room, and time taken
+against the ideal.
 
     python examples/demo.py --tasks 60 --limit 5 --duration 0.5
     python examples/demo.py --unbounded      # the same burst with no semaphore: 429s
@@ -28,6 +29,8 @@ from redis_url import redis_url
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from celery_semaphore import SemaphoreAdmin
 
 HERE = Path(__file__).resolve().parent
 console = Console()
@@ -82,15 +85,18 @@ def wait_ready(app: Celery, worker: subprocess.Popen[bytes], log: Path) -> None:
     sys.exit(f"worker did not start in time:\n{log.read_text()}")
 
 
-def progress(client: redis.Redis, args: argparse.Namespace, started: float) -> Table:
+def progress(
+    client: redis.Redis, admin: SemaphoreAdmin, args: argparse.Namespace, started: float
+) -> Table:
     def number(key: str) -> int:
         return int(client.get(key) or 0)
 
     inflight = number("demo:provider:inflight")
     table = Table(title="celery-semaphore demo", show_header=False)
     table.add_row("in flight / limit", f"{inflight} / {args.limit}  " + "#" * inflight)
+    if not args.unbounded:
+        table.add_row("waiting in the room", str(admin.room_head("provider")[0]))
     table.add_row("done", f"{number('demo:done')} / {args.tasks}")
-    table.add_row("shed (re-queued)", str(number("demo:sheds")))
     table.add_row("429s", str(number("demo:provider:429")))
     table.add_row("elapsed", f"{time.monotonic() - started:.1f}s")
     return table
@@ -108,7 +114,8 @@ def main() -> int:
         import provider_app
 
         client = redis.Redis.from_url(url)
-        client.delete(*provider_app.PROVIDER_KEYS, provider_app.SHEDS_KEY, provider_app.DONE_KEY)
+        client.delete(*provider_app.PROVIDER_KEYS, *provider_app.COUNTER_KEYS)
+        admin = SemaphoreAdmin(client, prefix=provider_app.app.conf.semaphore_prefix)
         log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "worker.log"
         console.print(
             f"Starting a prefork worker with {args.concurrency} processes (limit {args.limit})…"
@@ -125,12 +132,12 @@ def main() -> int:
         stack.callback(results.clear)
         try:
             with Live(
-                progress(client, args, started), console=console, refresh_per_second=8
+                progress(client, admin, args, started), console=console, refresh_per_second=8
             ) as live:
                 while not all(r.ready() for r in results):
-                    live.update(progress(client, args, started))
+                    live.update(progress(client, admin, args, started))
                     time.sleep(0.1)
-                live.update(progress(client, args, started))
+                live.update(progress(client, admin, args, started))
         except KeyboardInterrupt:
             console.print("Interrupted: stopping the worker.")
             return 130
@@ -141,14 +148,19 @@ def main() -> int:
 
         peak = int(client.get("demo:provider:peak") or 0)
         errors = int(client.get("demo:provider:429") or 0)
-        sheds = int(client.get("demo:sheds") or 0)
+        parked = int(client.get(provider_app.PARKED_KEY) or 0)
+        handoffs = int(client.get(provider_app.HANDOFFS_KEY) or 0)
+        sheds = int(client.get(provider_app.SHEDS_KEY) or 0)
         ideal = args.tasks * args.duration / args.limit
         summary = Table(title="Summary", show_header=False)
         summary.add_row("tasks", f"{len(values) - rejected} served, {rejected} refused with 429, "
                         f"{len(failed)} failed")  # fmt: skip
         summary.add_row("peak in flight at the provider", f"{peak} (its cap: {args.limit})")
         summary.add_row("429s from the provider", str(errors))
-        summary.add_row("sheds", str(sheds))
+        if not args.unbounded:
+            summary.add_row("waiting room", f"{parked} parked, {handoffs} started by a hand-off")
+        if sheds:
+            summary.add_row("shed with a countdown", str(sheds))
         if not args.unbounded:
             summary.add_row(
                 "time", f"{elapsed:.1f}s (ideal {ideal:.1f}s = tasks x duration / limit)"

@@ -18,7 +18,7 @@ import redis
 from celery import Celery
 
 from celery_semaphore import SemaphoreTask
-from celery_semaphore.signals import semaphore_shed
+from celery_semaphore.signals import semaphore_acquired, semaphore_parked, semaphore_shed
 
 REDIS_URL = os.environ.get("DEMO_REDIS_URL", "redis://127.0.0.1:6379/0")
 LIMIT = int(os.environ.get("DEMO_LIMIT", "5"))
@@ -28,9 +28,8 @@ app = Celery("provider_demo", broker=REDIS_URL, backend=REDIS_URL)
 app.conf.update(
     semaphore_url=REDIS_URL,
     semaphore_prefix="demo-semaphore",
-    # Short countdowns suit a demo whose calls take under a second.
-    semaphore_shed_countdown=0.1,
-    semaphore_shed_max_countdown=2.0,
+    # on_full is left at its default, "queue": a run that finds every slot held waits in the
+    # key's waiting room, and the release that frees a slot starts the oldest one at once.
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
 )
@@ -51,8 +50,11 @@ _enter = _client.register_script(
     """
 )
 PROVIDER_KEYS = ["demo:provider:inflight", "demo:provider:peak", "demo:provider:429"]
-SHEDS_KEY = "demo:sheds"
+PARKED_KEY = "demo:parked"  # runs parked in the waiting room
+HANDOFFS_KEY = "demo:handoffs"  # runs started by a release handing them its slot
+SHEDS_KEY = "demo:sheds"  # runs re-queued with a countdown (only if Redis was unreachable)
 DONE_KEY = "demo:done"
+COUNTER_KEYS = [PARKED_KEY, HANDOFFS_KEY, SHEDS_KEY, DONE_KEY]
 
 
 def call_provider(duration: float) -> int:
@@ -80,6 +82,19 @@ def call_model_unbounded(n: int, duration: float) -> dict[str, Any]:
     status = call_provider(duration)
     _client.incr(DONE_KEY)
     return {"n": n, "status": status}
+
+
+@semaphore_parked.connect
+def _count_parked(**_: Any) -> None:
+    _client.incr(PARKED_KEY)
+
+
+@semaphore_acquired.connect
+def _count_handoff(sender: Any = None, **_: Any) -> None:
+    # A run started by a hand-off carries the semaphore_handoff header.
+    headers = getattr(getattr(sender, "request", None), "headers", None) or {}
+    if "semaphore_handoff" in headers:
+        _client.incr(HANDOFFS_KEY)
 
 
 @semaphore_shed.connect

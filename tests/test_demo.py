@@ -23,3 +23,7 @@ def test_demo_runs_a_burst_with_no_429s(redis_server: RedisServer) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"429s from the provider\s*│\s*0\s", done.stdout), done.stdout
     assert "20 served, 0 refused with 429, 0 failed" in done.stdout
+    # Every run that waited in the waiting room was started by a hand-off.
+    room = re.search(r"waiting room\s*│\s*(\d+) parked, (\d+) started by a hand-off", done.stdout)
+    assert room is not None, done.stdout
+    assert room.group(1) == room.group(2), done.stdout
