@@ -22,8 +22,9 @@ from celery_semaphore import SemaphoreTask
 
 
 def make_app(url: str) -> Celery:
+    # A sync that finds its tenant's 2 slots held waits in that tenant's waiting room (the
+    # default, on_full="queue") and starts the moment one of the 2 ends.
     app = Celery("per_tenant", broker=url, backend=url)
-    app.conf.update(semaphore_shed_countdown=0.1, semaphore_shed_max_countdown=1.0)
     peaks = redis.Redis.from_url(url)
 
     @app.task(base=SemaphoreTask, semaphore="tenant:{tenant_id}", limit=2, name="sync_tenant")
