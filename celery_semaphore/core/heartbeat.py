@@ -1,20 +1,37 @@
-"""The renewal thread that keeps a held slot alive while its body runs.
+"""The renewal thread: one per process, renewing every slot the process holds.
 
-Loss is detected two ways (the leased-semaphore spec's "two-pronged" rule): a renewal that
-answers "gone", or a whole lease passing without a renewal that succeeded. The second prong
-must work even when a renewal round trip hangs (a paused server, a half-open TCP connection,
-a client with no socket timeout), so each round trip runs in a short-lived daemon thread and
-the heartbeat waits for it only until the slot's deadline. An abandoned round trip is
-harmless: extend never re-creates a member that is gone.
+Each held slot is registered with the process's :class:`Renewer` (see :func:`renewer`). One
+daemon thread wakes when the earliest slot is due, and renews every slot due within half its
+interval in one script call per Redis client and cluster hash slot, so a process holding a
+hundred slots pays one round trip per tick, not a hundred.
+
+Loss is judged per slot, two ways (the leased-semaphore spec's "two-pronged" rule): a
+renewal that answers "gone" marks that slot lost, and only that one; and a slot whose whole
+lease passes without a renewal that succeeded is lost at its own deadline. The second prong
+must hold even when a round trip hangs (a paused server, a half-open TCP connection, a
+client with no socket timeout), so round trips are made by a sender thread that the renewer
+waits for no longer than the next deadline or tick. A sender still stuck at the next tick is
+abandoned, and a fresh one takes the next batch; an abandoned round trip is harmless, since
+extend never re-creates a member that is gone.
+
+The threads exist only while slots are held, and a forked child starts its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.cluster import RedisCluster
+from redis.crc import key_slot
+
+from .scripts import Keys, Scripts, backend_errors
 
 if TYPE_CHECKING:
     from .slot import Slot
@@ -22,125 +39,214 @@ if TYPE_CHECKING:
 RenewErrorCallback = Callable[[BaseException], object]
 
 
-class _RoundTrip:
-    """One renewal running in its own daemon thread; ``done`` is set when it answers."""
+@dataclass(eq=False)
+class _Entry:
+    """One registered slot and its renewal plan."""
 
-    def __init__(self, slot: Slot, done: threading.Event) -> None:
-        self.ok: bool | None = None
-        self.error: BaseException | None = None
-        self._slot = slot
-        self._done = done
-        thread = threading.Thread(target=self._run, name="semaphore-renew", daemon=True)
+    slot: Slot
+    share: float  # the interval as a share of the lease, kept when the lease changes
+    on_error: RenewErrorCallback | None
+    last_sent: float  # time.monotonic() of the last renewal sent (the acquire, at first)
+
+    @property
+    def interval(self) -> float:
+        return self.share * self.slot.lease
+
+    @property
+    def next_tick(self) -> float:
+        return self.last_sent + self.interval
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Renewals sent together: one script call per (client, hash slot) group."""
+
+    entries: list[_Entry]
+    sent_at: float
+    on_done: Callable[[], object]
+    done: threading.Event = field(default_factory=threading.Event)
+    answers: dict[int, int | None] = field(default_factory=dict)  # id(entry) -> expiry
+    error: BaseException | None = None
+
+    def send(self) -> None:
+        """Run in the sender thread; never raises."""
+        try:
+            groups: dict[tuple[int, int], list[tuple[_Entry, Scripts, Keys, str, int]]] = {}
+            for entry in self.entries:
+                scripts, keys, token, ms = entry.slot.renewal()
+                # On a cluster, one call per hash slot; elsewhere, one per client.
+                cluster = isinstance(scripts.client, RedisCluster)
+                group = (id(scripts.client), key_slot(keys.slots.encode()) if cluster else 0)
+                groups.setdefault(group, []).append((entry, scripts, keys, token, ms))
+            for rows in groups.values():
+                first = rows[0][0].slot
+                with backend_errors(first.key, first.limit):
+                    expiries = rows[0][1].extend([(k, token, ms) for _, _, k, token, ms in rows])
+                for (entry, *_), expiry in zip(rows, expiries, strict=True):
+                    self.answers[id(entry)] = expiry
+        except BaseException as exc:  # reported to each slot's on_renew_error, then retried
+            self.error = exc
+        finally:
+            self.done.set()
+            self.on_done()
+
+
+class _Sender:
+    """A thread that sends batches, one at a time, until told to stop or abandoned."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self.busy_with: _Batch | None = None
+        thread = threading.Thread(target=self._run, name="semaphore-renew-send", daemon=True)
         thread.start()
 
     def _run(self) -> None:
-        try:
-            self.ok = self._slot.renew()
-        except BaseException as exc:  # handed to on_renew_error; never kills the heartbeat
-            self.error = exc
-        finally:
-            self._done.set()
+        while (batch := self.jobs.get()) is not None:
+            self.busy_with = batch
+            batch.send()
+            self.busy_with = None
 
 
-class Heartbeat:
-    """Renews ``slot`` every ``interval`` seconds from a daemon thread until stopped.
+class Renewer:
+    """Renews every registered slot from one thread (see the module's docstring).
 
-    Args:
-        slot (Slot): the slot to keep alive; its ``lost`` event is set when loss is detected.
-        interval (float): seconds between renewals, for the slot's current lease. If the
-            lease is changed (``slot.extend(lease=...)``), the interval keeps its proportion
-            to it, so a shorter lease is renewed sooner.
-        on_renew_error (Callable[[BaseException], object] | None): called, in the heartbeat
-            thread, with each renewal round trip that failed without saying the slot is
-            gone. Such a failure is not a loss; the next tick tries again. An exception raised
-            by the callback is swallowed.
-
-    After a failed round trip the thread wakes no later than the slot's deadline, so the
-    loss is declared the moment a whole lease has passed without a renewal that succeeded.
-    The thread is started by :meth:`start`, never on construction, so a slot acquired before
-    a fork does not leave a thread behind in the parent.
+    Use the process's own instance, :func:`renewer`; :meth:`add` a slot when its body starts
+    and :meth:`remove` it before releasing it.
     """
 
-    def __init__(
-        self, slot: Slot, interval: float, on_renew_error: RenewErrorCallback | None = None
-    ) -> None:
-        self._slot = slot
-        self._share = interval / slot.lease
-        self._on_renew_error = on_renew_error
-        self._stop = threading.Event()
-        # Set by whichever comes first: a round trip answering, or stop().
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}  # id(slot) -> entry
         self._wake = threading.Event()
-        # Set by stop() and by a change of the slot's lease: the loop then re-plans its wait.
-        self._nudge = threading.Event()
-        slot.watch_lease(self._nudge.set)
-        self._thread = threading.Thread(target=self._loop, name="semaphore-heartbeat", daemon=True)
+        self._thread: threading.Thread | None = None
+        self._sender: _Sender | None = None
+        self._in_flight: _Batch | None = None
 
-    def start(self) -> None:
-        """Start renewing in the background."""
-        self._thread.start()
+    def add(self, slot: Slot, interval: float, on_renew_error: RenewErrorCallback | None) -> None:
+        """Renew ``slot`` every ``interval`` seconds (kept in proportion to its lease if the
+        lease changes) until :meth:`remove`. ``on_renew_error`` is called, in the renewal
+        thread, with each round trip that failed without saying the slot is gone; an
+        exception it raises is swallowed."""
+        entry = _Entry(slot, interval / slot.lease, on_renew_error, slot.renewed_at)
 
-    def stop(self) -> None:
-        """Stop renewing and wait for the heartbeat thread to end.
+        def lease_changed() -> None:
+            # Renew at once: a renewal of the old lease still in flight must not be the last
+            # word Redis hears.
+            entry.last_sent = float("-inf")
+            self._wake.set()
 
-        Returns at once even if a renewal round trip is still in flight: that round trip is
-        abandoned, and its answer can no longer mark the slot lost.
-        """
-        self._stop.set()
+        slot.watch_lease(lease_changed)
+        with self._lock:
+            self._entries[id(slot)] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="semaphore-renewer", daemon=True
+                )
+                self._thread.start()
         self._wake.set()
-        self._nudge.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+
+    def remove(self, slot: Slot) -> None:
+        """Stop renewing ``slot``. Once this returns, no renewal answer touches it, so a
+        renewal racing an intentional release is never taken for a loss."""
+        slot.watch_lease(None)
+        with self._lock:
+            self._entries.pop(id(slot), None)
+        self._wake.set()
+
+    @property
+    def held(self) -> int:
+        """How many slots are registered."""
+        return len(self._entries)
 
     def _loop(self) -> None:
-        slot = self._slot
-        # Renewals are planned from when the last one was *sent* (the acquire, at first), so a
-        # slow reply does not push the next renewal towards the deadline.
-        last_sent = slot.renewed_at
         while True:
-            next_tick = last_sent + self._share * slot.lease
-            if self._nudge.wait(max(0.0, min(next_tick, slot.deadline) - time.monotonic())):
-                self._nudge.clear()
-                if self._stop.is_set():
+            self._wake.clear()
+            self._take_answers()
+            with self._lock:
+                entries = list(self._entries.values())
+                if not entries:
+                    self._stop_sender()
+                    self._thread = None
                     return
-                # The lease changed: renew at once, so that a renewal of the old lease still
-                # in flight cannot be the last word Redis hears.
-            if self._stop.is_set():
-                return
-            if slot.lost.is_set() or slot.released:
-                return  # lost already, or given back by the body itself
-            if time.monotonic() >= slot.deadline:
-                slot.mark_lost("no renewal succeeded within one lease")
-                return
-            last_sent = time.monotonic()
-            if not self._tick():
-                return
+            now = time.monotonic()
+            for entry in entries:
+                if now >= entry.slot.deadline:
+                    self._judge(entry, "no renewal succeeded within one lease")
+            # When the first slot's tick comes, every slot due within half its own interval
+            # goes along: the slots fall into step, and each tick is one round trip.
+            due = []
+            if min(e.next_tick for e in entries) <= now:
+                due = [e for e in entries if e.next_tick - e.interval / 2 <= now]
+            flight = self._in_flight
+            # A batch still unanswered after a whole interval is taken for stuck: send anew.
+            if due and (flight is None or now - flight.sent_at >= min(e.interval for e in due)):
+                self._send(due, now)
+            ticks = [e.next_tick for e in entries if e.last_sent != now]
+            wake_at = min([e.slot.deadline for e in entries] + ticks + [now + 3600.0])
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
 
-    def _tick(self) -> bool:
-        """One renewal. False when renewing is over (the slot is lost, or we were stopped)."""
-        slot = self._slot
-        self._wake.clear()
-        if self._stop.is_set():
-            return False
-        trip = _RoundTrip(slot, self._wake)
-        self._wake.wait(max(0.0, slot.deadline - time.monotonic()))
-        if self._stop.is_set():
-            return False
-        if not self._wake.is_set():
-            slot.mark_lost("a renewal got no answer within one lease")
-            return False
-        if trip.error is not None:
-            self._report(trip.error)
-            return True  # the loop wakes again by the deadline at the latest
-        if not trip.ok:
-            if slot.released:
-                return False  # the body released the slot while this renewal was in flight
-            slot.mark_lost("a renewal found the slot gone")
-            return False
-        return True
+    def _send(self, due: Sequence[_Entry], now: float) -> None:
+        if self._sender is None or self._sender.busy_with is not None:
+            # Stuck on a round trip that has not answered: leave it behind.
+            self._sender = _Sender()
+        for entry in due:
+            entry.last_sent = now
+        self._in_flight = _Batch(list(due), now, self._wake.set)
+        self._sender.jobs.put(self._in_flight)
 
-    def _report(self, error: BaseException) -> None:
-        if self._on_renew_error is None:
+    def _take_answers(self) -> None:
+        batch = self._in_flight
+        if batch is None or not batch.done.is_set():
             return
-        # A broken telemetry hook must not stop renewal.
-        with contextlib.suppress(Exception):
-            self._on_renew_error(error)
+        self._in_flight = None
+        for entry in batch.entries:
+            if batch.error is not None:
+                self._report(entry, batch.error)
+                continue
+            slot = entry.slot
+            seconds = slot.lease
+            with self._lock:
+                if self._entries.get(id(slot)) is not entry:
+                    continue  # removed (released) while the batch was in flight
+                if not slot.renewed(batch.sent_at, seconds, batch.answers.get(id(entry))):
+                    if not slot.released:  # not given back by the body itself meanwhile
+                        slot.mark_lost("a renewal found the slot gone")
+                    self._entries.pop(id(slot), None)
+
+    def _judge(self, entry: _Entry, reason: str) -> None:
+        with self._lock:
+            if self._entries.get(id(entry.slot)) is entry and not entry.slot.released:
+                entry.slot.mark_lost(reason)
+                self._entries.pop(id(entry.slot), None)
+
+    def _report(self, entry: _Entry, error: BaseException) -> None:
+        if entry.on_error is not None:
+            # A broken telemetry hook must not stop renewal.
+            with contextlib.suppress(Exception):
+                entry.on_error(error)
+
+    def _stop_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.jobs.put(None)
+            self._sender = None
+        self._in_flight = None
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """The renewer of this process (a forked child gets a fresh one: threads do not survive
+    a fork)."""
+    global _renewer
+    with _renewer_lock:
+        if _renewer is None or _renewer.pid != os.getpid():
+            _renewer = Renewer()
+        return _renewer
+
+
+def threads() -> list[Any]:
+    """The renewal threads alive in this process (for the benchmark and tests)."""
+    return [t for t in threading.enumerate() if t.name.startswith("semaphore-renew")]

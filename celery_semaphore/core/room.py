@@ -22,8 +22,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CLAIM_TIMEOUT = 30.0
 """Seconds a hand-off's reservation waits for its run before it lapses."""
-DEFAULT_HANDOFF_GRACE = 0.05
-"""Seconds a reservation is kept for its run before a run that asks in person may take it."""
+DEFAULT_HANDOFF_GRACE = 1.0
+"""Seconds a reservation is kept for its run before a run that asks in person may take it.
+Long enough that a burst's own messages, queued ahead of its first hand-offs, do not reorder
+it (see the performance page); short enough that a reserved slot never idles for long behind
+a broker backlog."""
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds an idle room (no park, no hand-off) lives before Redis expires it."""
 

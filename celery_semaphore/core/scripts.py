@@ -11,7 +11,7 @@ reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NamedTuple
@@ -188,10 +188,13 @@ class Scripts:
         """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
         return int(self._call("block", keys, token, for_ms))
 
-    def extend(self, keys: Keys, token: str, lease_ms: int) -> int | None:
-        """Renew ``token``'s lease: its new expiry (epoch ms), or None when it is gone."""
-        reply = self._call("extend", keys, token, lease_ms)
-        return int(reply[1]) if int(reply[0]) == 1 else None
+    def extend(self, renewals: Sequence[tuple[Keys, str, int]]) -> list[int | None]:
+        """Renew each ``(keys, token, lease_ms)`` in one call (all keys in one cluster hash
+        slot): each one's new expiry (epoch ms), or None when its slot is gone."""
+        keys = [name for k, _, _ in renewals for name in k[:2]]
+        args = [value for _, token, ms in renewals for value in (token, ms)]
+        reply = self._scripts["extend"](keys=keys, args=args)
+        return [int(expiry) or None for expiry in reply[1:]]
 
     def release(self, keys: Keys, token: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Remove ``token``: whether it was still a live holder until now, and the hand-offs

@@ -32,7 +32,7 @@ from ..errors import (
 from . import validation as check
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
-from .heartbeat import Heartbeat, RenewErrorCallback
+from .heartbeat import RenewErrorCallback, renewer
 from .parking import WaitingRoom
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
@@ -72,7 +72,7 @@ class Semaphore(WaitingRoom):
             waiter whose payload is slow to arrive (its message queued behind a backlog,
             say) would leave the slot idle; past this grace a waiter that parks in person
             takes the slot, and the passed-over one keeps its place at the head of the
-            room. Default 0.05; 0: strict order, never taken.
+            room. Default 1.0; 0: strict order, never taken.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -343,10 +343,10 @@ def guard(
 ) -> Iterator[Slot]:
     """Renew ``slot`` while the block runs, then release it and judge whether it held.
 
-    The heartbeat is stopped and joined before the release, so a renewal racing an
-    intentional release is never mistaken for a loss. The loss deadline is checked again
-    when the block ends (a body that never yields the GIL can starve the heartbeat), and the
-    release's own answer is consulted.
+    The slot leaves the process's renewer (:mod:`celery_semaphore.core.heartbeat`) before
+    the release, so a renewal racing an intentional release is never mistaken for a loss.
+    The loss deadline is checked again when the block ends (a body that never yields the GIL
+    can starve the renewer), and the release's own answer is consulted.
 
     Args:
         slot (Slot): a freshly acquired slot; released on every path out of the block.
@@ -356,16 +356,17 @@ def guard(
     Raises:
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
     """
-    beat = Heartbeat(slot, interval, on_renew_error) if interval is not None else None
-    if beat is not None:
-        beat.start()
+    beat = None
+    if interval is not None:
+        beat = renewer()
+        beat.add(slot, interval, on_renew_error)
     failed = True
     try:
         yield slot
         failed = False
     finally:
         if beat is not None:
-            beat.stop()
+            beat.remove(slot)
         slot.check_deadline()
         try:
             slot.release()

@@ -2,8 +2,9 @@
 
 :class:`Slot` is what :meth:`~celery_semaphore.core.semaphore.Semaphore.acquire` returns. Its
 public surface serves two readers: the holder (``extend``, ``release``, ``lost``,
-``when_lost``) and the renewer (``renew``, ``deadline``, ``renewed_at``, ``released``,
-``mark_lost``, ``check_deadline``, ``watch_lease``), which needs nothing private.
+``when_lost``) and the renewer (``renewal``, ``renewed``, ``deadline``, ``renewed_at``,
+``released``, ``mark_lost``, ``check_deadline``, ``watch_lease``), which needs nothing
+private.
 """
 
 from __future__ import annotations
@@ -146,7 +147,18 @@ class Slot:
         ms = check.lease_ms(seconds)
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
-            expires_at_ms = self._scripts.extend(self._keys, self.token, ms)
+            [expires_at_ms] = self._scripts.extend([(self._keys, self.token, ms)])
+        return self.renewed(sent_at, seconds, expires_at_ms)
+
+    def renewal(self) -> tuple[Scripts, Keys, str, int]:
+        """What a batched renewal of this slot sends: the scripts (client) to send it with,
+        the semaphore's keys, the token and the lease in ms."""
+        return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
+
+    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
+        """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
+        ``seconds``: True when the slot is still ours. Like :meth:`renew`, it does not mark
+        the slot lost on False."""
         if expires_at_ms is None:
             return False
         self._renewed_at = max(self._renewed_at, sent_at)
