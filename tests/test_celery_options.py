@@ -32,6 +32,7 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("heartbeat", {"heartbeat": -1}),
     ("on_full", {"on_full": "block"}),
     ("wait_timeout", {"wait_timeout": -1}),
+    ("handoff_grace", {"handoff_grace": float("nan")}),
     ("on_lease_lost", {"on_lease_lost": "ignore"}),
     ("shed_countdown", {"shed_countdown": -1}),
     ("shed_backoff", {"shed_backoff": "yes"}),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import validation as check
+from ..core.room import DEFAULT_HANDOFF_GRACE
 from ..core.semaphore import DEFAULT_LEASE
 from ..errors import SemaphoreValidationError
 
@@ -59,6 +60,11 @@ class Policy:
             reserved for it before the run goes back to the head of the room.
         max_queued (int | None): with ``"queue"``: how many runs may be parked per key; a
             run past that fails with :class:`SemaphoreNotAcquiredError`. None: no limit.
+        handoff_grace (float): with ``"queue"``: seconds a slot handed to a parked run is
+            kept for it alone; after that a run that asks for a slot in person takes it
+            (the passed-over run keeps its place at the head of the room). Lower it to fill
+            slots sooner behind a broker backlog, at the cost of arrival order; 0: strict
+            order.
         wait_timeout (float): with ``"wait"``: seconds a run waits in the worker before
             it parks (after the ``wait_timeout`` of Sidekiq Enterprise's concurrent limiter).
     """
@@ -75,6 +81,7 @@ class Policy:
     interrupt: bool = False
     claim_timeout: float = 30.0
     max_queued: int | None = None
+    handoff_grace: float = DEFAULT_HANDOFF_GRACE
     wait_timeout: float = 5.0
 
     def __post_init__(self) -> None:
@@ -93,6 +100,7 @@ class Policy:
         check.lease_ms(self.claim_timeout, "claim_timeout")
         if self.max_queued is not None:
             check.check_limit(self.max_queued, "max_queued")
+        check.check_delay(self.handoff_grace, "handoff_grace")
         check.check_delay(self.wait_timeout, "wait_timeout")
 
     def with_options(self, options: Mapping[str, Any]) -> Policy:

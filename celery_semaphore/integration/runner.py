@@ -188,6 +188,7 @@ class Runner:
                     prefix,
                     claim_timeout=policy.claim_timeout,
                     on_handoff=None if app is None else publisher_for(app),
+                    handoff_grace=policy.handoff_grace,
                 )
                 found = (semaphore, policy)
                 if app is None:

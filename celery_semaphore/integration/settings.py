@@ -17,6 +17,7 @@ task option              app setting                  default    meaning
 ``wait_timeout``         ``semaphore_wait_timeout``   5.0        "wait": seconds in the worker
 ``claim_timeout``        ``semaphore_claim_timeout``  30.0       seconds a hand-off stays reserved
 ``max_queued``           ``semaphore_max_queued``     None       parked runs per key, then fail
+``handoff_grace``        ``semaphore_handoff_grace``  1.0        reserved for its run alone, s
 ``on_lease_lost``        ``semaphore_on_lease_lost``  "raise"    "raise" or "retry"
 ``shed_countdown``       ``semaphore_shed_countdown`` 1.0        first shed's countdown, s
 ``shed_backoff``         ``semaphore_shed_backoff``   True       exponential, full jitter

@@ -61,6 +61,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     interrupt: ClassVar[bool | None] = None
     claim_timeout: ClassVar[float | None] = None
     max_queued: ClassVar[int | None] = None
+    handoff_grace: ClassVar[float | None] = None
     wait_timeout: ClassVar[float | None] = None
 
     @classmethod
