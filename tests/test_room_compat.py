@@ -144,8 +144,8 @@ def _park_backlog(
     for n in range(count):
         results.append(task.delay(n, 0, key, duration))
         assert wait_for(lambda n=n: holder.parked() == n + 1, timeout=30), n
-    # A parked run's state is RETRY (stored just after it parks).
-    assert wait_for(lambda: {r.state for r in results} == {"RETRY"}, timeout=30)
+    # A parked run has not run yet: its state stays PENDING.
+    assert {r.state for r in results} == {"PENDING"}
     return results
 
 
@@ -324,7 +324,7 @@ def test_groups_chords_chains_and_links_of_parked_runs_complete(
         # Every run that can start (4 of the group, 4 of the chord's header, the chain's
         # first link, the run with a link callback) finds the key full and parks.
         assert wait_for(lambda: holder.parked() == 10, timeout=30)
-        assert wait_for(lambda: {r.state for r in grouped.results} == {"RETRY"}, timeout=30)
+        assert {r.state for r in grouped.results} == {"PENDING"}
         holder.release()
         assert chorded.get(timeout=60) == [110, 111, 112, 113]
         assert chained.get(timeout=60) == 1010
@@ -438,7 +438,7 @@ def test_inside_a_workers_run_a_direct_call_or_apply_waits_too(
 @pytest.mark.parametrize(
     "store", ["backend-redis", "other-redis", "other-redis-app-ignores-results"]
 )
-def test_a_parked_run_is_in_retry_and_get_returns_once_it_runs(
+def test_a_parked_run_is_pending_and_get_returns_once_it_runs(
     store: str, request: pytest.FixtureRequest, redis_server: RedisServer
 ) -> None:
     # The semaphore on the result backend's Redis, or on another; with the app ignoring
@@ -460,7 +460,7 @@ def test_a_parked_run_is_in_retry_and_get_returns_once_it_runs(
     ):
         result = room_result.delay(7)
         assert wait_for(lambda: holder.parked() == 1, timeout=30)
-        assert wait_for(lambda: result.state == "RETRY", timeout=30)
+        assert result.state == "PENDING"
         if other:
             # The room is in the semaphore's store; the backend holds only the result.
             backend = redis.Redis.from_url(redis_server.url)

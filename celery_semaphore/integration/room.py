@@ -3,12 +3,18 @@ the moment a release hands it a slot.
 
 With ``on_full="queue"`` a run that finds every slot held is parked in the key's room (see
 :mod:`celery_semaphore.core.room`) with its message, as Celery's own ``retry()`` would
-publish it, and ends in state RETRY. When a holder releases, the same script call reserves
+publish it, and ends with its state left as it was (PENDING, or STARTED with
+``task_track_started``): it has not run yet. When a holder releases, the same script call reserves
 the slot for the oldest parked run and the releasing process publishes that run's message
 with the ``semaphore_handoff`` header; the run claims its reservation when it starts. A
 delivery that finds nothing to claim (a duplicate) ends quietly. Every worker sweeps the
 rooms on its timer, so a room drains even when the process that should have published a
 hand-off died.
+
+Why not RETRY, as a shed stores: a shed publishes its message only after storing RETRY, but a
+parked run's message is published by whoever releases a slot, possibly before the parking
+run could store anything; its RETRY could then land on top of the SUCCESS of its own hand-off
+run, and ``AsyncResult.get()`` would wait for ever.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ from .shedding import (
     GIVE_UP_HEADER,
     HANDOFF_HEADER,
     SHED_ATTEMPT_HEADER,
-    mark_retry,
     retry_headers,
 )
 from .signals import semaphore_parked, send_event, task_label
@@ -140,7 +145,7 @@ def park_or_take(
         Slot: a slot, when no older run is parked and one was free.
 
     Raises:
-        celery.exceptions.Ignore: the run is parked (its state is RETRY); a hand-off starts
+        celery.exceptions.Ignore: the run is parked (its state is left as it was); a hand-off starts
             it again.
         SemaphoreNotAcquiredError: the room already holds ``max_queued`` runs.
 
@@ -179,7 +184,6 @@ def park_or_take(
 
 
 def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> NoReturn:
-    mark_retry(task)
     logger.info(
         "%ssemaphore %r (limit %d): parked, %d run(s) ahead",
         task_label(task),
