@@ -11,6 +11,7 @@ reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -106,6 +107,7 @@ class Full:
     first_expiry_ms: int
 
 
+@functools.lru_cache(maxsize=4096)
 def redis_keys(prefix: str, key: str) -> Keys:
     """The Redis keys of semaphore ``key``: ``<prefix>:{<key>}``, ``...:holders`` and the
     waiting room's (see :class:`Keys`).

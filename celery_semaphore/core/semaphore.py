@@ -122,6 +122,7 @@ class Semaphore(WaitingRoom):
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._identity = {"host": socket.gethostname()}
+        self._plain_metadata = (0, "")  # (pid, JSON) of the metadata of a plain acquire
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
@@ -142,12 +143,18 @@ class Semaphore(WaitingRoom):
             raise SemaphoreValidationError(
                 f"metadata must be a mapping or None, got {type(metadata).__name__}"
             )
+        pid = os.getpid()
+        if not metadata and self._plain_metadata[0] == pid:
+            return self._plain_metadata[1]
         # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
-        record = {**(metadata or {}), **self._identity, "pid": os.getpid(), "limit": self.limit}
+        record = {**(metadata or {}), **self._identity, "pid": pid, "limit": self.limit}
         try:
-            return json.dumps(record, separators=(",", ":"), sort_keys=True)
+            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError, RecursionError) as exc:
             raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
+        if not metadata:  # the same for every plain acquire of this process: keep it
+            self._plain_metadata = (pid, text)
+        return text
 
     def acquire(
         self,

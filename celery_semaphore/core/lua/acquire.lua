@@ -12,10 +12,10 @@
 --         (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a slot
 --         knows when one frees itself).
 --
--- Expired holders are pruned here, so a crashed holder's slot comes back on the next
--- acquire with no sweeper. A token that already holds a live slot is answered with that slot
--- and nothing more is taken, so a client that resends the call after a lost reply cannot
--- leak a slot. Every reply element is an integer (RESP2/RESP3 safe).
+-- Expired holders are pruned here when the key is full, so a crashed holder's slot comes
+-- back on the next acquire with no sweeper. A token that already holds a live slot is
+-- answered with that slot and nothing more is taken, so a client that resends the call
+-- after a lost reply cannot leak a slot. Every reply element is an integer (RESP2/RESP3 safe).
 local slots = KEYS[1]
 local holders = KEYS[2]
 local limit = tonumber(ARGV[1])
@@ -28,21 +28,25 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
-local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
-if #expired > 0 then
-  redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
-  redis.call('HDEL', holders, unpack(expired))
+local mine = tonumber(redis.call('ZSCORE', slots, token))
+if mine and mine > now_ms then
+  return {1, mine, now_ms}
 end
 
-local mine = redis.call('ZSCORE', slots, token)
-if mine then
-  return {1, tonumber(mine), now_ms}
-end
-
+-- Lapsed members are pruned only when they stand in the way: a key with a free slot is
+-- admitted without the scan.
 local live = redis.call('ZCARD', slots)
 if live >= limit then
-  local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-  return {0, live, now_ms, tonumber(first[2])}
+  local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
+    redis.call('HDEL', holders, unpack(expired))
+    live = live - #expired
+  end
+  if live >= limit then
+    local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
+    return {0, live, now_ms, tonumber(first[2])}
+  end
 end
 
 local expires_at_ms = now_ms + lease_ms
