@@ -45,3 +45,15 @@ def shed(n: int, seconds: float) -> int:
 @app.task(name="unbounded")
 def unbounded(n: int, seconds: float) -> int:
     return _body(n, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="noop", limit=10_000, name="noop_bounded")
+def noop_bounded(n: int) -> int:
+    """A trivial body under a limit it never reaches: bench_overhead.py's bounded task."""
+    return n
+
+
+@app.task(name="noop")
+def noop(n: int) -> int:
+    """The same body with no semaphore."""
+    return n

@@ -14,7 +14,9 @@ waits for no longer than the next deadline or tick. A sender still stuck at the 
 abandoned, and a fresh one takes the next batch; an abandoned round trip is harmless, since
 extend never re-creates a member that is gone.
 
-The threads exist only while slots are held, and a forked child starts its own.
+The threads exist only while slots are held (and for :data:`LINGER` seconds after), and a
+forked child starts its own. A slot released before its first renewal is due never starts
+the sender thread.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
     from .slot import Slot
 
 RenewErrorCallback = Callable[[BaseException], object]
+
+LINGER = 2.0
+"""Seconds the renewal thread outlives the last slot it renewed, so that a worker running
+short tasks one after another does not start a thread for each."""
 
 
 @dataclass(eq=False)
@@ -160,16 +166,21 @@ class Renewer:
         return len(self._entries)
 
     def _loop(self) -> None:
+        idle_until = time.monotonic() + LINGER
         while True:
             self._wake.clear()
             self._take_answers()
+            now = time.monotonic()
             with self._lock:
                 entries = list(self._entries.values())
-                if not entries:
+                if not entries and now >= idle_until:
                     self._stop_sender()
                     self._thread = None
                     return
-            now = time.monotonic()
+            if not entries:
+                self._wake.wait(idle_until - now)
+                continue
+            idle_until = now + LINGER
             for entry in entries:
                 if now >= entry.slot.deadline:
                     self._judge(entry, "no renewal succeeded within one lease")

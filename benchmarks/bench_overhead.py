@@ -1,0 +1,90 @@
+"""What the semaphore costs a Celery task: a trivial bounded task against the same task
+unbounded, through one prefork worker, limit never reached.
+
+    python benchmarks/bench_overhead.py [--tasks 1000] [--concurrency 4] [--rounds 5]
+
+One worker serves both tasks; each round sends a batch of each, in turns, and times it from
+the first send to the last result. Reported: tasks per second for each, and the bounded
+throughput as a share of the unbounded one (median, min-max over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from celery import Celery
+from rich.console import Console
+from rich.table import Table
+
+from celery_semaphore.testing import RedisServer
+
+HERE = Path(__file__).resolve().parent
+
+
+def _batch(app: Celery, task: str, count: int) -> float:
+    started = time.perf_counter()
+    results = [app.send_task(task, (n,)) for n in range(count)]
+    for result in results:
+        result.get(timeout=600)
+    return count / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rates: dict[str, list[float]] = {"noop": [], "noop_bounded": []}
+    with RedisServer() as broker, RedisServer() as store:
+        env = {**os.environ, "BENCH_BROKER_URL": broker.url, "BENCH_SEMAPHORE_URL": store.url,
+               "PYTHONPATH": str(HERE)}  # fmt: skip
+        command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
+                   "-c", str(args.concurrency), "-n", f"overhead@{socket.gethostname()}",
+                   "--loglevel=ERROR", "--without-gossip", "--without-mingle",
+                   "--without-heartbeat"]  # fmt: skip
+        worker = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
+        app = Celery("bench-client", broker=broker.url, backend=broker.url, set_as_current=False)
+        try:
+            deadline = time.monotonic() + 120
+            while not app.control.ping(timeout=0.5):
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise RuntimeError("the worker did not start")
+            for task in rates:  # warm both paths up
+                _batch(app, task, 100)
+            for _ in range(args.rounds):
+                for task in rates:
+                    rates[task].append(_batch(app, task, args.tasks))
+        finally:
+            app.close()
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    shares = [b / u for b, u in zip(rates["noop_bounded"], rates["noop"], strict=True)]
+    table = Table(title=f"{args.tasks} trivial tasks per batch, one prefork worker "
+                        f"-c {args.concurrency}, {args.rounds} rounds")  # fmt: skip
+    for column in ("task", "tasks/s: median (min-max)", "share of unbounded"):
+        table.add_column(column)
+    for task, label in (("noop", "unbounded"), ("noop_bounded", "bounded, limit never reached")):
+        values = rates[task]
+        share = shares if task == "noop_bounded" else [1.0]
+        table.add_row(
+            label,
+            f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})",
+            f"{statistics.median(share):.2f} ({min(share):.2f}-{max(share):.2f})",
+        )
+    Console(width=120).print(table)
+
+
+if __name__ == "__main__":
+    main()
