@@ -50,8 +50,9 @@ class SemaphoreNotAcquiredError(SemaphoreError):
     """Every slot of ``key`` was held by others, on the first try and on each retry.
 
     Raised by :meth:`Semaphore.hold` and :meth:`Semaphore.run` (``acquire`` returns ``None``
-    instead), and by Celery tasks whose shed budget is spent or whose ``on_full`` is
-    ``"raise"``.
+    instead), and by Celery tasks whose ``on_full`` is ``"raise"``, whose wait or shed budget
+    (``shed_timeout``, ``shed_max_retries``) is spent, or whose key's waiting room already
+    holds ``max_queued`` runs.
     """
 
 

@@ -3,8 +3,9 @@
 Modules, bottom up: ``policy`` (the options, no Celery), ``store`` (which Redis, as Celery
 reads its settings), ``settings`` (the ``semaphore_*`` settings resolved per app), ``keys``
 (key templates), ``signals`` (what a run announces), ``stats`` (per-worker counters),
-``shedding`` (publish a run again), ``runner`` (run a body under a slot), ``task`` and
-``decorators`` (the two ways in), ``worker`` (bootstep, inspect command, dead-run release).
+``shedding`` (publish a run again with a countdown), ``room`` (park a run in the waiting room,
+claim a hand-off), ``runner`` (run a body under a slot), ``task`` and ``decorators`` (the two
+ways in), ``worker`` (bootstep, inspect command, dead-run release, room sweeps).
 """
 
 # Imported for its effects: the inspect command, and the receiver that adds the bootstep.

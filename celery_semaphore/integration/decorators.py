@@ -36,7 +36,8 @@ def bounded(
     """Decorate a function so that each call holds a slot of ``semaphore``.
 
     Put it *under* ``@app.task``. As a task, the function behaves exactly as with
-    :class:`~celery_semaphore.SemaphoreTask` (shed by retry in a worker, wait in eager mode).
+    :class:`~celery_semaphore.SemaphoreTask` (in a worker, parked in the key's waiting room
+    when every slot is held, unless ``on_full`` says otherwise; in eager mode, a wait).
     Called as a plain function, it fails fast with :class:`SemaphoreNotAcquiredError`, or
     retries as ``retries`` says.
 
@@ -50,7 +51,8 @@ def bounded(
             ``semaphore_url``.
         retries (int): plain calls only: further attempts when every slot is held.
         retry_delay (float): plain calls only: seconds between attempts.
-        **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``on_lease_lost``,
+        **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``wait_timeout``,
+            ``claim_timeout``, ``handoff_grace``, ``max_queued``, ``on_lease_lost``,
             ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
             ``shed_max_retries``, ``shed_timeout``, ``interrupt``); see
             :class:`celery_semaphore.integration.policy.Policy`.

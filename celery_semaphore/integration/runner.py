@@ -9,10 +9,15 @@ rejects.
 
 How a run goes:
 
-* In a worker, a run that finds every slot held (or Redis unreachable) is *shed*: the same
-  message (same id, same ``retries``) is published again with a countdown and the run ends in
-  state RETRY. The shed count travels in the ``semaphore_sheds`` message header, so a task's
-  ``max_retries`` and ``request.retries`` only ever count its own retries.
+* In a worker, a run that finds every slot held is, by default (``on_full="queue"``),
+  *parked* in the key's waiting room with its message (see :mod:`.room`) and ends with
+  ``Ignore``; the release that frees a slot hands it to the oldest parked run and publishes
+  that run's message again (same id, same ``retries``). ``on_full="wait"`` first waits in
+  the worker, then parks; ``"retry"`` *sheds* the run instead: the same message is published
+  again with a countdown and the run ends in state RETRY (see :mod:`.shedding`); ``"raise"``
+  fails it. A run that cannot reach Redis is shed whatever ``on_full`` says, unless it is
+  ``"raise"``. Neither parking nor shedding touches ``request.retries``, so a task's
+  ``max_retries`` only ever counts its own retries.
 * Outside a worker (eager mode, ``apply()``, a direct call) nothing is published: the run
   waits for a slot up to its budget (woken by the release that frees one), then raises
   :class:`SemaphoreNotAcquiredError`.

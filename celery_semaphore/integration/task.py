@@ -37,8 +37,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             task's arguments (``"tenant:{tenant_id}"``) or a callable taking the task's
             arguments. Required.
         limit (int): how many runs may hold a slot of one key at once. Required.
-        lease, heartbeat, on_full, on_lease_lost, shed_countdown, shed_backoff,
-        shed_max_countdown, shed_max_retries, shed_timeout, interrupt: see
+        lease, heartbeat, on_full, wait_timeout, claim_timeout, handoff_grace, max_queued,
+        on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown, shed_max_retries,
+        shed_timeout, interrupt: see
             :class:`celery_semaphore.integration.policy.Policy`; None falls back to the app's
             ``semaphore_*`` setting, then to the default.
 
