@@ -221,28 +221,7 @@ def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_onc
     assert _drained(sem)
 
 
-def _lost_on_redelivery_reason() -> str:
-    return (
-        "bug: with acks_late and reject_on_worker_lost, a run started by a hand-off whose "
-        "pool process dies mid-body is requeued by Celery, but the redelivery (still marked "
-        "semaphore_handoff) finds no reservation and no parked entry (the first delivery's "
-        "claim removed both), so claim_or_end takes it for a duplicate and ends it with "
-        "Ignore: the body never completes and the result stays RETRY"
-    )
-
-
-@pytest.mark.parametrize(
-    "acks",
-    [
-        "early",
-        pytest.param(
-            "late",
-            marks=pytest.mark.xfail(
-                strict=True, raises=RunLost, reason=_lost_on_redelivery_reason()
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("acks", ["early", "late"])
 def test_a_handed_off_run_whose_pool_process_is_killed(
     acks: str, gate_app: Celery, client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -91,8 +91,15 @@ def publisher_for(app: Celery) -> Publisher:
     return publish
 
 
-def claim_or_end(task: Task, semaphore: Semaphore, key: str, metadata: dict[str, Any]) -> Slot:
+def claim_or_end(
+    task: Task, semaphore: Semaphore, key: str, metadata: dict[str, Any]
+) -> Slot | None:
     """Claim the slot a hand-off reserved for the running task, or end the run.
+
+    Returns:
+        Slot | None: the reserved slot; or None when this delivery is the broker's
+        redelivery of a hand-off whose run was lost after it claimed its slot (a worker
+        killed with ``acks_late``): it is a new run, and asks for a slot as any run does.
 
     Raises:
         celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
@@ -103,6 +110,8 @@ def claim_or_end(task: Task, semaphore: Semaphore, key: str, metadata: dict[str,
     if isinstance(result, Slot):
         return result
     if isinstance(result, NotWaiting):
+        if (task.request.delivery_info or {}).get("redelivered"):
+            return None
         logger.info("%sa duplicate hand-off of semaphore %r ends here", task_label(task), key)
     raise Ignore()
 

@@ -282,20 +282,11 @@ class Runner:
                     give_up_or_end(task, semaphore, policy, key)
                 except SemaphoreNotAcquiredError as exc:
                     raise self._refused(task, exc) from None
-            if is_handoff(task.request):
-                slot: Slot | None = claim_or_end(task, semaphore, key, metadata)
-            elif policy.on_full == "queue":
-                # One script call whether or not the key is full: take or park.
-                slot = park_or_take(task, semaphore, policy, key, metadata, self.template.source)
-            elif policy.on_full == "wait":
-                asked = time.time()
-                slot = semaphore.acquire(key, metadata=metadata, wait=policy.wait_timeout)
-                if slot is None:
-                    slot = park_or_take(
-                        task, semaphore, policy, key, metadata, self.template.source, asked
-                    )
-            else:
-                slot = semaphore.acquire(key, metadata=metadata)
+            slot = (
+                claim_or_end(task, semaphore, key, metadata) if is_handoff(task.request) else None
+            )
+            if slot is None:
+                slot = self._ask(task, semaphore, policy, key, metadata)
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options)
             if policy.on_full == "raise":
@@ -311,6 +302,24 @@ class Runner:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
             self._shed(task, policy, key, "slot lost while running")
+
+    def _ask(
+        self, task: Task, semaphore: Semaphore, policy: Policy, key: str, metadata: Any
+    ) -> Slot | None:
+        """Ask for a slot as ``on_full`` says: a slot, or None when all are held (the caller
+        sheds or raises). Parking ends the run (``Ignore``)."""
+        if policy.on_full == "queue":
+            # One script call whether or not the key is full: take or park.
+            return park_or_take(task, semaphore, policy, key, metadata, self.template.source)
+        if policy.on_full == "wait":
+            asked = time.time()
+            slot = semaphore.acquire(key, metadata=metadata, wait=policy.wait_timeout)
+            if slot is None:
+                slot = park_or_take(
+                    task, semaphore, policy, key, metadata, self.template.source, asked
+                )
+            return slot
+        return semaphore.acquire(key, metadata=metadata)
 
     # -- running the body --------------------------------------------------------------
 

@@ -51,9 +51,11 @@ BROKER_HEADERS = frozenset(
         "x-last-death-queue",
         "x-last-death-reason",
         "x-delivery-count",
+        "redelivered",
     }
 )
-"""Headers RabbitMQ adds to a delivered message. Published again, RabbitMQ (before 4.0.1,
+"""Headers a broker adds to a delivered message (RabbitMQ's; kombu's Redis transport marks a
+restored message ``redelivered``). Published again, RabbitMQ (before 4.0.1,
 with quorum queues and delayed delivery) takes the message for a dead-letter cycle and drops
 it; Celery's own ``retry()`` leaves the ``x-death`` family out (5.7 and later) for that
 reason, and a shed leaves out all of them whatever the Celery version."""
