@@ -70,6 +70,8 @@ def test_parked_runs_are_counted_and_the_rooms_are_gauged_from_redis(
         assert slot is not None
         slot.release()
     assert [r.get(timeout=60) for r in results] == [0, 1, 2, 3]
+    # Each waited, parked, for at least the 0.1 s above: the wait counts from the first ask.
+    assert value(registry, "semaphore_wait_seconds_sum", key="queued") >= 0.4
     assert wait_for(lambda: rooms.get_sample_value("semaphore_queued", {"key": "queued"}) is None)
 
 
@@ -122,3 +124,11 @@ def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisSer
     }
     assert (second.attributes or {})["semaphore.attempts"] == 3
     assert (second.attributes or {})["semaphore.outcome"] == "full"
+    exporter.clear()
+    # The waiting room's park and claim (what a worker's run does by default) are spans too.
+    holder = sem.acquire("traced")
+    assert holder is not None
+    sem.park("traced", "w1", b"p")
+    holder.release()  # reserves the slot for w1 (no publisher: the sweep would start it)
+    outcomes = [(s.attributes or {})["semaphore.outcome"] for s in exporter.get_finished_spans()]
+    assert outcomes == ["acquired", "parked"]

@@ -26,6 +26,10 @@ from .scripts import (
     backend_errors,
 )
 from .slot import Slot
+from .tracing import acquire_span
+
+_OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
+"""The ``semaphore.outcome`` of a park or claim's span (see :mod:`.tracing`)."""
 
 MAX_BLOCK = 2.0
 """Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
@@ -168,12 +172,13 @@ class WaitingRoom:
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         sent_at = time.monotonic()
-        with backend_errors(key, self.limit):
+        with acquire_span(key, self.limit) as record, backend_errors(key, self.limit):
             result, handed = self._scripts.park(
                 keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
                 self.handoffs.grace_ms,
             )  # fmt: skip
+            record(1, _OUTCOMES[type(result)])
         self.handoffs.deliver(key, handed)
         if isinstance(result, Parked):
             self.admin.index_room(key, ttl_ms)

@@ -40,7 +40,8 @@ class Waiter:
 
     Attributes:
         waiter (str): its id (a Celery task id).
-        arrival (float): when it first asked, epoch seconds (Redis clock).
+        arrival (float): when it first asked, epoch seconds by the clock of the process
+            that parked it.
         waited (float): seconds from ``arrival`` to the server's "now".
     """
 

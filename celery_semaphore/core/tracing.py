@@ -1,8 +1,9 @@
 """An OpenTelemetry span around each acquire, when ``opentelemetry-api`` is installed.
 
 The span is ``semaphore.acquire`` with attributes ``semaphore.key``, ``semaphore.limit``,
-``semaphore.attempts`` and ``semaphore.outcome`` (``acquired`` or ``full``; a Redis failure
-is recorded as the span's exception). Without an SDK configured the API's spans are no-ops,
+``semaphore.attempts`` and ``semaphore.outcome`` (``acquired`` or ``full``; for the waiting
+room's park and claim, ``acquired``, ``parked``, ``room full`` or ``none``; a Redis failure is
+recorded as the span's exception). Without an SDK configured the API's spans are no-ops,
 and without the package installed nothing is imported: ``pip install
 'celery-semaphore[tracing]'`` to have it.
 """

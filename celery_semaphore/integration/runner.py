@@ -61,7 +61,7 @@ from .room import (
     publisher_for,
 )
 from .settings import app_settings, client_for, task_policy
-from .shedding import shed
+from .shedding import first_asked, shed
 from .signals import (
     renew_failed_reporter,
     report_lease_lost,
@@ -296,8 +296,12 @@ class Runner:
             if policy.on_full == "raise":
                 raise self._refused(task, _full_error(key, self.limit))
             self._shed(task, policy, key, "all slots held")
+        waited = time.monotonic() - started
+        first = first_asked(task.request)
+        if first is not None:  # parked or shed before: the wait counts from the first ask
+            waited = max(waited, time.time() - first)
         try:
-            return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
+            return self._run(task, slot, policy, waited, fn, args, kwargs)
         except SemaphoreLeaseLostError:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise

@@ -72,6 +72,16 @@ def retry_headers(request: Any) -> dict[str, Any]:
     }
 
 
+def first_asked(request: Any) -> float | None:
+    """When this attempt of the run first asked for a slot (epoch seconds, worker clock), if
+    it was shed or parked before; None for a first ask."""
+    headers = request.headers or {}
+    if headers.get(SHED_ATTEMPT_HEADER) != (request.retries or 0):
+        return None
+    value = headers.get(FIRST_SHED_HEADER)
+    return float(value) if value else None
+
+
 def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 

@@ -314,7 +314,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if found is None:
                 continue
             policy = task_policy(app, found[0].options)
-            self.queues = self.queues or policy.on_full == "queue"
+            # "wait" parks too, once its wait is over.
+            self.queues = self.queues or policy.on_full in ("queue", "wait")
             if visibility is not None and policy.shed_max_countdown > visibility / 2:
                 raise SemaphoreValidationError(
                     f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
