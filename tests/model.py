@@ -1,0 +1,697 @@
+"""A plain-Python model of the semaphore and its waiting room, for ``tests/test_model.py``.
+
+The model never reads Redis. It knows what each call was answered, and when the call was sent
+and its answer received (``time.monotonic()`` seconds), and from that alone says what Redis
+may hold. Time makes much of it uncertain: a slot granted by a call sent at ``sent`` and
+answered at ``received`` with a lease of ``L`` seconds is *surely held* only while
+``now < sent + L - MARGIN``, and *surely gone* only once ``now > received + L + MARGIN``; in
+between it is *maybe held*, and every check allows either. A call that got no answer (a paused
+server) leaves more things "maybe": the model keeps, for each, the latest moment it could
+still be live, counted from when the server was surely answering again (``settle``).
+
+Each public method takes a call's timing and answer, raises :class:`ModelViolation` (an
+``AssertionError`` that says what failed) if the answer is impossible, and updates the model.
+
+Room left for what does not exist yet: each key keeps its own ``limit`` (a live limit would
+change it), and every holding has a ``weight`` of 1 that is summed wherever slots are counted
+(weighted acquires would set it). A holding names one key; an acquire of several keys would
+make one holding per key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NoReturn
+
+MARGIN = 0.35
+"""Seconds of slack on each side of a lease or claim boundary (clock granularity, a noisy
+machine). Every check allows both answers within it."""
+
+
+class ModelViolation(AssertionError):
+    """The library answered something the model says cannot happen."""
+
+
+def violated(message: str) -> NoReturn:
+    raise ModelViolation(message)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One round trip: when it was sent and when its answer (or error) came back."""
+
+    sent: float
+    received: float
+
+
+@dataclass
+class Window:
+    """When something that may be live in Redis (a slot, a reservation) is surely live and
+    when it is surely gone, in ``time.monotonic()`` seconds."""
+
+    held_until: float
+    gone_after: float
+
+    @classmethod
+    def granted(cls, call: Call, seconds: float) -> Window:
+        """Made by ``call`` for ``seconds``: the server ran it between send and answer."""
+        return cls(call.sent + seconds - MARGIN, call.received + seconds + MARGIN)
+
+    @classmethod
+    def maybe(cls, gone_after: float) -> Window:
+        """Perhaps made by a call that got no answer: never surely held."""
+        return cls(-math.inf, gone_after)
+
+    def held(self, at: float) -> bool:
+        return at < self.held_until
+
+    def gone(self, at: float) -> bool:
+        return at > self.gone_after
+
+    def end(self, at: float) -> None:
+        """A call answered at ``at`` removed it (or said it was gone)."""
+        self.held_until = -math.inf
+        self.gone_after = min(self.gone_after, at)
+
+    def blur(self) -> None:
+        """A call that got no answer may have removed it."""
+        self.held_until = -math.inf
+
+    def describe(self, at: float) -> str:
+        if self.held(at):
+            return f"surely held for {self.held_until - at:.3f}s more"
+        if self.gone(at):
+            return f"surely gone for {at - self.gone_after:.3f}s"
+        return f"maybe held (surely gone in {self.gone_after - at:.3f}s)"
+
+
+@dataclass
+class Holding:
+    """A slot the test got: from acquire, or from park or claim."""
+
+    name: str
+    key: str
+    token: str
+    lease: float
+    window: Window
+    released: bool | None = None
+    """The answer of the first release that got one (later calls repeat it)."""
+    weight: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.name} (key {self.key!r}, token {self.token[:8]})"
+
+
+class State(Enum):
+    PARKED = "parked"
+    """Surely in the room: its park or claim answered "parked", and nothing handed it off."""
+    RESERVED = "reserved"
+    """Handed off: a reservation holds a slot for it (see its window). Once that lapsed it is
+    back in the room, or, if a plain acquire pruned the reservation, only in the parked hash
+    until a sweep puts it back."""
+    UNSURE = "unsure"
+    """A call about it got no answer: it may be parked, reserved, holding or gone."""
+    DONE = "done"
+    """Out of the room for good: see ``done_why``."""
+
+
+@dataclass
+class Waiter:
+    """A waiter the test parked."""
+
+    name: str
+    key: str
+    arrival: float
+    payloads: set[bytes]
+    """The payloads its hand-off may carry (more than one after an unanswered re-park)."""
+    state: State = State.PARKED
+    reservation: Window | None = None
+    done_why: str = ""
+
+    def surely_reserved(self, at: float) -> bool:
+        return self.reservation is not None and self.reservation.held(at)
+
+    def maybe_in_room(self, at: float) -> bool:
+        return self.state is not State.DONE and not self.surely_reserved(at)
+
+    def finish(self, why: str, at: float) -> None:
+        self.state, self.done_why = State.DONE, why
+        if self.reservation is not None:
+            self.reservation.end(at)
+
+    def __str__(self) -> str:
+        state = self.done_why if self.state is State.DONE else self.state.value
+        return f"waiter {self.name} (key {self.key!r}, {state})"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What park or claim answered, without the library's types: ``kind`` is "slot" (with
+    the slot's token), "parked" (with its position), "full" or "not waiting"."""
+
+    kind: str
+    token: str = ""
+    position: int = 0
+
+
+@dataclass
+class KeyModel:
+    """One semaphore key: its limit, the slots the test holds, the waiters it parked, and
+    phantoms, slots that calls with no answer may have taken for tokens nobody knows."""
+
+    name: str
+    limit: int
+    claim_timeout: float
+    holdings: list[Holding] = field(default_factory=list)
+    phantoms: list[Window] = field(default_factory=list)
+    waiters: list[Waiter] = field(default_factory=list)
+
+    def windows(self) -> Iterator[tuple[int, Window]]:
+        """(weight, window) of everything that may count against the limit."""
+        for h in self.holdings:
+            yield h.weight, h.window
+        for w in self.waiters:
+            if w.reservation is not None:
+                yield 1, w.reservation
+        for p in self.phantoms:
+            yield 1, p
+
+    def surely_live(self, at: float, excluding: Window | None = None) -> int:
+        return sum(n for n, win in self.windows() if win is not excluding and win.held(at))
+
+    def maybe_live(self, at: float, excluding: Window | None = None) -> int:
+        return sum(n for n, win in self.windows() if win is not excluding and not win.gone(at))
+
+    def parked(self) -> list[Waiter]:
+        return [w for w in self.waiters if w.state is State.PARKED]
+
+
+class Model:
+    """The whole model: every key, the slots the test holds and the waiters it parked.
+
+    Args:
+        limits: each key's limit.
+        claim_timeouts: each key's claim timeout (seconds a hand-off's reservation lives).
+    """
+
+    def __init__(self, limits: dict[str, int], claim_timeouts: dict[str, float]) -> None:
+        self.keys = {k: KeyModel(k, limits[k], claim_timeouts[k]) for k in limits}
+        self.holdings: list[Holding] = []
+        self.waiters: dict[str, Waiter] = {}
+        self._unsettled: list[Callable[[float], None]] = []
+
+    # -- slots --------------------------------------------------------------------------
+
+    def _hold(self, key: str, call: Call, token: str, lease: float) -> Holding:
+        h = Holding(f"s{len(self.holdings)}", key, token, lease, Window.granted(call, lease))
+        self.holdings.append(h)
+        self.keys[key].holdings.append(h)
+        return h
+
+    def acquire(
+        self,
+        key: str,
+        call: Call,
+        lease: float,
+        token: str | None,
+        handoffs: Sequence[tuple[str, bytes]],
+    ) -> Holding | None:
+        """``Semaphore.acquire(key, lease=lease)`` answered a slot with ``token``, or None."""
+        km = self.keys[key]
+        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        slow = call.received - call.sent >= lease
+        # A reply after a whole lease is not trusted: its slot is released at once, which
+        # may hand it to a waiter.
+        if handoffs and not slow:
+            violated(f"acquire of {key!r} published hand-offs {handoffs} (it never hands off)")
+        self._serve(km, call, handoffs, in_room=km.parked(), at_most=km.limit - surely)
+        if token is None:
+            if maybe < km.limit and not slow:
+                violated(
+                    f"acquire of {key!r} was refused with at most {maybe} slot(s) maybe held "
+                    f"of limit {km.limit}"
+                )
+            if slow:  # the slot given back may not have been released
+                km.phantoms.append(Window.maybe(call.received + lease + MARGIN))
+            return None
+        if surely >= km.limit:
+            violated(
+                f"acquire of {key!r} got a slot while {surely} slot(s) were surely held, "
+                f"limit {km.limit}"
+            )
+        return self._hold(key, call, token, lease)
+
+    def extend(self, h: Holding, call: Call, lease: float, answer: bool) -> None:
+        """``slot.extend(lease)`` answered ``answer``."""
+        if h.released is not None:
+            if answer:
+                violated(f"extend of released {h} answered True")
+            return
+        if answer and h.window.gone(call.sent):
+            violated(f"extend of {h} revived it: it was {h.window.describe(call.sent)}")
+        if not answer and h.window.held(call.received):
+            violated(f"extend of {h} said gone while {h.window.describe(call.received)}")
+        if answer:
+            h.window, h.lease = Window.granted(call, lease), lease
+        else:
+            h.window.end(call.received)
+
+    def _check_owned(self, h: Holding, call: Call, answer: bool, what: str) -> None:
+        if not answer and h.window.held(call.received):
+            violated(f"{what} of {h} said not owned while {h.window.describe(call.received)}")
+        if answer and h.window.gone(call.sent):
+            violated(f"{what} of {h} said owned while {h.window.describe(call.sent)}")
+
+    def release(
+        self, h: Holding, call: Call, answer: bool, handoffs: Sequence[tuple[str, bytes]]
+    ) -> None:
+        """``slot.release()`` answered ``answer`` and published ``handoffs``."""
+        km = self.keys[h.key]
+        if h.released is not None:
+            if answer != h.released or handoffs:
+                violated(f"a second release of {h} answered {answer}, the first {h.released}")
+            return
+        self._check_owned(h, call, answer, "release")
+        capacity = km.limit - km.maybe_live(call.sent, excluding=h.window)
+        parked = km.parked()
+        self._serve(
+            km, call, handoffs, in_room=parked,
+            at_least=min(len(parked), capacity),
+            at_most=km.limit - km.surely_live(call.received, excluding=h.window),
+        )  # fmt: skip
+        h.released = answer
+        h.window.end(call.received)
+
+    def force_release(self, h: Holding, call: Call, answer: bool) -> None:
+        """An operator's ``SemaphoreAdmin.force_release(key, token)`` answered ``answer``
+        (an admin with no publisher hands nothing off)."""
+        self._check_owned(h, call, answer, "force_release")
+        h.window.end(call.received)
+
+    def force_release_all(self, key: str, call: Call, displaced: int) -> None:
+        """An operator's ``force_release_all(key)`` answered ``displaced``."""
+        km = self.keys[key]
+        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        if not surely <= displaced <= maybe:
+            violated(
+                f"force_release_all of {key!r} displaced {displaced}, the model says "
+                f"{surely} to {maybe}"
+            )
+        for _, win in km.windows():
+            win.end(call.received)
+
+    # -- the waiting room ---------------------------------------------------------------
+
+    def _serve(
+        self,
+        km: KeyModel,
+        call: Call,
+        handoffs: Sequence[tuple[str, bytes]],
+        in_room: list[Waiter],
+        also: Waiter | None = None,
+        at_least: int = 0,
+        at_most: int | None = None,
+    ) -> None:
+        """Check and record the waiters ``call`` served: ``handoffs`` it published, and
+        ``also``, a waiter it gave a slot at once. ``in_room`` were surely in the room when it
+        was sent; it must serve at least ``at_least`` and at most ``at_most`` waiters."""
+        served = [name for name, _ in handoffs] + ([also.name] if also else [])
+        if len(served) < at_least:
+            waiting = [w.name for w in in_room]
+            violated(
+                f"a call on {km.name!r} served {served} but free slots were enough for "
+                f"{at_least} of the parked waiters {waiting}"
+            )
+        if at_most is not None and len(served) > max(0, at_most):
+            violated(
+                f"a call on {km.name!r} served {served}, more than the {max(0, at_most)} "
+                f"slot(s) that could be free (limit {km.limit})"
+            )
+        if len(set(served)) != len(served):
+            violated(f"a call on {km.name!r} served a waiter twice: {served}")
+        arrivals: list[float] = []
+        for name, payload in handoffs:
+            w = self.waiters.get(name)
+            if w is None or w.key != km.name:
+                violated(f"hand-off of {name!r} on {km.name!r}, a waiter never parked there")
+            if w.state is State.DONE:
+                violated(f"{w} was handed off")
+            if w.surely_reserved(call.received):
+                violated(f"{w} was handed off again while its reservation was surely live")
+            if payload not in w.payloads:
+                violated(f"{w} was handed off with {payload!r}, not one of {w.payloads}")
+            arrivals.append(w.arrival)
+        if arrivals != sorted(arrivals):
+            violated(f"a call on {km.name!r} handed off out of arrival order: {served}")
+        if served:
+            newest = max([*arrivals, *([also.arrival] if also else [])])
+            for w in in_room:
+                if w.arrival < newest and w.name not in served:
+                    violated(f"{served} were served on {km.name!r} before older {w}")
+        for name, payload in handoffs:
+            w = self.waiters[name]
+            w.state, w.payloads = State.RESERVED, {payload}
+            w.reservation = Window.granted(call, km.claim_timeout)
+
+    def _position_bounds(
+        self, km: KeyModel, w: Waiter, call: Call, served: set[str]
+    ) -> tuple[int, int]:
+        older = [v for v in km.waiters if v is not w and v.arrival < w.arrival]
+        older = [v for v in older if v.name not in served]
+        low = sum(v.state is State.PARKED for v in older)
+        return low, sum(v.maybe_in_room(call.received) for v in older)
+
+    def park(
+        self,
+        key: str,
+        name: str,
+        payload: bytes,
+        arrival: float,
+        lease: float,
+        max_queued: int,
+        call: Call,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+    ) -> Holding | None:
+        """``Semaphore.park(key, name, payload, arrival=...)`` answered ``outcome``.
+
+        A waiter the model knows (parked, reserved) keeps its first arrival; a new one, or
+        one out of the room for good, is parked anew."""
+        km = self.keys[key]
+        w = self.waiters.get(name)
+        if w is not None and w.state is State.UNSURE:
+            raise ValueError("the test does not re-park a waiter the model is unsure of")
+        if w is not None and w.state is not State.DONE:
+            return self._rejoin(w, call, lease, outcome, handoffs, payload)
+        w = Waiter(name, key, arrival, {payload})
+        self.waiters[name] = w
+        km.waiters = [v for v in km.waiters if v.name != name] + [w]
+        parked = [v for v in km.parked() if v is not w]
+        capacity = km.limit - km.maybe_live(call.sent)
+        surely = km.surely_live(call.received)
+        queued_low = len(parked)
+        queued_high = sum(v.maybe_in_room(call.received) for v in km.waiters if v is not w)
+        if outcome.kind == "full":
+            if max_queued == 0 or queued_high < max_queued:
+                violated(
+                    f"park of {w} answered room full (max_queued {max_queued}) with at most "
+                    f"{queued_high} waiter(s) maybe in the room"
+                )
+            if handoffs:
+                violated(f"park of {w} was refused yet handed off {handoffs}")
+            w.finish("refused: room full", call.received)
+            return None
+        if max_queued and queued_low >= max_queued:
+            violated(
+                f"park of {w} was let in past max_queued {max_queued} with {queued_low} "
+                "waiter(s) surely in the room"
+            )
+        served = {n for n, _ in handoffs}
+        if outcome.kind == "parked":
+            low, high = self._position_bounds(km, w, call, served)
+            if not low <= outcome.position <= high:
+                violated(f"park of {w} answered position {outcome.position}, not {low}..{high}")
+        elif outcome.kind != "slot":
+            violated(f"park of {w} answered {outcome.kind!r}")
+        took = outcome.kind == "slot"
+        self._serve(
+            km, call, handoffs, in_room=[*parked, w], also=w if took else None,
+            at_least=min(len(parked) + 1, capacity), at_most=km.limit - surely,
+        )  # fmt: skip
+        if took:
+            w.finish("took a slot", call.received)
+            return self._hold(key, call, outcome.token, lease)
+        return None
+
+    def _rejoin(
+        self,
+        w: Waiter,
+        call: Call,
+        lease: float,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+        payload: bytes | None,
+    ) -> Holding | None:
+        """park (``payload``) or claim (None) of a waiter that is parked or reserved: it
+        takes its reservation, or joins the room again at its first arrival."""
+        km = self.keys[w.key]
+        what = "claim" if payload is None else "re-park"
+        reserved = w.reservation is not None and not w.reservation.gone(call.sent)
+        if w.surely_reserved(call.received) and outcome.kind != "slot":
+            violated(f"{what} of {w} answered {outcome.kind!r} while its reservation was live")
+        if outcome.kind not in ("slot", "parked"):
+            violated(f"{what} of {w} answered {outcome.kind!r}")
+        parked = [v for v in km.parked() if v is not w]
+        in_room = parked if reserved else [*parked, w]
+        window = w.reservation
+        served = {n for n, _ in handoffs}
+        if outcome.kind == "parked":
+            low, high = self._position_bounds(km, w, call, served)
+            if not low <= outcome.position <= high:
+                violated(f"{what} of {w} answered position {outcome.position}, not {low}..{high}")
+        if w.surely_reserved(call.received):
+            if handoffs:
+                violated(f"{what} of {w} took its reservation and handed off {handoffs}")
+        else:
+            self._serve(
+                km, call, handoffs, in_room=in_room,
+                also=w if outcome.kind == "slot" and not reserved else None,
+                at_least=0 if reserved else min(len(in_room), km.limit - km.maybe_live(
+                    call.sent, excluding=window)),
+                at_most=km.limit - km.surely_live(call.received, excluding=window),
+            )  # fmt: skip
+        if payload is not None:
+            w.payloads = {payload}
+        if outcome.kind == "slot":
+            w.finish("claimed its slot", call.received)
+            return self._hold(w.key, call, outcome.token, lease)
+        w.state = State.PARKED
+        if w.reservation is not None:
+            w.reservation.end(call.received)
+        return None
+
+    def claim(
+        self,
+        name: str,
+        call: Call,
+        lease: float,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+    ) -> Holding | None:
+        """``Semaphore.claim(key, name)`` answered ``outcome``."""
+        w = self.waiters[name]
+        km = self.keys[w.key]
+        if w.state is State.DONE:
+            if outcome.kind != "not waiting" or handoffs:
+                violated(f"claim of {w} answered {outcome.kind!r} with hand-offs {handoffs}")
+            return None
+        if w.state is State.UNSURE:
+            if outcome.kind == "not waiting":
+                w.finish("not waiting (after a call with no answer)", call.received)
+                self._serve(km, call, handoffs, in_room=km.parked())
+                return None
+            w.state = State.RESERVED if w.reservation is not None else State.PARKED
+            if w.reservation is not None:
+                w.reservation.blur()
+        return self._rejoin(w, call, lease, outcome, handoffs, None)
+
+    def cancel(
+        self, name: str, call: Call, found: bool, handoffs: Sequence[tuple[str, bytes]]
+    ) -> None:
+        """``SemaphoreAdmin.cancel(key, name)`` answered ``found``."""
+        w = self.waiters[name]
+        km = self.keys[w.key]
+        if w.state in (State.PARKED, State.RESERVED) and not found:
+            violated(f"cancel of {w} answered not found")
+        if w.state is State.DONE and found:
+            violated(f"cancel of {w} answered found")
+        window = w.reservation
+        parked = [v for v in km.parked() if v is not w]
+        capacity = km.limit - km.maybe_live(call.sent, excluding=window)
+        if w.state is State.UNSURE:
+            capacity = 0  # it may have held a slot nobody knows
+        self._serve(
+            km, call, handoffs, in_room=parked, at_least=min(len(parked), capacity),
+            at_most=km.limit - km.surely_live(call.received, excluding=window),
+        )  # fmt: skip
+        if w.state is not State.DONE:
+            w.finish("cancelled", call.received)
+
+    def sweep(
+        self, key: str, call: Call, handed: int, handoffs: Sequence[tuple[str, bytes]]
+    ) -> None:
+        """``SemaphoreAdmin.sweep(key)`` answered ``handed`` and published ``handoffs``.
+
+        A sweep puts back into the room every waiter whose reservation lapsed (even one a
+        plain acquire pruned), then hands free slots to the oldest: after it, every such
+        waiter it did not serve is surely in the room."""
+        km = self.keys[key]
+        if handed != len(handoffs):
+            violated(f"sweep of {key!r} answered {handed} but published {len(handoffs)}")
+        lapsed = [
+            w
+            for w in km.waiters
+            if w.state is State.RESERVED
+            and w.reservation is not None
+            and w.reservation.gone(call.sent)
+        ]
+        in_room = sorted(km.parked() + lapsed, key=lambda w: w.arrival)
+        self._serve(
+            km, call, handoffs, in_room=in_room,
+            at_least=min(len(in_room), km.limit - km.maybe_live(call.sent)),
+            at_most=km.limit - km.surely_live(call.received),
+        )  # fmt: skip
+        served = {n for n, _ in handoffs}
+        for w in lapsed:
+            if w.name not in served:
+                w.state, w.reservation = State.PARKED, None
+
+    # -- faults -------------------------------------------------------------------------
+
+    def restart(self, at: float) -> None:
+        """The server restarted without persistence at ``at``: everything is gone."""
+        for km in self.keys.values():
+            for _, win in km.windows():
+                win.end(at)
+            km.phantoms.clear()
+            for w in km.waiters:
+                if w.state is not State.DONE:
+                    w.finish("lost in a restart", at)
+
+    def unanswered(self, op: str, call: Call, **kw: object) -> None:
+        """A call got no answer (``op`` as in test_model's rules). The server may run it up to
+        the moment :meth:`settle` is called; what it may have done is recorded then."""
+        self._unsettled.append(lambda at: self._maybe_done(op, call, at, **kw))
+
+    def settle(self, at: float) -> None:
+        """The server is answering again at ``at``: every call that got no answer before has
+        run by now, or never will."""
+        pending, self._unsettled = self._unsettled, []
+        for apply in pending:
+            apply(at)
+
+    def _blur_room(self, km: KeyModel, at: float) -> None:
+        """A call with no answer may have handed slots to any waiter of ``km`` without anyone
+        publishing it: each may hold a reservation until ``at`` + the claim timeout."""
+        until = at + km.claim_timeout + MARGIN
+        for w in km.waiters:
+            if w.state is State.DONE:
+                continue
+            if w.state is State.PARKED:
+                w.state = State.RESERVED
+            if w.reservation is None:
+                w.reservation = Window.maybe(until)
+            else:
+                w.reservation.gone_after = max(w.reservation.gone_after, until)
+
+    def _maybe_done(self, op: str, call: Call, at: float, **kw: object) -> None:
+        key = str(kw["key"])
+        km = self.keys[key]
+        lease = float(kw.get("lease", 0.0))  # type: ignore[arg-type]
+        h = kw.get("holding")
+        w = kw.get("waiter")
+        if op in ("acquire", "park", "claim"):  # a slot for a token nobody knows
+            km.phantoms.append(Window.maybe(at + lease + MARGIN))
+        if op == "extend" and isinstance(h, Holding) and not h.window.gone(call.sent):
+            h.window.held_until = min(h.window.held_until, call.sent + lease - MARGIN)
+            h.window.gone_after = max(h.window.gone_after, at + lease + MARGIN)
+        if op in ("release", "force_release") and isinstance(h, Holding):
+            h.window.blur()
+        if op == "force_release_all":
+            for _, win in km.windows():
+                win.blur()
+        if op == "park" and isinstance(w, Waiter):
+            self.waiters[w.name] = w
+            km.waiters = [v for v in km.waiters if v.name != w.name] + [w]
+        if op in ("park", "claim", "cancel") and isinstance(w, Waiter):
+            w.state = State.UNSURE
+            if w.reservation is not None:
+                w.reservation.blur()
+        if op in ("park", "claim", "cancel", "release", "sweep"):
+            self._blur_room(km, at)
+
+    # -- what Redis reports -------------------------------------------------------------
+
+    def check_limits(self, at: float) -> None:
+        """The slots surely held never exceed a key's limit."""
+        for km in self.keys.values():
+            surely = km.surely_live(at)
+            if surely > km.limit:
+                violated(f"{surely} slots of {km.name!r} are surely held, limit {km.limit}")
+
+    def observe_count(self, key: str, call: Call, count: int, available: int) -> None:
+        """``count(key)`` and ``available(key)``, read in ``call``."""
+        km = self.keys[key]
+        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        if count > km.limit:
+            violated(f"count({key!r}) is {count}, over the limit {km.limit}")
+        if not surely <= count <= maybe:
+            violated(f"count({key!r}) is {count}, the model says {surely} to {maybe}")
+        low, high = max(0, km.limit - maybe), max(0, km.limit - surely)
+        if not low <= available <= high:
+            violated(f"available({key!r}) is {available}, the model says {low} to {high}")
+
+    def observe_holders(self, key: str, call: Call, holders: Sequence[tuple[str, str]]) -> None:
+        """``holders(key)`` read in ``call``: (token, ``reserved_for`` or "") of each."""
+        km = self.keys[key]
+        tokens = [t for t, _ in holders]
+        if len(tokens) > km.limit:
+            violated(f"holders({key!r}) lists {len(tokens)} holders, over the limit {km.limit}")
+        if len(set(tokens)) != len(tokens):
+            violated(f"holders({key!r}) lists a token twice: {tokens}")
+        by_token = {h.token: h for h in km.holdings}
+        waiters = {f"~{w.name}": w for w in km.waiters}
+        unknown = 0
+        for token, reserved_for in holders:
+            h = by_token.get(token)
+            w = waiters.get(token)
+            if h is not None:
+                if h.window.gone(call.sent):
+                    violated(f"holders({key!r}) lists {h}, {h.window.describe(call.sent)}")
+            elif w is not None:
+                if w.reservation is None or w.reservation.gone(call.sent):
+                    violated(f"holders({key!r}) lists a reservation for {w}, never handed off")
+                if reserved_for != w.name:
+                    violated(f"reservation {token} of {key!r} is reserved for {reserved_for!r}")
+            else:
+                unknown += 1
+        phantoms = sum(not p.gone(call.sent) for p in km.phantoms)
+        if unknown > phantoms:
+            violated(
+                f"holders({key!r}) lists {unknown} token(s) the model does not know; at most "
+                f"{phantoms} call(s) with no answer may have taken a slot"
+            )
+        listed = set(tokens)
+        for h in km.holdings:
+            if h.window.held(call.received) and h.token not in listed:
+                violated(f"holders({key!r}) misses {h}, {h.window.describe(call.received)}")
+        for w in km.waiters:
+            if w.surely_reserved(call.received) and f"~{w.name}" not in listed:
+                violated(f"holders({key!r}) misses the live reservation of {w}")
+
+    def observe_room(self, key: str, call: Call, room: Sequence[str], parked: set[str]) -> None:
+        """The room of ``key`` (waiter ids, oldest first) and the waiter ids in its parked
+        hash, read in ``call``: nobody is lost, and the room keeps arrival order."""
+        km = self.keys[key]
+        mine = {w.name: w for w in km.waiters}
+        for name in room:
+            w = mine.get(name)
+            if w is None:
+                violated(f"the room of {key!r} holds {name!r}, never parked there")
+            if w.state is State.DONE:
+                violated(f"the room of {key!r} still holds {w}")
+            if w.surely_reserved(call.received):
+                violated(f"the room of {key!r} holds {w} while its reservation is live")
+        arrivals = [mine[name].arrival for name in room]
+        if arrivals != sorted(arrivals):
+            violated(f"the room of {key!r} is not in arrival order: {list(room)}")
+        for w in km.waiters:
+            if w.state is State.PARKED and w.name not in room:
+                violated(f"{w} is missing from the room {list(room)}")
+            if w.state in (State.PARKED, State.RESERVED) and w.name not in parked:
+                violated(f"{w} is lost: it is not in the parked hash")
+            if w.state is State.DONE and w.name in parked:
+                violated(f"{w} is still in the parked hash")

@@ -1,0 +1,766 @@
+"""Random schedules of the core ``Semaphore`` against a real redis-server, checked against the
+plain-Python model in ``tests/model.py`` (Hypothesis ``RuleBasedStateMachine``; no Celery).
+
+Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s), extend,
+release, an operator's force-release of one slot or of a whole key, park a waiter (with or
+without ``max_queued``), park it again, claim, cancel, sweep; time passing, and sleeping until
+short leases and reservations have surely lapsed. Faults: the server frozen with SIGSTOP while
+one or two calls are made (each must fail with ``SemaphoreBackendError`` within the client's
+0.5 s timeout; the server may still run them when it wakes), and a restart without
+persistence (everything gone).
+
+Invariants, after every step: the slots the model says are surely held never exceed a key's
+limit, and neither do ``count`` nor ``holders``; ``count``, ``available`` and ``holders``
+agree with the model within its maybe-window, and a slot or reservation it says is surely
+gone is never listed; extend and release answers match it (a surely-held slot is owned, a
+surely-gone one is not); a waiter is handed off only while it waits (never again while its
+reservation is live, never after it claimed, was cancelled or was refused), in arrival order,
+with its latest payload, and a release, cancel, park or sweep that frees a slot hands it to a
+waiter that surely waits; nobody is lost (every waiter that waits is in the parked hash, and
+the room, read with ``SemaphoreAdmin.room``, holds every surely-parked waiter, in arrival
+order); every key in Redis has a TTL, and a key's TTL outlives its live leases.
+
+Run it:
+
+    .venv/bin/pytest tests/test_model.py -q                  # CI profile: fixed examples, ~1 min
+    CELERY_SEMAPHORE_MODEL=deep .venv/bin/pytest tests/test_model.py -q -p no:randomly
+                                                              # 400 random examples, ~15 min
+
+``CELERY_SEMAPHORE_MODEL_EXAMPLES=N`` changes the deep profile's number of examples. A failure
+prints the steps, each with a note of what it was answered and how long it took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
+
+import pytest
+import redis
+from hypothesis import HealthCheck, event, note, settings
+from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_semaphore import Semaphore, SemaphoreBackendError, Slot
+from celery_semaphore.core.admin import SemaphoreAdmin
+from celery_semaphore.core.scripts import Handoff, NotWaiting, Parked, RoomFull, redis_keys
+from celery_semaphore.testing import RedisServer
+
+from .model import Call, Holding, Model, Outcome, State, Waiter
+
+T = TypeVar("T")
+
+KEYS = ("a", "b")
+keys = st.sampled_from(("a", "a", "a", "b"))
+"""Mostly "a": a key fills up, and its waiters wait, only if it gets most of the calls."""
+LEASES = (0.25, 20.0)
+"""A short lease, to see slots lapse, and one that outlives any example, to see them held."""
+CLAIM_TIMEOUTS = (0.3, 20.0)
+SOCKET_TIMEOUT = 0.3
+"""The client's timeout: a call to a frozen server must fail within it (plus SLACK)."""
+FAULT_EVERY = 8
+"""Steps between two faults (a freeze or a restart), at least."""
+SLACK = 1.5
+"""Seconds a noisy machine may add to a timeout."""
+PREFIX = "model"
+ROOM_TTL_BUG = True
+"""A room that a lapsed reservation's waiter re-creates has no TTL (see
+test_a_room_recreated_by_a_requeue_has_a_ttl): tolerated here until it is fixed."""
+
+settings.register_profile(
+    "model-ci",
+    max_examples=25,
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+settings.register_profile(
+    "model-deep",
+    max_examples=int(os.environ.get("CELERY_SEMAPHORE_MODEL_EXAMPLES", "400")),
+    stateful_step_count=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
+DEEP = os.environ.get("CELERY_SEMAPHORE_MODEL", "") == "deep"
+
+
+class Published:
+    """The semaphores' ``on_handoff``: collects what each call hands off."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, Handoff]] = []
+
+    def __call__(self, key: str, handoffs: Sequence[Handoff]) -> None:
+        self.log.extend((key, h) for h in handoffs)
+
+    def take(self, key: str) -> list[tuple[str, bytes]]:
+        """What the last call published, all for ``key``; no give-ups (no deadlines here)."""
+        items, self.log = self.log, []
+        for published_key, h in items:
+            assert published_key == key, f"a call on {key!r} published for {published_key!r}"
+            assert not h.give_up, f"a give-up for {h.waiter} though no waiter has a deadline"
+        return [(h.waiter, h.payload) for _, h in items]
+
+
+def outcome_of(result: object) -> Outcome:
+    if isinstance(result, Slot):
+        return Outcome("slot", token=result.token)
+    if isinstance(result, Parked):
+        return Outcome("parked", position=result.position)
+    if isinstance(result, RoomFull):
+        return Outcome("full")
+    assert isinstance(result, NotWaiting), f"park or claim answered {result!r}"
+    return Outcome("not waiting")
+
+
+def say(text: str) -> None:
+    """Hypothesis's ``note``, which prints with a failing example's steps (and nothing when
+    the machine is driven by hand, as the regression tests do)."""
+    with contextlib.suppress(InvalidArgument):
+        note(text)
+
+
+def count(what: str) -> None:
+    """Hypothesis's ``event``: how often something happened, in ``--hypothesis-show-statistics``."""
+    with contextlib.suppress(InvalidArgument):
+        event(what)
+
+
+def timed_out(exc: BaseException) -> bool:
+    return isinstance(exc.__cause__ or exc, redis.TimeoutError)
+
+
+class SemaphoreMachine(RuleBasedStateMachine):
+    """Calls on two keys of one server, checked against :class:`Model` after every step."""
+
+    def __init__(self, server: RedisServer) -> None:
+        super().__init__()
+        self.server = server
+        self.client = server.client(
+            socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=SOCKET_TIMEOUT
+        )
+        self.client.flushall()
+        self.published = Published()
+        self.operator = SemaphoreAdmin(self.client, PREFIX)  # no publisher: hands off nothing
+        self.sems: dict[str, Semaphore] = {}
+        self.slots: dict[str, Slot] = {}
+        self.model = Model({}, {})
+        self.ready = False
+        self.paused = False
+        self.last_arrival = 0.0
+        self.parks = 0
+        self.steps = 0
+        self.last_fault = 0
+
+    @initialize(
+        limits=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+        claims=st.tuples(st.sampled_from(CLAIM_TIMEOUTS), st.sampled_from(CLAIM_TIMEOUTS)),
+    )
+    def setup(self, limits: tuple[int, int], claims: tuple[float, float]) -> None:
+        for key, limit, claim in zip(KEYS, limits, claims, strict=True):
+            self.sems[key] = Semaphore(
+                self.client, limit=limit, lease=LEASES[-1], prefix=PREFIX,
+                claim_timeout=claim, on_handoff=self.published,
+            )  # fmt: skip
+        self.model = Model(
+            dict(zip(KEYS, limits, strict=True)), dict(zip(KEYS, claims, strict=True))
+        )
+        self.ready = True
+
+    def teardown(self) -> None:
+        if self.paused:
+            self.server.resume()
+        self.client.close()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _run(self, fn: Callable[[], T]) -> tuple[Call, T | None, bool]:
+        """Call ``fn``: its timing, its answer, and whether it got one. A timeout on a busy
+        machine is a call with no answer, as when the server is frozen."""
+        sent = time.monotonic()
+        try:
+            value = fn()
+        except SemaphoreBackendError as exc:
+            if not timed_out(exc):
+                raise
+            count("a call timed out with the server running")
+            return Call(sent, time.monotonic()), None, False
+        return Call(sent, time.monotonic()), value, True
+
+    def _lost(self, op: str, call: Call, **kw: object) -> None:
+        say(f"{op} got no answer in {call.received - call.sent:.3f}s")
+        self.model.unanswered(op, call, **kw)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait until the server answers again, and tell the model."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "the server did not answer for 30 s"
+                time.sleep(0.05)
+        self.model.settle(time.monotonic())
+
+    def _arrival(self) -> float:
+        self.last_arrival = max(time.time(), self.last_arrival + 0.002)
+        return self.last_arrival
+
+    # Rules have no preconditions on what the model holds: that depends on timing, and
+    # Hypothesis needs the same draws to enable the same rules. With nothing to pick, a rule
+    # does nothing.
+
+    def _pick_holding(self, pick: int) -> Holding | None:
+        """The slot ``pick`` points at, newest first: one not released yet (a released Slot
+        answers without a round trip), or, for every fourth pick, any."""
+        holdings = self.model.holdings
+        if pick % 4 != 3:
+            holdings = [h for h in holdings if h.released is None] or holdings
+        return holdings[-1 - (pick // 4) % len(holdings)] if holdings else None
+
+    def _pick_waiter(self, pick: int, sure: bool = False) -> Waiter | None:
+        """The waiter ``pick`` points at, newest first: one still waiting, or, for every
+        fourth pick, any (``sure``: not one the model is unsure of)."""
+        waiters = [
+            w for w in self.model.waiters.values() if not sure or w.state is not State.UNSURE
+        ]
+        if pick % 4 != 3:
+            waiters = [w for w in waiters if w.state is not State.DONE] or waiters
+        return waiters[-1 - (pick // 4) % len(waiters)] if waiters else None
+
+    # -- slots --------------------------------------------------------------------------
+
+    @rule(key=keys, lease=st.sampled_from(LEASES))
+    def acquire(self, key: str, lease: float) -> None:
+        call, slot, answered = self._run(lambda: self.sems[key].acquire(key, lease=lease))
+        if not answered:
+            return self._lost("acquire", call, key=key, lease=lease)
+        handoffs = self.published.take(key)
+        h = self.model.acquire(key, call, lease, slot.token if slot else None, handoffs)
+        say(f"acquire {key!r} -> {h} in {call.received - call.sent:.3f}s, handed {handoffs}")
+        if slot is not None and h is not None:
+            assert (slot.key, slot.limit, slot.lease) == (key, self.model.keys[key].limit, lease)
+            self.slots[h.name] = slot
+
+    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
+    def extend(self, pick: int, lease: float) -> None:
+        h = self._pick_holding(pick)
+        if h is None:
+            return
+        slot = self.slots[h.name]
+        call, answer, answered = self._run(lambda: slot.extend(lease))
+        if not answered:
+            return self._lost("extend", call, key=h.key, holding=h, lease=lease)
+        say(f"extend {h} for {lease}s -> {answer}")
+        assert answer is not None
+        if not answer and h.released is None:
+            assert slot.lost.is_set(), f"extend found {h} gone but did not mark it lost"
+        self.model.extend(h, call, lease, answer)
+
+    @rule(pick=st.integers(0, 63))
+    def release(self, pick: int) -> None:
+        h = self._pick_holding(pick)
+        if h is None:
+            return
+        slot = self.slots[h.name]
+        call, answer, answered = self._run(slot.release)
+        if not answered:
+            return self._lost("release", call, key=h.key, holding=h)
+        handoffs = self.published.take(h.key)
+        say(f"release {h} -> {answer}, handed {handoffs}")
+        assert answer is not None
+        if not answer:
+            assert slot.lost.is_set(), f"release found {h} gone but did not mark it lost"
+        self.model.release(h, call, answer, handoffs)
+
+    @rule(pick=st.integers(0, 63), whole_key=st.booleans())
+    def force_release(self, pick: int, whole_key: bool) -> None:
+        """An operator frees one slot by its token, or every slot of its key."""
+        h = self._pick_holding(pick)
+        if whole_key:
+            key = h.key if h is not None else KEYS[pick % len(KEYS)]
+            call, displaced, answered = self._run(lambda: self.operator.force_release_all(key))
+            if not answered:
+                return self._lost("force_release_all", call, key=key)
+            say(f"force_release_all {key!r} -> {displaced}")
+            assert displaced is not None
+            return self.model.force_release_all(key, call, displaced)
+        if h is None:
+            return
+        call, answer, answered = self._run(lambda: self.operator.force_release(h.key, h.token))
+        if not answered:
+            return self._lost("force_release", call, key=h.key, holding=h)
+        say(f"force_release {h} -> {answer}")
+        assert answer is not None
+        self.model.force_release(h, call, answer)
+
+    # -- the waiting room ---------------------------------------------------------------
+
+    def _park(self, key: str, name: str, lease: float, max_queued: int, payload: bytes) -> None:
+        arrival = self._arrival()
+        call, result, answered = self._run(
+            lambda: self.sems[key].park(
+                key, name, payload, arrival=arrival, lease=lease, max_queued=max_queued
+            )
+        )
+        old = self.model.waiters.get(name)
+        if not answered:
+            if old is not None and old.state is not State.DONE:
+                old.payloads.add(payload)
+                waiter = old
+            else:
+                waiter = Waiter(name, key, arrival, {payload}, State.UNSURE)
+            return self._lost("park", call, key=key, waiter=waiter, lease=lease)
+        handoffs = self.published.take(key)
+        outcome = outcome_of(result)
+        say(f"park {name} on {key!r} -> {outcome}, handed {handoffs}")
+        h = self.model.park(key, name, payload, arrival, lease, max_queued, call, outcome, handoffs)
+        if h is not None:
+            assert isinstance(result, Slot)
+            self.slots[h.name] = result
+
+    @rule(
+        key=keys,
+        runs=st.integers(1, 3),
+        lease=st.sampled_from(LEASES),
+        max_queued=st.sampled_from((0, 0, 2)),
+    )
+    def park(self, key: str, runs: int, lease: float, max_queued: int) -> None:
+        """A burst of ``runs`` new waiters parks, one call each: the first take the free
+        slots, the rest wait."""
+        for _ in range(runs):
+            name = f"w{self.parks}"
+            self.parks += 1
+            self._park(key, name, lease, max_queued, f"{name}/0".encode())
+
+    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
+    def park_again(self, pick: int, lease: float) -> None:
+        w = self._pick_waiter(pick, sure=True)
+        if w is None:
+            return
+        self.parks += 1
+        self._park(w.key, w.name, lease, 0, f"{w.name}/{self.parks}".encode())
+
+    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
+    def claim(self, pick: int, lease: float) -> None:
+        w = self._pick_waiter(pick)
+        if w is None:
+            return
+        call, result, answered = self._run(
+            lambda: self.sems[w.key].claim(w.key, w.name, lease=lease)
+        )
+        if not answered:
+            return self._lost("claim", call, key=w.key, waiter=w, lease=lease)
+        handoffs = self.published.take(w.key)
+        outcome = outcome_of(result)
+        say(f"claim {w} -> {outcome}, handed {handoffs}")
+        h = self.model.claim(w.name, call, lease, outcome, handoffs)
+        if h is not None:
+            assert isinstance(result, Slot)
+            self.slots[h.name] = result
+
+    @rule(pick=st.integers(0, 63))
+    def cancel(self, pick: int) -> None:
+        w = self._pick_waiter(pick)
+        if w is None:
+            return
+        call, found, answered = self._run(lambda: self.sems[w.key].admin.cancel(w.key, w.name))
+        if not answered:
+            return self._lost("cancel", call, key=w.key, waiter=w)
+        handoffs = self.published.take(w.key)
+        say(f"cancel {w} -> {found}, handed {handoffs}")
+        assert found is not None
+        self.model.cancel(w.name, call, found, handoffs)
+
+    @rule(key=keys)
+    def sweep(self, key: str) -> None:
+        call, handed, answered = self._run(lambda: self.sems[key].admin.sweep(key))
+        if not answered:
+            return self._lost("sweep", call, key=key)
+        handoffs = self.published.take(key)
+        say(f"sweep {key!r} -> {handed}, handed {handoffs}")
+        assert handed is not None
+        self.model.sweep(key, call, handed, handoffs)
+
+    # -- time and faults ----------------------------------------------------------------
+
+    def _lapsing(self) -> list[float]:
+        """When each window that ends within 1.5 s is surely gone."""
+        now = time.monotonic()
+        return [
+            win.gone_after
+            for km in self.model.keys.values()
+            for _, win in km.windows()
+            if now < win.gone_after <= now + 1.5
+        ]
+
+    @rule(wait=st.sampled_from(("a little", "a while", "past the short leases")))
+    def time_passes(self, wait: str) -> None:
+        """Sleep 0.05 s or 0.2 s, or until every short lease and reservation surely lapsed."""
+        seconds = {"a little": 0.05, "a while": 0.2}.get(wait)
+        if seconds is None:
+            seconds = max(self._lapsing(), default=0.0) + 0.02 - time.monotonic()
+        time.sleep(max(0.0, seconds))
+
+    def _frozen_call(self, op: str, key: str, pick: int) -> None:
+        """One call to the frozen server: it must fail within the client's timeout."""
+        sem = self.sems[key]
+        lease = LEASES[pick % len(LEASES)]
+        kw: dict[str, object] = {"key": key, "lease": lease}
+        fn: Callable[[], object]
+        h = self._pick_holding(pick)
+        w = self._pick_waiter(pick)
+        if op in ("extend", "release") and h is not None:
+            slot = self.slots[h.name]
+            if h.released is None:  # else the slot answers without a round trip
+                kw.update(key=h.key, holding=h)
+                fn = (lambda: slot.extend(lease)) if op == "extend" else slot.release
+            else:
+                op, fn = "count", lambda: sem.count(key)
+        elif op in ("claim", "cancel") and w is not None:
+            kw.update(key=w.key, waiter=w)
+            room = self.sems[w.key]
+            fn = (
+                (lambda: room.claim(w.key, w.name, lease=lease))
+                if op == "claim"
+                else (lambda: room.admin.cancel(w.key, w.name))
+            )
+        elif op == "sweep":
+            fn = lambda: sem.admin.sweep(key)  # noqa: E731
+        elif op == "count":
+            fn = lambda: sem.count(key)  # noqa: E731
+        else:
+            op, fn = "acquire", lambda: sem.acquire(key, lease=lease)
+        sent = time.monotonic()
+        with pytest.raises(SemaphoreBackendError) as raised:
+            fn()
+        call = Call(sent, time.monotonic())
+        took = call.received - sent
+        assert took < SOCKET_TIMEOUT + SLACK, (
+            f"{op} on the frozen server took {took:.2f}s to fail; the timeout is {SOCKET_TIMEOUT}s"
+        )
+        assert timed_out(raised.value), f"{op} on the frozen server failed with {raised.value!r}"
+        assert not self.published.log, f"{op} on the frozen server published hand-offs"
+        say(f"frozen: {op} {kw.get('holding') or kw.get('waiter') or key} failed in {took:.2f}s")
+        if op != "count":
+            self.model.unanswered(op, call, **kw)
+
+    def _fault_allowed(self) -> bool:
+        """Faults wipe or blur what the steps before built up: at most one per FAULT_EVERY
+        steps (a count of steps, not of time: Hypothesis needs preconditions that depend
+        only on the steps drawn)."""
+        return self.steps - self.last_fault >= FAULT_EVERY
+
+    @precondition(_fault_allowed)
+    @rule(
+        ops=st.lists(
+            st.tuples(
+                st.sampled_from(("acquire", "extend", "release", "claim", "cancel", "sweep",
+                                 "count")),
+                keys,
+                st.integers(0, 63),
+            ),
+            min_size=1,
+            max_size=2,
+        ),
+        frozen_for=st.sampled_from((0.0, 0.4)),
+    )  # fmt: skip
+    def freeze(self, ops: list[tuple[str, str, int]], frozen_for: float) -> None:
+        """SIGSTOP the server, make calls that must fail, maybe let leases lapse, SIGCONT."""
+        self.last_fault = self.steps
+        self.server.pause()
+        self.paused = True
+        try:
+            for op, key, pick in ops:
+                self._frozen_call(op, key, pick)
+            time.sleep(frozen_for)
+        finally:
+            self.server.resume()
+            self.paused = False
+        self._settle()
+
+    @precondition(_fault_allowed)
+    @rule()
+    def restart(self) -> None:
+        """Restart the server without persistence: every slot, reservation and room is gone."""
+        self.last_fault = self.steps
+        self.server.restart()
+        self.client.connection_pool.disconnect()
+        self.model.restart(time.monotonic())
+
+    # -- invariants ---------------------------------------------------------------------
+
+    def _read(self, fn: Callable[[], T]) -> tuple[Call, T] | None:
+        """A read for a check; None (the check skipped) if it timed out on a busy machine."""
+        sent = time.monotonic()
+        try:
+            value = fn()
+        except (SemaphoreBackendError, redis.TimeoutError) as exc:
+            if not timed_out(exc):
+                raise
+            count("a check's read timed out")
+            return None
+        return Call(sent, time.monotonic()), value
+
+    @invariant()
+    def count_steps(self) -> None:
+        self.steps += 1
+
+    @invariant()
+    def surely_held_within_limits(self) -> None:
+        self.model.check_limits(time.monotonic())
+
+    @invariant()
+    def counts_agree(self) -> None:
+        for key, sem in self.sems.items():
+            read = self._read(lambda sem=sem, key=key: (sem.count(key), sem.available(key)))
+            if read is not None:
+                call, (count, available) = read
+                self.model.observe_count(key, call, count, available)
+
+    @invariant()
+    def holders_agree(self) -> None:
+        for key, sem in self.sems.items():
+            read = self._read(lambda sem=sem, key=key: sem.holders(key))
+            if read is not None:
+                call, holders = read
+                rows = [(h.token, str(h.metadata.get("reserved_for", ""))) for h in holders]
+                self.model.observe_holders(key, call, rows)
+
+    @invariant()
+    def nobody_is_lost(self) -> None:
+        for key, sem in self.sems.items():
+            parked_key = redis_keys(PREFIX, key).parked
+
+            def look(
+                sem: Semaphore = sem, key: str = key, parked_key: str = parked_key
+            ) -> tuple[list[str], set[str]]:
+                room = [w.waiter for w in sem.admin.room(key)]
+                fields = {f.decode() for f in self.client.hkeys(parked_key)}
+                return room, fields - {"!limit"}
+
+            read = self._read(look)
+            if read is not None:
+                call, (room, parked) = read
+                self.model.observe_room(key, call, room, parked)
+
+    @invariant()
+    def every_key_expires(self) -> None:
+        read = self._read(self._ttls)
+        if read is None:
+            return
+        _, (ttls, leases) = read
+        for name, ttl in ttls.items():
+            if ttl == -1 and ROOM_TTL_BUG and name.endswith("}:room"):
+                count("a room without a TTL (known bug)")
+                continue
+            assert ttl != -1, f"Redis key {name!r} has no TTL"
+        for name, (ttl, latest) in leases.items():
+            assert ttl >= latest - 50, (
+                f"Redis key {name!r} expires in {ttl} ms, before its live lease ({latest} ms)"
+            )
+
+    def _ttls(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+        """PTTL of every key; and for each key's sorted set of slots, its PTTL and the ms
+        until its latest lease ends (read in one transaction)."""
+        ttls = {raw.decode(): self.client.pttl(raw) for raw in self.client.scan_iter(count=500)}
+        leases: dict[str, tuple[int, int]] = {}
+        for key in KEYS:
+            slots = redis_keys(PREFIX, key).slots
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.time().pttl(slots).zrange(slots, -1, -1, withscores=True)
+                (seconds, micros), ttl, last = pipe.execute()
+            now_ms = seconds * 1000 + micros // 1000
+            if last and last[0][1] > now_ms:
+                leases[slots] = (ttl, int(last[0][1]) - now_ms)
+        return ttls, leases
+
+
+PROFILE = settings.get_profile("model-deep" if DEEP else "model-ci")
+
+
+@pytest.mark.timeout(0 if DEEP else 600)
+def test_random_schedules_keep_the_invariants() -> None:
+    with RedisServer() as server:
+        run_state_machine_as_test(lambda: SemaphoreMachine(server), settings=PROFILE)
+
+
+# -- schedules written out: the interleavings the random search finds rarely --------------
+
+INVARIANTS = (
+    "surely_held_within_limits",
+    "counts_agree",
+    "holders_agree",
+    "nobody_is_lost",
+    "every_key_expires",
+)
+
+
+class Driven:
+    """The machine driven by hand, checking every invariant after each step as Hypothesis
+    does; slots and waiters are named as the model names them (``s0``, ``w1``)."""
+
+    def __init__(
+        self,
+        server: RedisServer,
+        limits: tuple[int, int] = (1, 1),
+        claims: tuple[float, float] = (20.0, 20.0),
+    ) -> None:
+        self.machine = SemaphoreMachine(server)
+        self.machine.setup(limits=limits, claims=claims)
+        self.model = self.machine.model
+        self.check()
+
+    def check(self) -> None:
+        self.machine.count_steps()  # invariants, in the order Hypothesis runs them
+        for name in INVARIANTS:
+            getattr(self.machine, name)()
+
+    def step(self, rule: str, **kwargs: object) -> None:
+        getattr(self.machine, rule)(**kwargs)
+        self.check()
+
+    def pick(self, name: str) -> int:
+        """The ``pick`` that makes a rule choose slot or waiter ``name``."""
+        for pick in range(64):
+            chosen = (
+                self.machine._pick_holding(pick)
+                if name.startswith("s")
+                else self.machine._pick_waiter(pick)
+            )
+            if chosen is not None and chosen.name == name:
+                return pick
+        raise LookupError(name)
+
+    def state(self, waiter: str) -> State:
+        return self.model.waiters[waiter].state
+
+    def close(self) -> None:
+        self.machine.teardown()
+
+
+@pytest.fixture
+def driven(own_redis: RedisServer) -> Iterator[Callable[..., Driven]]:
+    made: list[Driven] = []
+
+    def make(**kwargs: tuple[float, float]) -> Driven:
+        made.append(Driven(own_redis, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def test_schedule_a_sweep_puts_back_a_waiter_a_plain_acquire_orphaned(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 1), claims=(0.3, 20.0))
+    d.step("park", key="a", runs=2, lease=20.0, max_queued=0)  # w0 takes the slot, w1 waits
+    assert (d.state("w0"), d.state("w1")) == (State.DONE, State.PARKED)
+    d.step("release", pick=d.pick("s0"))  # hands the slot to w1 for 0.3 s
+    assert d.state("w1") is State.RESERVED
+    d.step("time_passes", wait="past the short leases")
+    d.step("acquire", key="a", lease=20.0)  # prunes w1's reservation, does not requeue it
+    assert d.model.holdings[-1].name == "s1"
+    d.step("sweep", key="a")  # w1 back in the room (checked by nobody_is_lost)
+    assert d.state("w1") is State.PARKED
+    d.step("release", pick=d.pick("s1"))
+    assert d.state("w1") is State.RESERVED
+
+
+def test_schedule_cancel_of_a_reserved_waiter_hands_its_slot_to_the_next(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 2))
+    d.step("park", key="a", runs=3, lease=20.0, max_queued=0)
+    d.step("release", pick=d.pick("s0"))
+    assert [d.state(w) for w in ("w1", "w2")] == [State.RESERVED, State.PARKED]
+    d.step("cancel", pick=d.pick("w1"))
+    assert [d.state(w) for w in ("w1", "w2")] == [State.DONE, State.RESERVED]
+    d.step("claim", pick=d.pick("w2"), lease=20.0)
+    assert d.state("w2") is State.DONE
+    assert d.model.holdings[-1].name == "s1"
+    d.step("claim", pick=d.pick("w1"), lease=20.0)  # cancelled: not waiting
+    d.step("park_again", pick=d.pick("w1"), lease=20.0)  # a new arrival, behind nobody
+    assert d.state("w1") is State.PARKED
+
+
+def test_schedule_calls_to_a_frozen_server_fail_and_may_still_run(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 2), claims=(20.0, 0.3))
+    d.step("acquire", key="a", lease=20.0)
+    d.step("acquire", key="b", lease=0.25)
+    d.step("park", key="a", runs=2, lease=20.0, max_queued=0)  # w0, w1 wait behind s0
+    d.machine.steps += FAULT_EVERY
+    ops = [("release", "a", d.pick("s0")), ("extend", "b", d.pick("s1"))]
+    d.step("freeze", ops=ops, frozen_for=0.4)
+    # The release ran when the server woke: w0 holds a reservation nobody published.
+    assert [d.state(w) for w in ("w0", "w1")] == [State.RESERVED, State.RESERVED]
+    d.step("release", pick=d.pick("s0"))  # gone already, or gone now
+    d.step("claim", pick=d.pick("w0"), lease=20.0)
+    d.step("time_passes", wait="past the short leases")
+    d.step("sweep", key="b")
+    d.step("acquire", key="b", lease=0.25)
+
+
+def test_schedule_a_restart_loses_every_slot_and_waiter(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(2, 1))
+    d.step("acquire", key="a", lease=20.0)
+    d.step("park", key="b", runs=2, lease=20.0, max_queued=0)
+    d.machine.steps += FAULT_EVERY
+    d.step("restart")
+    assert d.state("w1") is State.DONE
+    d.step("extend", pick=d.pick("s0"), lease=20.0)  # gone
+    d.step("release", pick=d.pick("s1"))  # gone
+    d.step("claim", pick=d.pick("w1"), lease=20.0)  # not waiting
+    d.step("park", key="b", runs=2, lease=20.0, max_queued=2)
+
+
+# -- bugs the model found -------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="room_prune and sweep.lua put a waiter back with ZADD into a room key that may no "
+    "longer exist, creating it with no TTL (only park.lua sets the room's TTL); until a park, "
+    "the room never expires. When fixed, set ROOM_TTL_BUG = False in this module.",
+)
+def test_a_room_recreated_by_a_requeue_has_a_ttl(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    published = Published()
+    sem = Semaphore(client, limit=1, lease=20.0, claim_timeout=0.2, on_handoff=published)
+    try:
+        first = sem.acquire("k")
+        assert first is not None
+        assert isinstance(sem.park("k", "w1", b"run w1"), Parked)
+        assert first.release()  # w1's reservation; the room is empty, so Redis deletes it
+        assert published.take("k") == [("w1", b"run w1")]
+        time.sleep(0.4)  # the reservation lapses unclaimed
+        assert sem.acquire("k") is not None  # prunes it without putting w1 back
+        assert sem.admin.sweep("k") == 0  # puts w1 back: the room exists again
+        room = redis_keys("semaphore", "k").room
+        assert [w.waiter for w in sem.admin.room("k")] == ["w1"]
+        assert client.pttl(room) > 0, f"{room} has no TTL: it outlives every run that used it"
+    finally:
+        client.close()
