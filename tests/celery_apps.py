@@ -263,7 +263,7 @@ STALLED_PUBLISH = "test:stalled-publish"
 BLOCKING = "test:blocking"
 """The pids of the ``csem.block_until`` runs that started."""
 SOAK_QUEUED_DONE = "test:soak-queue:done"
-"""``csem.soak_queued`` runs that finished their body (one ``n`` a run)."""
+"""``csem.soak_queued`` runs that finished their body: ``"<n> <pid>"`` a run."""
 
 
 def gate_key(what: str, n: int | None = None) -> str:
@@ -284,8 +284,8 @@ def add_room_fault_tasks(app: Celery) -> Celery:
       keeps its pool process busy until the test sets ``flag`` (at most 60 s).
     * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
       "soak-queue", limit 4, lease 2 s, heartbeat 0.2 s, ``claim_timeout`` 2 s); records its
-      interval (with whether its slot was lost) and, when its body ends, ``n`` under
-      :data:`SOAK_QUEUED_DONE`.
+      interval (with whether its slot was lost) and, when its body ends, ``"<n> <pid>"``
+      under :data:`SOAK_QUEUED_DONE`.
     """
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
@@ -323,7 +323,7 @@ def add_room_fault_tasks(app: Celery) -> Celery:
             pipe = recorder.pipeline(transaction=False)
             pipe.rpush(interval_key("soak-queue"),
                        f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
-            pipe.rpush(SOAK_QUEUED_DONE, n)
+            pipe.rpush(SOAK_QUEUED_DONE, f"{n} {os.getpid()}")
             pipe.execute()
         return n
 
@@ -355,8 +355,6 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
     add_room_fault_tasks(app)
     if os.environ.get("CSEM_TEST_STALL_HANDOFF"):
         stall_first_handoff_publish(os.environ["CSEM_TEST_REDIS_URL"])
-    if os.environ.get("CSEM_TEST_VISIBILITY_TIMEOUT"):
-        app.conf.broker_transport_options = {
-            **(app.conf.broker_transport_options or {}),
-            "visibility_timeout": float(os.environ["CSEM_TEST_VISIBILITY_TIMEOUT"]),
-        }
+    if os.environ.get("CSEM_TEST_ON_FULL"):
+        # The app-wide default; tasks that name on_full keep theirs.
+        app.conf.semaphore_on_full = os.environ["CSEM_TEST_ON_FULL"]
