@@ -15,23 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery
+from bench_worker import prefork_worker
 from rich.console import Console
 from rich.table import Table
 
 from celery_semaphore.testing import RedisServer
 
-HERE = Path(__file__).resolve().parent
 SETUPS = {
     # name: (task, worker concurrency or None for --concurrency)
     "queue (waiting room)": ("queue", None),
@@ -86,39 +81,24 @@ def script_calls(client: redis.Redis) -> tuple[int, int]:
 def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
     task, _ = SETUPS[setup]
     workers = args.processes
-    with RedisServer() as broker, RedisServer() as store:
-        env = {**os.environ, "BENCH_BROKER_URL": broker.url, "BENCH_SEMAPHORE_URL": store.url,
-               "BENCH_LIMIT": str(args.limit), "PYTHONPATH": str(HERE)}  # fmt: skip
-        command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
-                   "-c", str(workers), "-n", f"bench@{socket.gethostname()}", "--loglevel=ERROR",
-                   "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
-        worker = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
-        app = Celery("bench-client", broker=broker.url, backend=broker.url, set_as_current=False)
-        try:
-            deadline = time.monotonic() + 120
-            while not app.control.ping(timeout=0.5):
-                if time.monotonic() > deadline or worker.poll() is not None:
-                    raise RuntimeError("the worker did not start")
-            client = store.client()
-            rtt = round_trip(broker.client())
-            client.config_resetstat()
-            started = time.monotonic()
-            results = [app.send_task(task, (n, args.duration)) for n in range(args.tasks)]
-            for result in results:
-                result.get(timeout=600)
-            elapsed = time.monotonic() - started
-            scripts, commands = script_calls(client)
-            intervals = [
-                tuple(map(float, raw.split())) for raw in client.lrange("bench:intervals", 0, -1)
-            ]
-            order = [int(n) for n in client.lrange("bench:order", 0, -1)]
-            app.close()
-        finally:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+    with (
+        RedisServer() as broker,
+        RedisServer() as store,
+        prefork_worker(broker.url, store.url, workers, BENCH_LIMIT=str(args.limit)) as app,
+    ):
+        client = store.client()
+        rtt = round_trip(broker.client())
+        client.config_resetstat()
+        started = time.monotonic()
+        results = [app.send_task(task, (n, args.duration)) for n in range(args.tasks)]
+        for result in results:
+            result.get(timeout=600)
+        elapsed = time.monotonic() - started
+        scripts, commands = script_calls(client)
+        intervals = [
+            tuple(map(float, raw.split())) for raw in client.lrange("bench:intervals", 0, -1)
+        ]
+        order = [int(n) for n in client.lrange("bench:order", 0, -1)]
     ideal = args.tasks * args.duration / args.limit
     gaps = handoff_gaps(intervals, args.limit)  # type: ignore[arg-type]
     if os.environ.get("BENCH_DEBUG"):

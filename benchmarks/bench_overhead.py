@@ -11,22 +11,15 @@ throughput as a share of the unbounded one (median, min-max over rounds).
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+from bench_worker import prefork_worker
 from celery import Celery
 from rich.console import Console
 from rich.table import Table
 
 from celery_semaphore.testing import RedisServer
-
-HERE = Path(__file__).resolve().parent
 
 
 def _batch(app: Celery, task: str, count: int) -> float:
@@ -44,32 +37,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     rates: dict[str, list[float]] = {"noop": [], "noop_bounded": []}
-    with RedisServer() as broker, RedisServer() as store:
-        env = {**os.environ, "BENCH_BROKER_URL": broker.url, "BENCH_SEMAPHORE_URL": store.url,
-               "PYTHONPATH": str(HERE)}  # fmt: skip
-        command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
-                   "-c", str(args.concurrency), "-n", f"overhead@{socket.gethostname()}",
-                   "--loglevel=ERROR", "--without-gossip", "--without-mingle",
-                   "--without-heartbeat"]  # fmt: skip
-        worker = subprocess.Popen(command, cwd=HERE, env=env, stdout=subprocess.DEVNULL)
-        app = Celery("bench-client", broker=broker.url, backend=broker.url, set_as_current=False)
-        try:
-            deadline = time.monotonic() + 120
-            while not app.control.ping(timeout=0.5):
-                if time.monotonic() > deadline or worker.poll() is not None:
-                    raise RuntimeError("the worker did not start")
-            for task in rates:  # warm both paths up
-                _batch(app, task, 100)
-            for _ in range(args.rounds):
-                for task in rates:
-                    rates[task].append(_batch(app, task, args.tasks))
-        finally:
-            app.close()
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+    with (
+        RedisServer() as broker,
+        RedisServer() as store,
+        prefork_worker(broker.url, store.url, args.concurrency) as app,
+    ):
+        for task in rates:  # warm both paths up
+            _batch(app, task, 100)
+        for _ in range(args.rounds):
+            for task in rates:
+                rates[task].append(_batch(app, task, args.tasks))
     shares = [b / u for b, u in zip(rates["noop_bounded"], rates["noop"], strict=True)]
     table = Table(title=f"{args.tasks} trivial tasks per batch, one prefork worker "
                         f"-c {args.concurrency}, {args.rounds} rounds")  # fmt: skip
