@@ -275,7 +275,8 @@ def add_room_fault_tasks(app: Celery) -> Celery:
     """Add the waiting room's fault-test tasks to ``app`` (one of :func:`make_app`'s):
 
     * ``csem.gate(n, hold=False)``: key "gate", limit 1, ``on_full="queue"``, lease 2 s,
-      ``claim_timeout`` 2 s. Each run records its ``n`` under ``gate_key("started")``, its
+      ``claim_timeout`` 4 s (what a test does while a hand-off is reserved has seconds of
+      margin). Each run records its ``n`` under ``gate_key("started")``, its
       pid under ``gate_key("pid", n)``, holds its slot while ``hold`` until the test sets
       :data:`GATE_OPEN` (at most 60 s), then records ``n`` under ``gate_key("finished")``
       and its interval under ``interval_key("gate")``. A body killed midway records a start
@@ -290,7 +291,7 @@ def add_room_fault_tasks(app: Celery) -> Celery:
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
     @app.task(base=SemaphoreTask, semaphore="gate", limit=1, lease=2.0, on_full="queue",
-              claim_timeout=2.0, shared=False, name="csem.gate")  # fmt: skip
+              claim_timeout=4.0, shared=False, name="csem.gate")  # fmt: skip
     def gate(n: int, hold: bool = False) -> int:
         start = time.monotonic()
         recorder.rpush(gate_key("started"), n)
