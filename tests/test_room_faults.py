@@ -160,16 +160,6 @@ def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
 # -- a worker dies with a hand-off ---------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RanTwice,
-    reason=(
-        "bug: the dead worker's stranded hand-off comes back marked redelivered after the "
-        "sweep's copy already ran the body; claim_or_end (c183462) takes any redelivered "
-        "hand-off that finds nothing to claim for a lost run and asks for a slot again, so "
-        "the body runs a second time"
-    ),
-)
 def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
     gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
 ) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from celery import Celery, Task
+from celery import Celery, Task, states
 from celery.exceptions import Ignore
 from kombu.serialization import dumps, loads
 
@@ -99,7 +99,8 @@ def claim_or_end(
     Returns:
         Slot | None: the reserved slot; or None when this delivery is the broker's
         redelivery of a hand-off whose run was lost after it claimed its slot (a worker
-        killed with ``acks_late``): it is a new run, and asks for a slot as any run does.
+        killed with ``acks_late``; the task has no final state): it is a new run, and asks
+        for a slot as any run does.
 
     Raises:
         celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
@@ -110,10 +111,21 @@ def claim_or_end(
     if isinstance(result, Slot):
         return result
     if isinstance(result, NotWaiting):
-        if (task.request.delivery_info or {}).get("redelivered"):
+        if (task.request.delivery_info or {}).get("redelivered") and not _has_ended(task):
             return None
         logger.info("%sa duplicate hand-off of semaphore %r ends here", task_label(task), key)
     raise Ignore()
+
+
+def _has_ended(task: Task) -> bool:
+    """Whether the result backend holds a final state for the running task. A redelivered
+    hand-off with nothing to claim is either a run lost after its claim (no final state: it
+    must run again) or a stranded copy of a run that another delivery has since completed
+    (a final state: a duplicate). With no result to read, it runs again (at least once)."""
+    try:
+        return task.AsyncResult(task.request.id).state in states.READY_STATES
+    except Exception:  # no result backend, or it cannot be read: run rather than lose it
+        return False
 
 
 def give_up_or_end(task: Task, semaphore: Semaphore, policy: Policy, key: str) -> NoReturn:

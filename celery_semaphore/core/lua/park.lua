@@ -104,7 +104,7 @@ if reply[1] == 0 and grace_ms > 0 then
   for _, member in ipairs(stale) do
     if string.sub(member, 1, 1) == '~' then
       local passed = string.sub(member, 2)
-      redis.call('ZADD', room, arrival_of(parked, passed) or now, passed)
+      room_requeue(room, parked, arrival_of(parked, passed) or now, passed)
       reply = {1, take(member), now}
       break
     end

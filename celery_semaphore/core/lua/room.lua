@@ -34,6 +34,17 @@ local function payload_of(entry)
   return string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
 end
 
+-- Put a waiter back into the room. If the room had emptied (and so was deleted), this
+-- re-creates it: give it the parked hash's TTL, as park.lua would have, so no key of the
+-- room is ever left without one.
+local function room_requeue(room, parked, arrival, waiter)
+  redis.call('ZADD', room, arrival, waiter)
+  if redis.call('PTTL', room) == -1 then
+    local ttl = redis.call('PTTL', parked)
+    if ttl > 0 then redis.call('PEXPIRE', room, ttl) end
+  end
+end
+
 -- Drop lapsed holders; a lapsed reservation sends its waiter back into the room.
 local function room_prune(slots, holders, room, parked, now)
   local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now)
@@ -44,7 +55,7 @@ local function room_prune(slots, holders, room, parked, now)
     if string.sub(member, 1, 1) == '~' then
       local waiter = string.sub(member, 2)
       local arrival = arrival_of(parked, waiter)
-      if arrival then redis.call('ZADD', room, arrival, waiter) end
+      if arrival then room_requeue(room, parked, arrival, waiter) end
     end
   end
 end

@@ -31,7 +31,7 @@ room_prune(slots, holders, room, parked, now)
 for _, waiter in ipairs(redis.call('HKEYS', parked)) do
   if waiter ~= '!limit' and not redis.call('ZSCORE', room, waiter)
       and not redis.call('ZSCORE', slots, '~' .. waiter) then
-    redis.call('ZADD', room, arrival_of(parked, waiter) or now, waiter)
+    room_requeue(room, parked, arrival_of(parked, waiter) or now, waiter)
   end
 end
 local out = {}
