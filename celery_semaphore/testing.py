@@ -272,13 +272,13 @@ def unbounded() -> Iterator[None]:
 
     It applies to every thread (an in-process test worker's too), and blocks may nest.
     """
-    from .integration import runner
+    from .integration import current
 
-    runner.UNBOUNDED.enter()
+    current.UNBOUNDED.enter()
     try:
         yield
     finally:
-        runner.UNBOUNDED.exit()
+        current.UNBOUNDED.exit()
 
 
 def isolate_worker_event_loops() -> None:

@@ -10,8 +10,8 @@ ways in), ``worker`` (bootstep, inspect command, dead-run release, room sweeps).
 
 # Imported for its effects: the inspect command, and the receiver that adds the bootstep.
 from . import worker as _worker  # noqa: F401
+from .current import current_slot
 from .decorators import bounded
-from .runner import current_slot
 from .task import SemaphoreTask
 
 __all__ = ["SemaphoreTask", "bounded", "current_slot"]

@@ -26,7 +26,6 @@ How a run goes:
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
@@ -50,6 +49,7 @@ from ..errors import (
     SemaphoreNotAcquiredError,
     SemaphoreValidationError,
 )
+from .current import CURRENT, UNBOUNDED
 from .keys import KeyTemplate
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
 from .room import (
@@ -72,41 +72,6 @@ from .signals import (
 )
 
 logger = logging.getLogger(__name__)
-
-_current_slot: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
-    "celery_semaphore_current_slot", default=None
-)
-
-
-class _Switch:
-    """A process-wide on/off switch that blocks can nest (see ``testing.unbounded``)."""
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        with self._lock:
-            self._depth += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._depth -= 1
-
-    def __bool__(self) -> bool:
-        return self._depth > 0
-
-
-UNBOUNDED = _Switch()
-"""On while :func:`celery_semaphore.testing.unbounded` is entered: bodies run with no slot."""
-
-
-def current_slot() -> Slot | None:
-    """The slot held by the bounded task (or function) running in this thread, or None.
-
-    Long bodies can watch ``current_slot().lost`` to stop early when the slot is gone.
-    """
-    return _current_slot.get()
 
 
 class Runner:
@@ -348,14 +313,14 @@ class Runner:
         started = time.monotonic()
         try:
             with guard(slot, interval, renew_failed_reporter(task, slot, template)):
-                token = _current_slot.set(slot)
+                token = CURRENT.set(slot)
                 try:
                     if interrupter is None:
                         return fn(*args, **kwargs)
                     with interrupter:
                         return fn(*args, **kwargs)
                 finally:
-                    _current_slot.reset(token)
+                    CURRENT.reset(token)
         except SemaphoreLeaseLostError:
             if not slot.lost.is_set():
                 raise  # another semaphore's loss, inside the body: not ours to restate
