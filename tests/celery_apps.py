@@ -280,7 +280,7 @@ def add_room_fault_tasks(app: Celery) -> Celery:
       pid under ``gate_key("pid", n)``, holds its slot while ``hold`` until the test sets
       :data:`GATE_OPEN` (at most 60 s), then records ``n`` under ``gate_key("finished")``
       and its interval under ``interval_key("gate")``. A body killed midway records a start
-      and nothing else.
+      and nothing else. ``csem.gate_no_result`` is the same with ``ignore_result=True``.
     * ``csem.block_until(flag)``: unbounded; records its pid under :data:`BLOCKING` and
       keeps its pool process busy until the test sets ``flag`` (at most 60 s).
     * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
@@ -290,8 +290,6 @@ def add_room_fault_tasks(app: Celery) -> Celery:
     """
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
-    @app.task(base=SemaphoreTask, semaphore="gate", limit=1, lease=2.0, on_full="queue",
-              claim_timeout=4.0, shared=False, name="csem.gate")  # fmt: skip
     def gate(n: int, hold: bool = False) -> int:
         start = time.monotonic()
         recorder.rpush(gate_key("started"), n)
@@ -302,6 +300,11 @@ def add_room_fault_tasks(app: Celery) -> Celery:
         recorder.rpush(gate_key("finished"), n)
         recorder.rpush(interval_key("gate"), f"{start} {time.monotonic()}")
         return n
+
+    for name, ignore_result in [("csem.gate", False), ("csem.gate_no_result", True)]:
+        app.task(base=SemaphoreTask, semaphore="gate", limit=1, lease=2.0, on_full="queue",
+                 claim_timeout=4.0, ignore_result=ignore_result, shared=False,
+                 name=name)(gate)  # fmt: skip
 
     @app.task(shared=False, name="csem.block_until")
     def block_until(flag: str) -> str:

@@ -76,13 +76,15 @@ def _room(sem: Semaphore) -> list[str]:
     return [w.waiter for w in sem.admin.room(KEY)]
 
 
-def _park(app: Celery, sem: Semaphore, *runs: tuple[Any, ...]) -> list[Any]:
-    """Send ``csem.gate`` runs one by one, each parked before the next is sent (so the room
-    holds them after those already there, in that order)."""
+def _park(
+    app: Celery, sem: Semaphore, *runs: tuple[Any, ...], task: str = "csem.gate"
+) -> list[Any]:
+    """Send ``task`` runs (``csem.gate`` or its twin) one by one, each parked before the next
+    is sent (so the room holds them after those already there, in that order)."""
     results: list[Any] = []
     before = _room(sem)
     for args in runs:
-        results.append(app.tasks["csem.gate"].apply_async(args))
+        results.append(app.tasks[task].apply_async(args))
         ids = before + [r.id for r in results]
         assert wait_for(lambda ids=ids: _room(sem) == ids, timeout=60), (_room(sem), ids)
     return results
@@ -160,24 +162,25 @@ def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
 # -- a worker dies with a hand-off ---------------------------------------------------------
 
 
-def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
-    gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
-) -> None:
-    """Proves: a whole worker SIGKILLed while it holds the message of a handed-off run
-    (prefetched, not started; the slot reserved for it) loses nothing and runs nothing
-    twice. Another worker's sweep hands the lapsed reservation to the same run again and
-    starts it; when the broker later redelivers the dead worker's stranded message (its
-    visibility timeout passed), that second delivery finds nothing to claim and ends
-    quietly (state IGNORED), without running the body or touching the run's result.
-    """
-    sem = _holder(gate_app)
+def _strand_a_hand_off(
+    app: Celery,
+    sem: Semaphore,
+    client: redis.Redis,
+    tmp_path: Path,
+    hold: bool = False,
+    task: str = "csem.gate",
+) -> Any:
+    """Park ``task(1, hold)`` in a prefork worker, release the test's slot so the run is
+    handed it while both pool processes are busy (its message is prefetched, not started),
+    then SIGKILL the whole worker: the message is stranded, delivered and never acked.
+    Returns the run's AsyncResult."""
     held = sem.acquire(KEY)
     assert held is not None
-    block = gate_app.tasks["csem.block_until"]
-    with prefork_worker_process(gate_app, tmp_path / "a.log", concurrency=2) as worker_a:
+    block = app.tasks["csem.block_until"]
+    with prefork_worker_process(app, tmp_path / "a.log", concurrency=2) as worker_a:
         block.delay("test:unblock")  # one pool process busy; the other parks the run
         assert wait_for(lambda: client.llen(BLOCKING) == 1, timeout=60)
-        (waiter,) = _park(gate_app, sem, (1,))
+        (waiter,) = _park(app, sem, (1, hold), task=task)
         block.delay("test:unblock")  # now both are busy: a hand-off can only be prefetched
         assert wait_for(lambda: client.llen(BLOCKING) == 2, timeout=60)
         assert held.release()  # reserves the slot for the run and publishes its hand-off
@@ -190,43 +193,118 @@ def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_onc
     # Stranded with the dead worker (twice, had the reservation lapsed and the dead worker's
     # own sweep handed it out again before the kill).
     assert set(unacked_task_ids(client)) == {waiter.id}
+    return waiter
 
-    # Worker B (the broker's default visibility timeout: the stranded message stays out).
-    with start_worker(gate_app, pool="threads", concurrency=2, perform_ping_check=False):
-        assert waiter.get(timeout=60) == 1
-        assert wait_for(lambda: _drained(sem), timeout=30)
-    assert int_list(client, gate_key("started")) == [1]
 
-    # Worker C restores messages out for more than a second: the stranded one comes back.
+@contextmanager
+def _restoring_worker(url: str) -> Iterator[list[tuple[str, str]]]:
+    """An in-process worker whose broker transport restores messages delivered more than a
+    second ago and never acked (at its start, then every second), as any worker does once
+    their visibility timeout passes. Yields the ``(task id, state)`` of each run that ended
+    in this process meanwhile (``task_postrun``)."""
     seen: list[tuple[str, str]] = []
 
     def on_postrun(task_id: str = "", state: str = "", **_: Any) -> None:
         seen.append((task_id, state))
 
-    app_c = add_room_fault_tasks(
-        make_app(
-            redis_server.url,
-            broker_transport_options={
-                "visibility_timeout": 1,
-                "unacked_restore_interval": 1,
-                "unacked_restore_throttle": 1,
-            },
-        )
-    )
+    options = {"visibility_timeout": 1, "unacked_restore_interval": 1,
+               "unacked_restore_throttle": 1}  # fmt: skip
+    app = add_room_fault_tasks(make_app(url, broker_transport_options=options))
     task_postrun.connect(on_postrun, weak=False)
     try:
-        with start_worker(app_c, pool="threads", concurrency=2, perform_ping_check=False):
-            assert wait_for(lambda: any(t == waiter.id for t, _ in seen), timeout=60)
-            assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            yield seen
     finally:
         task_postrun.disconnect(on_postrun)
-        app_c.close()
+        app.close()
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        "csem.gate",
+        pytest.param(
+            "csem.gate_no_result",
+            marks=pytest.mark.xfail(
+                strict=True,
+                raises=RanTwice,
+                reason=(
+                    "bug: a redelivered hand-off with nothing to claim runs again unless the "
+                    "result backend holds a final state for it (room._has_ended); a task "
+                    "with ignore_result=True never has one, so the stranded copy of a run "
+                    "that already ended runs the body a second time"
+                ),
+            ),
+        ),
+    ],
+)
+def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
+    task: str, gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves: a whole worker SIGKILLed while it holds the message of a handed-off run
+    (prefetched, not started; the slot reserved for it) loses nothing and runs nothing
+    twice. Another worker's sweep hands the lapsed reservation to the same run again and
+    starts it; when the broker later redelivers the dead worker's stranded message (its
+    visibility timeout passed), that second delivery finds nothing to claim and ends
+    quietly (state IGNORED), without running the body or touching the run's result. The
+    same with a task that stores no result (``ignore_result=True``).
+    """
+    sem = _holder(gate_app)
+    waiter = _strand_a_hand_off(gate_app, sem, client, tmp_path, task=task)
+    # Worker B (the broker's default visibility timeout: the stranded message stays out).
+    with start_worker(gate_app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert wait_for(lambda: int_list(client, gate_key("finished")) == [1], timeout=60)
+        assert wait_for(lambda: _drained(sem), timeout=30)
+    assert int_list(client, gate_key("started")) == [1]
+    # Worker C restores the stranded message: a second delivery of the same hand-off.
+    with _restoring_worker(redis_server.url) as seen:
+        assert wait_for(lambda: any(t == waiter.id for t, _ in seen), timeout=60)
+        assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
     started = int_list(client, gate_key("started"))
     if started.count(1) > 1:
         raise RanTwice(f"the redelivered hand-off ran the body again: {started}, {seen}")
     assert {state for task_id, state in seen if task_id == waiter.id} == {"IGNORED"}
     assert int_list(client, gate_key("finished")) == [1]
-    assert waiter.state == "SUCCESS"
+    if task == "csem.gate":
+        assert waiter.state == "SUCCESS"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RanTwice,
+    reason=(
+        "bug: a redelivered hand-off with nothing to claim, while the run that claimed it is "
+        "still in its body (no final state yet), is taken for a lost run (room._has_ended is "
+        "False) and parks the task again; the running run's release then hands it the slot "
+        "and the body runs a second time"
+    ),
+)
+def test_a_stranded_hand_off_redelivered_while_its_run_still_runs_is_not_run_again(
+    gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
+) -> None:
+    """Proves: as above, but the dead worker's stranded hand-off comes back while the run
+    that the sweep's hand-off started is still in its body (it has no final state yet).
+    That delivery (taken by either live worker) must neither run the body beside it nor
+    park the run again to run it a second time after it ends: the body runs once, and
+    nothing is left parked or held."""
+    sem = _holder(gate_app)
+    waiter = _strand_a_hand_off(gate_app, sem, client, tmp_path, hold=True)
+    # Worker B: the sweep's hand-off starts the run, which holds its slot until the gate opens.
+    with prefork_worker_process(gate_app, tmp_path / "b.log", concurrency=2):
+        assert wait_for(lambda: int_list(client, gate_key("started")) == [1], timeout=60)
+        # Worker C restores the stranded message while the run is in its body; B or C takes
+        # it (out of the broker's queue and unacked set: a pool process has accepted it).
+        with _restoring_worker(redis_server.url):
+            assert wait_for(lambda: _broker_idle(client), timeout=60)
+            client.set(GATE_OPEN, 1)
+            assert waiter.get(timeout=60) == 1
+            assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    # Both workers are stopped warm: whatever either had started has ended.
+    started = int_list(client, gate_key("started"))
+    if started.count(1) > 1:
+        raise RanTwice(f"the stranded hand-off ran the body again: {started}")
+    assert _drained(sem)
+    assert int_list(client, gate_key("finished")) == [1]
 
 
 @pytest.mark.parametrize("acks", ["early", "late"])
