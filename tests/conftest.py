@@ -14,6 +14,7 @@ from celery_semaphore import Semaphore
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
 from .celery_apps import make_app
+from .servers import ClusterServers, SentinelServers, ha_capable
 
 # Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
 isolate_worker_event_loops()
@@ -96,3 +97,21 @@ def app(redis_server: RedisServer) -> Iterator[Celery]:
     # Drop AsyncResults (whose __del__ talks to the backend) while the server still runs.
     gc.collect()
     app.close()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ClusterServers]:
+    reason = ha_capable()
+    if reason:
+        pytest.skip(f"cannot run a Redis Cluster: {reason}")
+    with ClusterServers() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def sentinel_set() -> Iterator[SentinelServers]:
+    reason = ha_capable()
+    if reason:
+        pytest.skip(f"cannot run Redis Sentinel: {reason}")
+    with SentinelServers() as started:
+        yield started

@@ -8,6 +8,7 @@ demand. Both are built from :class:`celery_semaphore.testing.RedisServer` proces
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -465,3 +466,19 @@ class SentinelServers(_Managed):
         """Stop the Sentinel and both nodes and remove their working directories."""
         for process in (self.sentinel, *self.nodes):
             process.close()
+
+
+def ha_capable() -> str:
+    """Why the Redis binaries here cannot run these set-ups, or "" when they can."""
+    try:
+        server = find_redis_server()
+        find_redis_cli(server)
+    except FileNotFoundError as exc:
+        return str(exc)
+    out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
+    found = re.search(r"v=(\d+)\.", out.stdout)
+    if found is None:
+        return f"cannot tell the version of {server}: {out.stdout.strip()!r}"
+    if int(found.group(1)) < 5:
+        return f"{server} is Redis {found.group(1)}: cluster create and --replicaof need 5.0+"
+    return ""

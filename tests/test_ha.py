@@ -7,8 +7,6 @@ set's primary.
 
 from __future__ import annotations
 
-import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +28,6 @@ from celery_semaphore.core.admin import SemaphoreAdmin
 from celery_semaphore.core.clients import client_from_url
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.settings import app_settings
-from celery_semaphore.testing import find_redis_cli, find_redis_server
 from celery_semaphore.views.inspection import views
 
 from .helpers import (
@@ -41,41 +38,6 @@ from .helpers import (
     wait_for,
 )
 from .servers import ClusterServers, SentinelServers
-
-
-def _ha_capable() -> str:
-    """Why the Redis binaries here cannot run these set-ups, or "" when they can."""
-    try:
-        server = find_redis_server()
-        find_redis_cli(server)
-    except FileNotFoundError as exc:
-        return str(exc)
-    out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
-    found = re.search(r"v=(\d+)\.", out.stdout)
-    if found is None:
-        return f"cannot tell the version of {server}: {out.stdout.strip()!r}"
-    if int(found.group(1)) < 5:
-        return f"{server} is Redis {found.group(1)}: cluster create and --replicaof need 5.0+"
-    return ""
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterServers]:
-    reason = _ha_capable()
-    if reason:
-        pytest.skip(f"cannot run a Redis Cluster: {reason}")
-    with ClusterServers() as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def sentinel_set() -> Iterator[SentinelServers]:
-    reason = _ha_capable()
-    if reason:
-        pytest.skip(f"cannot run Redis Sentinel: {reason}")
-    with SentinelServers() as started:
-        yield started
-
 
 MakeSemaphore = Callable[..., Semaphore]
 

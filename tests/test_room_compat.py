@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 import socket
-import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,7 +31,7 @@ from celery.result import AsyncResult
 
 from celery_semaphore import Semaphore, SemaphoreTask, Slot
 from celery_semaphore.integration.room import publisher_for
-from celery_semaphore.testing import RedisServer, find_redis_cli, find_redis_server
+from celery_semaphore.testing import RedisServer
 
 from .celery_apps import interval_key, make_app, room_callbacks_key, room_runs_key
 from .helpers import peak_overlap, prefork_worker_process, read_intervals, wait_for
@@ -52,38 +50,6 @@ def _rabbitmq_up() -> bool:
     except OSError:
         return False
     return True
-
-
-def _ha_capable() -> str:
-    """Why the Redis binaries here cannot run a cluster or Sentinel, or "" when they can."""
-    try:
-        server = find_redis_server()
-        find_redis_cli(server)
-    except FileNotFoundError as exc:
-        return str(exc)
-    out = subprocess.run([server, "--version"], capture_output=True, text=True, timeout=30)
-    found = re.search(r"v=(\d+)\.", out.stdout)
-    if found is None or int(found.group(1)) < 5:
-        return f"{server} is not Redis 5.0 or later: {out.stdout.strip()!r}"
-    return ""
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[ClusterServers]:
-    reason = _ha_capable()
-    if reason:
-        pytest.skip(f"cannot run a Redis Cluster: {reason}")
-    with ClusterServers() as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def sentinel_set() -> Iterator[SentinelServers]:
-    reason = _ha_capable()
-    if reason:
-        pytest.skip(f"cannot run Redis Sentinel: {reason}")
-    with SentinelServers() as started:
-        yield started
 
 
 # --- helpers -------------------------------------------------------------------------------
