@@ -234,8 +234,9 @@ class Model:
                     f"acquire of {key!r} was refused with at most {maybe} slot(s) maybe held "
                     f"of limit {km.limit}"
                 )
-            if slow:  # the slot given back may not have been released
+            if slow:  # the give-back may have failed, or handed off with nobody told
                 km.phantoms.append(Window.maybe(call.received + lease + MARGIN))
+                self._blur_room(km, call.received)
             return None
         if surely >= km.limit:
             violated(
@@ -290,6 +291,22 @@ class Model:
         (an admin with no publisher hands nothing off)."""
         self._check_owned(h, call, answer, "force_release")
         h.window.end(call.received)
+
+    def force_release_reservation(self, name: str, call: Call, answer: bool) -> None:
+        """An operator's ``force_release(key, "~" + name)`` answered ``answer``: the waiter
+        keeps its place in the parked hash, out of the room until a sweep puts it back."""
+        w = self.waiters[name]
+        window = w.reservation
+        if w.state is not State.UNSURE:
+            if answer and (window is None or window.gone(call.sent)):
+                violated(f"force_release of the reservation of {w} said it was live")
+            if not answer and window is not None and window.held(call.received):
+                violated(
+                    f"force_release of the reservation of {w} said not live while it was "
+                    f"{window.describe(call.received)}"
+                )
+        if window is not None:
+            window.end(call.received)
 
     def force_release_all(self, key: str, call: Call, displaced: int) -> None:
         """An operator's ``force_release_all(key)`` answered ``displaced``."""
@@ -600,6 +617,8 @@ class Model:
             h.window.gone_after = max(h.window.gone_after, at + lease + MARGIN)
         if op in ("release", "force_release") and isinstance(h, Holding):
             h.window.blur()
+        if op == "force_release" and isinstance(w, Waiter) and w.reservation is not None:
+            w.reservation.blur()
         if op == "force_release_all":
             for _, win in km.windows():
                 win.blur()

@@ -2,12 +2,18 @@
 plain-Python model in ``tests/model.py`` (Hypothesis ``RuleBasedStateMachine``; no Celery).
 
 Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s), extend,
-release, an operator's force-release of one slot or of a whole key, park a waiter (with or
-without ``max_queued``), park it again, claim, cancel, sweep; time passing, and sleeping until
-short leases and reservations have surely lapsed. Faults: the server frozen with SIGSTOP while
+release; an operator's force-release of one slot, of a waiter's reservation, or of a whole
+key; a burst of new waiters parks (with or without ``max_queued``), one parks again, claims,
+is cancelled; a sweep; time passes a little, or until short leases and reservations (claim
+timeouts of 0.3 s or 20 s) have surely lapsed. Faults: the server frozen with SIGSTOP while
 one or two calls are made (each must fail with ``SemaphoreBackendError`` within the client's
-0.5 s timeout; the server may still run them when it wakes), and a restart without
-persistence (everything gone).
+0.3 s socket timeout; the server may still run them when it wakes), and a restart without
+persistence (everything gone); at most one fault per 10 steps.
+
+The model reasons with time windows: a slot is surely held only until ``sent + lease -
+MARGIN`` and surely gone only after ``received + lease + MARGIN`` (MARGIN 0.35 s), and
+everything in between is "maybe"; a call with no answer leaves "maybe" slots, reservations
+and waiters behind, up to when the server was surely answering again.
 
 Invariants, after every step: the slots the model says are surely held never exceed a key's
 limit, and neither do ``count`` nor ``holders``; ``count``, ``available`` and ``holders``
@@ -18,16 +24,18 @@ reservation is live, never after it claimed, was cancelled or was refused), in a
 with its latest payload, and a release, cancel, park or sweep that frees a slot hands it to a
 waiter that surely waits; nobody is lost (every waiter that waits is in the parked hash, and
 the room, read with ``SemaphoreAdmin.room``, holds every surely-parked waiter, in arrival
-order); every key in Redis has a TTL, and a key's TTL outlives its live leases.
+order; after a sweep, every waiter whose reservation lapsed is back in the room); every key
+in Redis has a TTL, and a key's slots and holders outlive its live leases.
 
 Run it:
 
-    .venv/bin/pytest tests/test_model.py -q                  # CI profile: fixed examples, ~1 min
-    CELERY_SEMAPHORE_MODEL=deep .venv/bin/pytest tests/test_model.py -q -p no:randomly
-                                                              # 400 random examples, ~15 min
+    .venv/bin/pytest tests/test_model.py -q           # CI profile: fixed examples, under a minute
+    CELERY_SEMAPHORE_MODEL=deep .venv/bin/pytest tests/test_model.py -q -k random
+                                                       # 400 random examples, about 12 minutes
 
-``CELERY_SEMAPHORE_MODEL_EXAMPLES=N`` changes the deep profile's number of examples. A failure
-prints the steps, each with a note of what it was answered and how long it took.
+``CELERY_SEMAPHORE_MODEL_EXAMPLES=N`` sets the deep profile's number of examples. A failure
+prints the steps, each with a note of what it was answered and how long it took; the deep
+profile also prints a ``@reproduce_failure`` blob to replay it.
 """
 
 from __future__ import annotations
@@ -69,9 +77,9 @@ LEASES = (0.25, 20.0)
 CLAIM_TIMEOUTS = (0.3, 20.0)
 SOCKET_TIMEOUT = 0.3
 """The client's timeout: a call to a frozen server must fail within it (plus SLACK)."""
-FAULT_EVERY = 8
+FAULT_EVERY = 10
 """Steps between two faults (a freeze or a restart), at least."""
-SLACK = 1.5
+SLACK = 2.0
 """Seconds a noisy machine may add to a timeout."""
 PREFIX = "model"
 ROOM_TTL_BUG = True
@@ -80,7 +88,7 @@ test_a_room_recreated_by_a_requeue_has_a_ttl): tolerated here until it is fixed.
 
 settings.register_profile(
     "model-ci",
-    max_examples=25,
+    max_examples=30,
     stateful_step_count=40,
     derandomize=True,
     deadline=None,
@@ -290,11 +298,13 @@ class SemaphoreMachine(RuleBasedStateMachine):
             assert slot.lost.is_set(), f"release found {h} gone but did not mark it lost"
         self.model.release(h, call, answer, handoffs)
 
-    @rule(pick=st.integers(0, 63), whole_key=st.booleans())
-    def force_release(self, pick: int, whole_key: bool) -> None:
-        """An operator frees one slot by its token, or every slot of its key."""
+    @rule(pick=st.integers(0, 63), what=st.sampled_from(("slot", "reservation", "key")))
+    def force_release(self, pick: int, what: str) -> None:
+        """An operator frees one slot by its token (a holder's, or a waiter's reservation
+        ``~<waiter>`` as ``holders`` lists it), or every slot of a key."""
         h = self._pick_holding(pick)
-        if whole_key:
+        w = self._pick_waiter(pick)
+        if what == "key":
             key = h.key if h is not None else KEYS[pick % len(KEYS)]
             call, displaced, answered = self._run(lambda: self.operator.force_release_all(key))
             if not answered:
@@ -302,6 +312,15 @@ class SemaphoreMachine(RuleBasedStateMachine):
             say(f"force_release_all {key!r} -> {displaced}")
             assert displaced is not None
             return self.model.force_release_all(key, call, displaced)
+        if what == "reservation" and w is not None:
+            call, answer, answered = self._run(
+                lambda: self.operator.force_release(w.key, f"~{w.name}")
+            )
+            if not answered:
+                return self._lost("force_release", call, key=w.key, waiter=w)
+            say(f"force_release of the reservation of {w} -> {answer}")
+            assert answer is not None
+            return self.model.force_release_reservation(w.name, call, answer)
         if h is None:
             return
         call, answer, answered = self._run(lambda: self.operator.force_release(h.key, h.token))
@@ -578,18 +597,21 @@ class SemaphoreMachine(RuleBasedStateMachine):
             )
 
     def _ttls(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
-        """PTTL of every key; and for each key's sorted set of slots, its PTTL and the ms
-        until its latest lease ends (read in one transaction)."""
+        """PTTL of every key; and for each key's slots and holders, their PTTL and the ms
+        until its latest live lease ends (read in one transaction)."""
         ttls = {raw.decode(): self.client.pttl(raw) for raw in self.client.scan_iter(count=500)}
         leases: dict[str, tuple[int, int]] = {}
         for key in KEYS:
-            slots = redis_keys(PREFIX, key).slots
+            names = redis_keys(PREFIX, key)
             with self.client.pipeline(transaction=True) as pipe:
-                pipe.time().pttl(slots).zrange(slots, -1, -1, withscores=True)
-                (seconds, micros), ttl, last = pipe.execute()
+                pipe.time().pttl(names.slots).pttl(names.holders)
+                pipe.zrange(names.slots, -1, -1, withscores=True)
+                (seconds, micros), slots_ttl, holders_ttl, last = pipe.execute()
             now_ms = seconds * 1000 + micros // 1000
             if last and last[0][1] > now_ms:
-                leases[slots] = (ttl, int(last[0][1]) - now_ms)
+                latest = int(last[0][1]) - now_ms
+                leases[names.slots] = (slots_ttl, latest)
+                leases[names.holders] = (holders_ttl, latest)
         return ttls, leases
 
 
@@ -667,6 +689,42 @@ def driven(own_redis: RedisServer) -> Iterator[Callable[..., Driven]]:
     yield make
     for d in made:
         d.close()
+
+
+def test_schedule_a_lapsed_slot_is_never_revived_and_a_sweep_hands_out_a_freed_one(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(2, 1))
+    d.step("acquire", key="a", lease=20.0)  # keeps the key alive past s1's lease
+    d.step("acquire", key="a", lease=0.25)
+    d.step("acquire", key="b", lease=0.25)
+    d.step("extend", pick=d.pick("s2"), lease=20.0)  # its keys' TTL must follow
+    d.step("time_passes", wait="past the short leases")
+    d.step("extend", pick=d.pick("s1"), lease=20.0)  # lapsed but still there: not revived
+    d.step("release", pick=d.pick("s1"))  # not owned
+    d.step("park", key="a", runs=2, lease=20.0, max_queued=0)  # w0 takes s3, w1 waits
+    d.step("force_release", pick=d.pick("s3"), what="slot")  # an operator hands off nothing
+    assert d.state("w1") is State.PARKED
+    d.step("sweep", key="a")  # must hand the free slot to w1
+    assert d.state("w1") is State.RESERVED
+    d.step("force_release", pick=d.pick("w1"), what="reservation")
+    d.step("sweep", key="a")  # w1 back in the room, and handed the slot again
+    assert d.state("w1") is State.RESERVED
+    d.step("claim", pick=d.pick("w1"), lease=20.0)
+    assert d.state("w1") is State.DONE
+
+
+def test_schedule_a_release_frees_lapsed_slots_before_it_hands_off(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 1))
+    d.step("acquire", key="a", lease=20.0)
+    d.step("force_release", pick=d.pick("s0"), what="slot")
+    d.step("acquire", key="a", lease=0.25)
+    d.step("park", key="a", runs=1, lease=20.0, max_queued=0)
+    d.step("time_passes", wait="past the short leases")
+    d.step("release", pick=d.pick("s0"))  # not owned, yet s1 lapsed: w0 gets its slot
+    assert d.state("w0") is State.RESERVED
 
 
 def test_schedule_a_sweep_puts_back_a_waiter_a_plain_acquire_orphaned(
