@@ -223,19 +223,7 @@ def _restoring_worker(url: str) -> Iterator[list[tuple[str, str]]]:
     "task",
     [
         "csem.gate",
-        pytest.param(
-            "csem.gate_no_result",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=RanTwice,
-                reason=(
-                    "bug: a redelivered hand-off with nothing to claim runs again unless the "
-                    "result backend holds a final state for it (room._has_ended); a task "
-                    "with ignore_result=True never has one, so the stranded copy of a run "
-                    "that already ended runs the body a second time"
-                ),
-            ),
-        ),
+        "csem.gate_no_result",
     ],
 )
 def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
@@ -269,16 +257,6 @@ def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_onc
         assert waiter.state == "SUCCESS"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RanTwice,
-    reason=(
-        "bug: a redelivered hand-off with nothing to claim, while the run that claimed it is "
-        "still in its body (no final state yet), is taken for a lost run (room._has_ended is "
-        "False) and parks the task again; the running run's release then hands it the slot "
-        "and the body runs a second time"
-    ),
-)
 def test_a_stranded_hand_off_redelivered_while_its_run_still_runs_is_not_run_again(
     gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
 ) -> None:

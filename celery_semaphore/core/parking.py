@@ -122,22 +122,37 @@ class WaitingRoom:
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         room_ttl: float = DEFAULT_ROOM_TTL,
+        delivery: str = "",
     ) -> Slot | Parked | NotWaiting:
         """Take the slot a hand-off reserved for ``waiter`` (its run has started).
+
+        Args:
+            key (str): the semaphore's key.
+            waiter (str): the waiter's id.
+            lease (float | None): lease of the slot taken; None: the semaphore's.
+            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
+            room_ttl (float): as for :meth:`park`.
+            delivery (str): an id of the message that started this run (each publish of a
+                hand-off gets its own), recorded with the claim: if the same message is
+                delivered again, its run was lost, and :class:`NotWaiting` says ``again``.
 
         Returns:
             Slot | Parked | NotWaiting: the slot; or :class:`Parked` when the reservation
             lapsed and the waiter is back in the room (its run should end and wait for the
-            next hand-off); or :class:`NotWaiting` when nothing is reserved or parked for it
-            (a duplicate delivery of a run that already claimed its slot: end it quietly).
+            next hand-off); or :class:`NotWaiting` when nothing is reserved or parked for it:
+            a duplicate copy of a run that already claimed its slot (end it quietly), or,
+            with ``again``, the same delivery once more (its run was lost: run it).
 
         Raises:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
+        if delivery != "":
+            check.check_key(delivery, "delivery")
         result = self._park(
-            key, waiter, b"", None, lease, metadata, 0, room_ttl, claim_only=True, deadline_ms=0
-        )
+            key, waiter, b"", None, lease, metadata, 0, room_ttl,
+            claim_only=True, deadline_ms=0, delivery=delivery,
+        )  # fmt: skip
         assert not isinstance(result, RoomFull)
         return result
 
@@ -154,6 +169,7 @@ class WaitingRoom:
         *,
         claim_only: bool,
         deadline_ms: int,
+        delivery: str = "",
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check.check_key(waiter, "waiter")
@@ -176,7 +192,7 @@ class WaitingRoom:
             result, handed = self._scripts.park(
                 keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
-                self.handoffs.grace_ms,
+                self.handoffs.grace_ms, delivery,
             )  # fmt: skip
             record(1, _OUTCOMES[type(result)])
         self.handoffs.deliver(key, handed)

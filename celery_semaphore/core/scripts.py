@@ -2,9 +2,12 @@
 
 Each operation is one Lua script (``lua/*.lua``, each opening with its contract), run through
 redis-py's :class:`~redis.commands.core.Script` so it costs one EVALSHA round trip and is
-reloaded by itself after a NOSCRIPT (a restarted or failed-over server). This module only
-maps replies to Python values and redis-py errors to :class:`SemaphoreBackendError`; what a
-reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
+reloaded by itself after a NOSCRIPT (a restarted or failed-over server). Each call is built
+once as a :class:`Call` (the script, its KEYS and ARGV, and the pure function of
+:mod:`celery_semaphore.core.replies` that reads its reply), which :class:`Scripts` sends
+through a redis-py client and :class:`AsyncScripts` through a ``redis.asyncio`` one. This
+module also names the keys and maps redis-py errors to :class:`SemaphoreBackendError`; what
+a reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
 :mod:`celery_semaphore.core.semaphore`.
 """
 
@@ -12,15 +15,33 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import redis
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.exceptions import RedisClusterException
 
 from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from .replies import Admitted as Admitted
+from .replies import Full as Full
+from .replies import Handoff as Handoff
+from .replies import NotWaiting as NotWaiting
+from .replies import Parked as Parked
+from .replies import RoomFull as RoomFull
+from .replies import (
+    parse_acquire,
+    parse_extend,
+    parse_holders,
+    parse_park,
+    parse_release,
+    parse_sweep,
+    parse_waiting,
+)
+
+T = TypeVar("T")
 
 
 class Keys(NamedTuple):
@@ -40,6 +61,8 @@ class Keys(NamedTuple):
     """Sorted set: token of a caller blocked on :attr:`wake` -> when it stops blocking, ms."""
     wake: str
     """List: one element per freed slot the room did not take, to wake a blocked caller."""
+    claims: str
+    """Hash: waiter id -> id of the delivery that claimed its hand-off."""
 
 
 def _lua(name: str) -> str:
@@ -48,63 +71,16 @@ def _lua(name: str) -> str:
 
 _ROOM = ("park", "release", "sweep", "cancel")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
-_ALL, _PAIR = slice(0, 7), slice(0, 2)
+_ROOM_KEYS, _PAIR = slice(0, 7), slice(0, 2)
 _KEYS = {
     "acquire": _PAIR, "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": _ALL, "release": _ALL, "sweep": _ALL, "cancel": _ALL,
+    "force_release_all": _PAIR, "park": slice(0, 8), "release": _ROOM_KEYS,
+    "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS,
     "block": slice(5, 6),
     "waiting": slice(2, 3),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
 _SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
-
-
-@dataclass(frozen=True)
-class Handoff:
-    """A slot reserved for a parked waiter, whose payload the caller must now publish; or,
-    with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail."""
-
-    waiter: str
-    payload: bytes
-    give_up: bool = False
-
-
-@dataclass(frozen=True)
-class Parked:
-    """park.lua parked the waiter: ``position`` older waiters are ahead of it."""
-
-    position: int
-    now_ms: int
-
-
-@dataclass(frozen=True)
-class RoomFull:
-    """park.lua refused: the room already holds ``queued`` waiters (``max_queued``)."""
-
-    queued: int
-
-
-@dataclass(frozen=True)
-class NotWaiting:
-    """park.lua in claim mode: nothing is reserved or parked for the waiter."""
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """acquire.lua took a slot (or found the token already holding one)."""
-
-    expires_at_ms: int
-    now_ms: int
-
-
-@dataclass(frozen=True)
-class Full:
-    """acquire.lua found every slot held by ``holders`` live holders, the first of whose
-    leases lapses at ``first_expiry_ms`` (epoch ms)."""
-
-    holders: int
-    now_ms: int
-    first_expiry_ms: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,7 +95,7 @@ def redis_keys(prefix: str, key: str) -> Keys:
     (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
-    names = ("holders", "room", "parked", "deadlines", "blocked", "wake")
+    names = ("holders", "room", "parked", "deadlines", "blocked", "wake", "claims")
     return Keys(slots, *(f"{slots}:{name}" for name in names))
 
 
@@ -139,19 +115,6 @@ def check_cluster_key(key: str) -> str:
     return key
 
 
-def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
-    """The {waiter, payload} pairs at ``reply[start:]``."""
-    return [
-        Handoff(_text(reply[i]), reply[i + 1] if isinstance(reply[i + 1], bytes)
-                else str(reply[i + 1]).encode(), give_up)
-        for i in range(start, len(reply) - 1, 2)
-    ]  # fmt: skip
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
 @contextlib.contextmanager
 def backend_errors(key: str, limit: int | None = None) -> Iterator[None]:
     """Re-raise any redis-py error inside the block as :class:`SemaphoreBackendError`."""
@@ -161,6 +124,81 @@ def backend_errors(key: str, limit: int | None = None) -> Iterator[None]:
         raise SemaphoreBackendError(
             f"Redis failed for semaphore {key!r}: {type(exc).__name__}: {exc}", key, limit
         ) from exc
+
+
+class Call(Generic[T]):
+    """One script call, built once and run by :class:`Scripts` (sync) or
+    :class:`AsyncScripts` (asyncio): the script, its KEYS and ARGV, and the pure function
+    that reads its reply. The builders below (``*_call``) are the only place that knows a
+    script's arguments and reply, so both clients send and read exactly the same thing.
+
+    Args:
+        script (str): the script's name (a ``lua/<name>.lua`` file).
+        keys (Sequence[str]): its KEYS.
+        args (Sequence[str | int | bytes]): its ARGV.
+        parse (Callable[[Any], T]): maps the raw reply to the result.
+    """
+
+    __slots__ = ("args", "keys", "parse", "script")
+
+    def __init__(
+        self,
+        script: str,
+        keys: Sequence[str],
+        args: Sequence[str | int | bytes],
+        parse: Callable[[Any], T],
+    ) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.parse = parse
+
+
+def _of(
+    script: str, keys: Keys, args: Sequence[str | int | bytes], parse: Callable[[Any], T]
+) -> Call[T]:
+    return Call(script, keys[_KEYS[script]], args, parse)
+
+
+def acquire_call(
+    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
+) -> Call[Admitted | Full]:
+    """Take a slot if fewer than ``limit`` live holders hold one."""
+    return _of("acquire", keys, (limit, lease_ms, token, metadata), parse_acquire)
+
+
+def block_call(keys: Keys, token: str, for_ms: int) -> Call[int]:
+    """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
+    return _of("block", keys, (token, for_ms), int)
+
+
+def extend_call(renewals: Sequence[tuple[Keys, str, int]]) -> Call[list[int | None]]:
+    """Renew each ``(keys, token, lease_ms)`` in one call (all keys in one cluster hash
+    slot): each one's new expiry (epoch ms), or None when its slot is gone."""
+    keys = [name for k, _, _ in renewals for name in k[:2]]
+    args = [value for _, token, ms in renewals for value in (token, ms)]
+    return Call("extend", keys, args, parse_extend)
+
+
+def release_call(keys: Keys, token: str, claim_ms: int) -> Call[tuple[bool, list[Handoff]]]:
+    """Remove ``token``: whether it was still a live holder until now, and the hand-offs
+    of the slot it freed (to the oldest parked waiter)."""
+    return _of("release", keys, (token, claim_ms), parse_release)
+
+
+def count_call(keys: Keys) -> Call[int]:
+    """How many holders are live by the server's clock."""
+    return _of("count", keys, (), int)
+
+
+def holders_call(keys: Keys) -> Call[tuple[int, list[tuple[str, int, str]]]]:
+    """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
+    return _of("holders", keys, (), parse_holders)
+
+
+def force_release_all_call(keys: Keys) -> Call[int]:
+    """Delete the semaphore; how many live holders it had."""
+    return _of("force_release_all", keys, (), int)
 
 
 class Scripts:
@@ -174,35 +212,29 @@ class Scripts:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
 
-    def _call(self, name: str, keys: Keys, *args: str | int | bytes) -> Any:
-        return self._scripts[name](keys=keys[_KEYS[name]], args=args)
+    def run(self, call: Call[T]) -> T:
+        """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
+        return call.parse(self._scripts[call.script](keys=call.keys, args=call.args))
 
     def acquire(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
     ) -> Admitted | Full:
         """Take a slot if fewer than ``limit`` live holders hold one (one round trip)."""
-        reply = self._call("acquire", keys, limit, lease_ms, token, metadata)
-        if int(reply[0]) == 1:
-            return Admitted(int(reply[1]), int(reply[2]))
-        return Full(int(reply[1]), int(reply[2]), int(reply[3]))
+        return self.run(acquire_call(keys, limit, lease_ms, token, metadata))
 
     def block(self, keys: Keys, token: str, for_ms: int) -> int:
         """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
-        return int(self._call("block", keys, token, for_ms))
+        return self.run(block_call(keys, token, for_ms))
 
     def extend(self, renewals: Sequence[tuple[Keys, str, int]]) -> list[int | None]:
         """Renew each ``(keys, token, lease_ms)`` in one call (all keys in one cluster hash
         slot): each one's new expiry (epoch ms), or None when its slot is gone."""
-        keys = [name for k, _, _ in renewals for name in k[:2]]
-        args = [value for _, token, ms in renewals for value in (token, ms)]
-        reply = self._scripts["extend"](keys=keys, args=args)
-        return [int(expiry) or None for expiry in reply[1:]]
+        return self.run(extend_call(renewals))
 
     def release(self, keys: Keys, token: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Remove ``token``: whether it was still a live holder until now, and the hand-offs
         of the slot it freed (to the oldest parked waiter)."""
-        reply = self._call("release", keys, token, claim_ms)
-        return int(reply[0]) == 1, _handoffs(reply, 1)
+        return self.run(release_call(keys, token, claim_ms))
 
     def park(
         self,
@@ -220,59 +252,58 @@ class Scripts:
         claim_only: bool,
         deadline_ms: int,
         grace_ms: int,
+        delivery: str = "",
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
-        reply = self._call(
-            "park", keys, limit, lease_ms, token, metadata, waiter,
-            "" if arrival_ms is None else arrival_ms, payload, claim_ms, room_ttl_ms,
-            max_queued, "claim" if claim_only else "park", deadline_ms, grace_ms,
+        args = (
+            limit, lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
+            payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
+            deadline_ms, grace_ms, delivery,
         )  # fmt: skip
-        status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
-        result: Admitted | Parked | RoomFull | NotWaiting
-        if status == 1:
-            result = Admitted(value, now_ms)
-        elif status == 0:
-            result = Parked(value, now_ms)
-        elif status == -1:
-            result = RoomFull(value)
-        else:
-            result = NotWaiting()
-        return result, _handoffs(reply, 3)
+        return self.run(_of("park", keys, args, parse_park))
 
     def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
         """The server's time (epoch ms), how many are parked, and the oldest ``rows`` parked
         ``(waiter, arrival_ms)`` (-1: all), oldest first."""
-        reply = self._call("waiting", keys, rows)
-        return (
-            int(reply[0]),
-            int(reply[1]),
-            [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply) - 1, 2)],
-        )
+        return self.run(_of("waiting", keys, (rows,), parse_waiting))
 
     def sweep(self, keys: Keys, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Requeue lapsed reservations, hand free slots to the oldest waiters and give up
         waiters past their deadline: whether the room still exists, and what to publish."""
-        alive, handed, give_ups = self._call("sweep", keys, claim_ms)
-        return int(alive) == 1, _handoffs(handed, 0) + _handoffs(give_ups, 0, give_up=True)
+        return self.run(_of("sweep", keys, (claim_ms,), parse_sweep))
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""
-        reply = self._call("cancel", keys, waiter, claim_ms)
-        return int(reply[0]) == 1, _handoffs(reply, 1)
+        return self.run(_of("cancel", keys, (waiter, claim_ms), parse_release))
 
     def count(self, keys: Keys) -> int:
         """How many holders are live by the server's clock."""
-        return int(self._call("count", keys))
+        return self.run(count_call(keys))
 
     def holders(self, keys: Keys) -> tuple[int, list[tuple[str, int, str]]]:
         """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
-        reply = self._call("holders", keys)
-        rows = [
-            (_text(reply[i]), int(reply[i + 1]), _text(reply[i + 2]))
-            for i in range(1, len(reply), 3)
-        ]
-        return int(reply[0]), rows
+        return self.run(holders_call(keys))
 
     def force_release_all(self, keys: Keys) -> int:
         """Delete the semaphore; how many live holders it had."""
-        return int(self._call("force_release_all", keys))
+        return self.run(force_release_all_call(keys))
+
+
+class AsyncScripts:
+    """The same scripts, registered once on one ``redis.asyncio`` client (plain or cluster).
+
+    Calls are built by the same ``*_call`` functions as :class:`Scripts`'s, so the sync and
+    the asyncio semaphore share one set of scripts and one reading of every reply.
+
+    Args:
+        client (redis.asyncio.Redis | redis.asyncio.RedisCluster): the client every call
+            goes through.
+    """
+
+    def __init__(self, client: AsyncRedis | AsyncRedisCluster) -> None:
+        self.client = client
+        self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+
+    async def run(self, call: Call[T]) -> T:
+        """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
+        return call.parse(await self._scripts[call.script](keys=call.keys, args=call.args))

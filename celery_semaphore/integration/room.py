@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from celery import Celery, Task, states
+from celery import Celery, Task
 from celery.exceptions import Ignore
 from kombu.serialization import dumps, loads
 
@@ -38,6 +39,7 @@ from .shedding import (
     FIRST_SHED_HEADER,
     GIVE_UP_HEADER,
     HANDOFF_HEADER,
+    HANDOFF_ID_HEADER,
     SHED_ATTEMPT_HEADER,
     retry_headers,
 )
@@ -78,8 +80,10 @@ def publisher_for(app: Celery) -> Publisher:
             content_type, encoding, body = handoff.payload.split(b"\n", 2)
             options = loads(body, content_type.decode(), encoding.decode(), accept=None)  # type: ignore[no-untyped-call]
             signature = app.signature(options)
+            headers = signature.options.setdefault("headers", {})
+            headers[HANDOFF_ID_HEADER] = uuid.uuid4().hex
             if handoff.give_up:
-                signature.options.setdefault("headers", {})[GIVE_UP_HEADER] = True
+                headers[GIVE_UP_HEADER] = True
             signature.apply_async()
             logger.debug(
                 "semaphore %r: %s task %s",
@@ -97,35 +101,26 @@ def claim_or_end(
     """Claim the slot a hand-off reserved for the running task, or end the run.
 
     Returns:
-        Slot | None: the reserved slot; or None when this delivery is the broker's
-        redelivery of a hand-off whose run was lost after it claimed its slot (a worker
-        killed with ``acks_late``; the task has no final state): it is a new run, and asks
-        for a slot as any run does.
+        Slot | None: the reserved slot; or None when this very message claimed the slot
+        before and the broker delivers it again (its run was lost after the claim, say a
+        worker killed with ``acks_late``): it is a new run, and asks for a slot as any run
+        does. Another copy of a hand-off (a stranded prefetch, a sweep's second publish)
+        carries another id, and ends quietly.
 
     Raises:
         celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
             next hand-off starts it), or there was nothing to claim (a duplicate delivery,
             whose task already ran or runs elsewhere).
     """
-    result = semaphore.claim(key, task.request.id, metadata=metadata)
+    delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
+    result = semaphore.claim(key, task.request.id, metadata=metadata, delivery=delivery)
     if isinstance(result, Slot):
         return result
     if isinstance(result, NotWaiting):
-        if (task.request.delivery_info or {}).get("redelivered") and not _has_ended(task):
+        if result.again:
             return None
         logger.info("%sa duplicate hand-off of semaphore %r ends here", task_label(task), key)
     raise Ignore()
-
-
-def _has_ended(task: Task) -> bool:
-    """Whether the result backend holds a final state for the running task. A redelivered
-    hand-off with nothing to claim is either a run lost after its claim (no final state: it
-    must run again) or a stranded copy of a run that another delivery has since completed
-    (a final state: a duplicate). With no result to read, it runs again (at least once)."""
-    try:
-        return task.AsyncResult(task.request.id).state in states.READY_STATES
-    except Exception:  # no result backend, or it cannot be read: run rather than lose it
-        return False
 
 
 def give_up_or_end(task: Task, semaphore: Semaphore, policy: Policy, key: str) -> NoReturn:

@@ -37,6 +37,11 @@ HANDOFF_HEADER = "semaphore_handoff"
 (``request.retries``) it was parked in. Only that attempt claims a reservation; a retry the
 task asks for itself carries the header on with a higher ``retries`` and is a new run."""
 
+HANDOFF_ID_HEADER = "semaphore_handoff_id"
+"""Message header: a fresh id for each publish of a hand-off, recorded when its run claims
+the slot, so that the broker delivering the same message again (the run was lost) is told
+from another copy of it (a duplicate, which ends quietly)."""
+
 GIVE_UP_HEADER = "semaphore_give_up"
 """Message header of a parked run whose ``shed_timeout`` passed while it waited: the run
 takes itself out of the room and fails instead of running."""
@@ -68,7 +73,7 @@ def retry_headers(request: Any) -> dict[str, Any]:
     return {
         k: v
         for k, v in headers.items()
-        if k not in BROKER_HEADERS and k not in (HANDOFF_HEADER, GIVE_UP_HEADER)
+        if k not in BROKER_HEADERS and k not in (HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER)
     }
 
 

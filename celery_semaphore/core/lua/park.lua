@@ -1,7 +1,7 @@
 -- park: take a slot for a waiter in arrival order, or park it in the waiting room; or, in
 -- claim mode, take the slot reserved for it by a hand-off.
 --
--- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
+-- KEYS[1..8]  slots, holders, room, parked, deadlines, blocked, wake, claims (see room.lua)
 -- ARGV[1]  limit        the key's limit (integer >= 1)
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
 -- ARGV[3]  token        unique per acquisition
@@ -18,25 +18,30 @@
 -- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0
 -- ARGV[13] grace_ms     a reservation its run has not claimed within this long may be taken
 --                       by this waiter, which is here now (0: never)
+-- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
+--                       recorded with the claim
 --
 -- Returns {1, expires_at_ms, now_ms, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, hand-offs...}        parked; position 0 is the next served
 --         {-1, queued, now_ms}                        the room is full (max_queued)
---         {-2, 0, now_ms}                             claim mode: nothing reserved or parked
---                                                     for this waiter (a duplicate delivery)
+--         {-2, again, now_ms}                         claim mode: nothing reserved or parked
+--                                                     for this waiter; again is 1 when this
+--                                                     very delivery claimed a slot before (the
+--                                                     broker delivered it again: its run was
+--                                                     lost), 0 for another copy (a duplicate)
 -- hand-offs are {waiter, payload} pairs for slots freed here and reserved for older waiters;
 -- the caller publishes them.
 --
 -- The waiter joins the room before any free slot is handed out, so it is served in arrival
 -- order with everyone else: a free slot goes to it only if no older waiter is parked.
 local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local blocked, wake = KEYS[6], KEYS[7]
+local blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8]
 local limit = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
-local deadline_ms, grace_ms = tonumber(ARGV[12]), tonumber(ARGV[13])
+local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
@@ -47,6 +52,12 @@ local function take(member)
   if member then
     redis.call('ZREM', slots, member)
     redis.call('HDEL', holders, member)
+  end
+  if member == '~' .. waiter and delivery ~= '' then
+    -- Which message claimed the hand-off: if the broker delivers that one again, its run
+    -- was lost; any other copy is a duplicate.
+    redis.call('HSET', claims, waiter, delivery)
+    redis.call('PEXPIRE', claims, room_ttl_ms)
   end
   redis.call('ZREM', room, waiter)
   redis.call('HDEL', parked, waiter)
@@ -68,7 +79,10 @@ if redis.call('ZSCORE', slots, '~' .. waiter) then
 end
 
 local known = arrival_of(parked, waiter)
-if mode == 'claim' and not known then return {-2, 0, now} end
+if mode == 'claim' and not known then
+  local again = delivery ~= '' and redis.call('HGET', claims, waiter) == delivery
+  return {-2, again and 1 or 0, now}
+end
 if not known and max_queued > 0 and redis.call('ZCARD', room) >= max_queued then
   return {-1, redis.call('ZCARD', room), now}
 end

@@ -1,0 +1,129 @@
+"""What the scripts answer: small typed results, and the pure functions that read a raw
+reply into them.
+
+The functions take a reply as redis-py returns it (RESP2 or RESP3, bytes or decoded text)
+and do no I/O, so the sync and the asyncio clients read every reply the same way (see
+:class:`~celery_semaphore.core.scripts.Call`). Each script's reply is described in the
+contract that opens its ``lua/*.lua`` file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A slot reserved for a parked waiter, whose payload the caller must now publish; or,
+    with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail."""
+
+    waiter: str
+    payload: bytes
+    give_up: bool = False
+
+
+@dataclass(frozen=True)
+class Parked:
+    """park.lua parked the waiter: ``position`` older waiters are ahead of it."""
+
+    position: int
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class RoomFull:
+    """park.lua refused: the room already holds ``queued`` waiters (``max_queued``)."""
+
+    queued: int
+
+
+@dataclass(frozen=True)
+class NotWaiting:
+    """park.lua in claim mode: nothing is reserved or parked for the waiter. ``again`` when
+    the claiming delivery is the one that claimed its slot before (its run was lost)."""
+
+    again: bool = False
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """acquire.lua took a slot (or found the token already holding one)."""
+
+    expires_at_ms: int
+    now_ms: int
+
+
+@dataclass(frozen=True)
+class Full:
+    """acquire.lua found every slot held by ``holders`` live holders, the first of whose
+    leases lapses at ``first_expiry_ms`` (epoch ms)."""
+
+    holders: int
+    now_ms: int
+    first_expiry_ms: int
+
+
+def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
+    """The {waiter, payload} pairs at ``reply[start:]``."""
+    return [
+        Handoff(_text(reply[i]), reply[i + 1] if isinstance(reply[i + 1], bytes)
+                else str(reply[i + 1]).encode(), give_up)
+        for i in range(start, len(reply) - 1, 2)
+    ]  # fmt: skip
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def parse_acquire(reply: Any) -> Admitted | Full:
+    """acquire.lua's reply as :class:`Admitted` or :class:`Full`."""
+    if int(reply[0]) == 1:
+        return Admitted(int(reply[1]), int(reply[2]))
+    return Full(int(reply[1]), int(reply[2]), int(reply[3]))
+
+
+def parse_extend(reply: Any) -> list[int | None]:
+    """extend.lua's reply: each renewal's new expiry (epoch ms), or None when it is gone."""
+    return [int(expiry) or None for expiry in reply[1:]]
+
+
+def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
+    """release.lua's (and cancel.lua's) reply: the flag, and the hand-offs."""
+    return int(reply[0]) == 1, _handoffs(reply, 1)
+
+
+def parse_park(reply: Any) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+    """park.lua's reply: what became of the waiter, and the hand-offs."""
+    status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
+    result: Admitted | Parked | RoomFull | NotWaiting
+    if status == 1:
+        result = Admitted(value, now_ms)
+    elif status == 0:
+        result = Parked(value, now_ms)
+    elif status == -1:
+        result = RoomFull(value)
+    else:
+        result = NotWaiting(again=value == 1)
+    return result, _handoffs(reply, 3)
+
+
+def parse_waiting(reply: Any) -> tuple[int, int, list[tuple[str, int]]]:
+    """waiting.lua's reply: the server's time, how many are parked, the rows listed."""
+    rows = [(_text(reply[i]), int(reply[i + 1])) for i in range(2, len(reply) - 1, 2)]
+    return int(reply[0]), int(reply[1]), rows
+
+
+def parse_sweep(reply: Any) -> tuple[bool, list[Handoff]]:
+    """sweep.lua's reply: whether the room still exists, then hand-offs and give-ups."""
+    alive, handed, give_ups = reply
+    return int(alive) == 1, _handoffs(handed, 0) + _handoffs(give_ups, 0, give_up=True)
+
+
+def parse_holders(reply: Any) -> tuple[int, list[tuple[str, int, str]]]:
+    """holders.lua's reply: the server's time and each ``(token, expires_at_ms, info)``."""
+    rows = [
+        (_text(reply[i]), int(reply[i + 1]), _text(reply[i + 2])) for i in range(1, len(reply), 3)
+    ]
+    return int(reply[0]), rows
