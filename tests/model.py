@@ -129,6 +129,8 @@ class Waiter:
     """The payloads its hand-off may carry (more than one after an unanswered re-park)."""
     state: State = State.PARKED
     reservation: Window | None = None
+    reserved_at: Call | None = None
+    """The call that handed it its reservation (None: a call with no answer may have)."""
     done_why: str = ""
 
     def surely_reserved(self, at: float) -> bool:
@@ -165,6 +167,9 @@ class KeyModel:
     name: str
     limit: int
     claim_timeout: float
+    grace: float = 0.0
+    """Seconds a reservation is its waiter's alone; after that a waiter that parks in person
+    may take it (0: never)."""
     holdings: list[Holding] = field(default_factory=list)
     phantoms: list[Window] = field(default_factory=list)
     waiters: list[Waiter] = field(default_factory=list)
@@ -188,6 +193,27 @@ class KeyModel:
     def parked(self) -> list[Waiter]:
         return [w for w in self.waiters if w.state is State.PARKED]
 
+    def stale(self, call: Call, parker: Waiter) -> tuple[list[Waiter], list[Waiter]]:
+        """The waiters whose reservation ``parker``, parking in ``call``, may take because it
+        is older than the grace, and those whose reservation it surely could."""
+        maybe: list[Waiter] = []
+        surely: list[Waiter] = []
+        if self.grace <= 0:
+            return maybe, surely
+        for w in self.waiters:
+            if w is parker or w.reservation is None or w.reservation.gone(call.sent):
+                continue
+            made = w.reserved_at
+            if made is None or made.sent <= call.received - self.grace + MARGIN:
+                maybe.append(w)
+                if (
+                    made is not None
+                    and w.reservation.held(call.received)
+                    and made.received <= call.sent - self.grace - MARGIN
+                ):
+                    surely.append(w)
+        return maybe, surely
+
 
 class Model:
     """The whole model: every key, the slots the test holds and the waiters it parked.
@@ -195,10 +221,19 @@ class Model:
     Args:
         limits: each key's limit.
         claim_timeouts: each key's claim timeout (seconds a hand-off's reservation lives).
+        graces: each key's hand-off grace (seconds; 0 or missing: never taken).
     """
 
-    def __init__(self, limits: dict[str, int], claim_timeouts: dict[str, float]) -> None:
-        self.keys = {k: KeyModel(k, limits[k], claim_timeouts[k]) for k in limits}
+    def __init__(
+        self,
+        limits: dict[str, int],
+        claim_timeouts: dict[str, float],
+        graces: dict[str, float] | None = None,
+    ) -> None:
+        graces = graces or {}
+        self.keys = {
+            k: KeyModel(k, limits[k], claim_timeouts[k], graces.get(k, 0.0)) for k in limits
+        }
         self.holdings: list[Holding] = []
         self.waiters: dict[str, Waiter] = {}
         self._unsettled: list[Callable[[float], None]] = []
@@ -331,20 +366,24 @@ class Model:
         also: Waiter | None = None,
         at_least: int = 0,
         at_most: int | None = None,
+        stole: bool = False,
     ) -> None:
         """Check and record the waiters ``call`` served: ``handoffs`` it published, and
         ``also``, a waiter it gave a slot at once. ``in_room`` were surely in the room when it
-        was sent; it must serve at least ``at_least`` and at most ``at_most`` waiters."""
+        was sent; it must serve at least ``at_least`` and at most ``at_most`` waiters. With
+        ``stole``, ``also`` may instead have taken a reservation past its grace: out of turn,
+        and in a slot that was not free."""
         served = [name for name, _ in handoffs] + ([also.name] if also else [])
+        in_turn = served[:-1] if also and stole else served
         if len(served) < at_least:
             waiting = [w.name for w in in_room]
             violated(
                 f"a call on {km.name!r} served {served} but free slots were enough for "
                 f"{at_least} of the parked waiters {waiting}"
             )
-        if at_most is not None and len(served) > max(0, at_most):
+        if at_most is not None and len(in_turn) > max(0, at_most):
             violated(
-                f"a call on {km.name!r} served {served}, more than the {max(0, at_most)} "
+                f"a call on {km.name!r} served {in_turn}, more than the {max(0, at_most)} "
                 f"slot(s) that could be free (limit {km.limit})"
             )
         if len(set(served)) != len(served):
@@ -363,15 +402,30 @@ class Model:
             arrivals.append(w.arrival)
         if arrivals != sorted(arrivals):
             violated(f"a call on {km.name!r} handed off out of arrival order: {served}")
-        if served:
-            newest = max([*arrivals, *([also.arrival] if also else [])])
+        if in_turn:
+            newest = max([*arrivals, *([also.arrival] if also and not stole else [])])
             for w in in_room:
                 if w.arrival < newest and w.name not in served:
-                    violated(f"{served} were served on {km.name!r} before older {w}")
+                    violated(f"{in_turn} were served on {km.name!r} before older {w}")
         for name, payload in handoffs:
             w = self.waiters[name]
             w.state, w.payloads = State.RESERVED, {payload}
             w.reservation = Window.granted(call, km.claim_timeout)
+            w.reserved_at = call
+
+    def _past_grace(
+        self, km: KeyModel, w: Waiter, call: Call, outcome: Outcome, what: str
+    ) -> list[Waiter]:
+        """The waiters whose reservation ``w``'s park or claim in ``call`` may have taken
+        past the grace (it answered ``outcome``): it never waits while one is surely
+        there to take."""
+        maybe, surely = km.stale(call, w)
+        if outcome.kind == "parked" and surely:
+            violated(
+                f"{what} of {w} waited while the reservation of {surely[0]} was unclaimed "
+                f"past the grace of {km.grace}s"
+            )
+        return maybe if outcome.kind == "slot" else []
 
     def _position_bounds(
         self, km: KeyModel, w: Waiter, call: Call, served: set[str]
@@ -434,10 +488,15 @@ class Model:
         elif outcome.kind != "slot":
             violated(f"park of {w} answered {outcome.kind!r}")
         took = outcome.kind == "slot"
+        passed = self._past_grace(km, w, call, outcome, "park")
         self._serve(
             km, call, handoffs, in_room=[*parked, w], also=w if took else None,
             at_least=min(len(parked) + 1, capacity), at_most=km.limit - surely,
+            stole=bool(passed),
         )  # fmt: skip
+        for v in passed:  # maybe passed over: back at the head of the room
+            assert v.reservation is not None
+            v.reservation.blur()
         if took:
             w.finish("took a slot", call.received)
             return self._hold(key, call, outcome.token, lease)
@@ -473,13 +532,18 @@ class Model:
             if handoffs:
                 violated(f"{what} of {w} took its reservation and handed off {handoffs}")
         else:
+            passed = self._past_grace(km, w, call, outcome, what)
             self._serve(
                 km, call, handoffs, in_room=in_room,
                 also=w if outcome.kind == "slot" and not reserved else None,
                 at_least=0 if reserved else min(len(in_room), km.limit - km.maybe_live(
                     call.sent, excluding=window)),
                 at_most=km.limit - km.surely_live(call.received, excluding=window),
+                stole=bool(passed),
             )  # fmt: skip
+            for v in passed:  # maybe passed over: back at the head of the room
+                assert v.reservation is not None
+                v.reservation.blur()
         if payload is not None:
             w.payloads = {payload}
         if outcome.kind == "slot":
@@ -600,7 +664,7 @@ class Model:
             if w.state is State.PARKED:
                 w.state = State.RESERVED
             if w.reservation is None:
-                w.reservation = Window.maybe(until)
+                w.reservation, w.reserved_at = Window.maybe(until), None
             else:
                 w.reservation.gone_after = max(w.reservation.gone_after, until)
 
@@ -629,6 +693,10 @@ class Model:
             w.state = State.UNSURE
             if w.reservation is not None:
                 w.reservation.blur()
+        if op in ("park", "claim") and km.grace > 0:  # it may have taken one past its grace
+            for v in km.waiters:
+                if v.reservation is not None:
+                    v.reservation.blur()
         if op in ("park", "claim", "cancel", "release", "sweep"):
             self._blur_room(km, at)
 
