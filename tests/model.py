@@ -152,11 +152,13 @@ class Waiter:
 @dataclass(frozen=True)
 class Outcome:
     """What park or claim answered, without the library's types: ``kind`` is "slot" (with
-    the slot's token), "parked" (with its position), "full" or "not waiting"."""
+    the slot's token), "parked" (with its position), "full" or "not waiting" (with
+    ``again``: the claiming delivery is the one that claimed before)."""
 
     kind: str
     token: str = ""
     position: int = 0
+    again: bool = False
 
 
 @dataclass
@@ -236,6 +238,9 @@ class Model:
         }
         self.holdings: list[Holding] = []
         self.waiters: dict[str, Waiter] = {}
+        self.deliveries: dict[str, set[str | None]] = {}
+        """What the claims hash may hold for each waiter: the delivery whose claim took its
+        hand-off (None: none recorded)."""
         self._unsettled: list[Callable[[float], None]] = []
 
     # -- slots --------------------------------------------------------------------------
@@ -510,9 +515,11 @@ class Model:
         outcome: Outcome,
         handoffs: Sequence[tuple[str, bytes]],
         payload: bytes | None,
+        delivery: str = "",
     ) -> Holding | None:
-        """park (``payload``) or claim (None) of a waiter that is parked or reserved: it
-        takes its reservation, or joins the room again at its first arrival."""
+        """park (``payload``) or claim (None, with ``delivery``) of a waiter that is parked
+        or reserved: it takes its reservation, or joins the room again at its first
+        arrival."""
         km = self.keys[w.key]
         what = "claim" if payload is None else "re-park"
         reserved = w.reservation is not None and not w.reservation.gone(call.sent)
@@ -547,6 +554,11 @@ class Model:
         if payload is not None:
             w.payloads = {payload}
         if outcome.kind == "slot":
+            if delivery:  # recorded when the claim took its own hand-off, not another's
+                known = self.deliveries.setdefault(w.name, {None})
+                if w.surely_reserved(call.received):
+                    known.clear()
+                known.add(delivery)
             w.finish("claimed its slot", call.received)
             return self._hold(w.key, call, outcome.token, lease)
         w.state = State.PARKED
@@ -561,10 +573,17 @@ class Model:
         lease: float,
         outcome: Outcome,
         handoffs: Sequence[tuple[str, bytes]],
+        delivery: str = "",
     ) -> Holding | None:
-        """``Semaphore.claim(key, name)`` answered ``outcome``."""
+        """``Semaphore.claim(key, name, delivery=delivery)`` answered ``outcome``."""
         w = self.waiters[name]
         km = self.keys[w.key]
+        if outcome.kind == "not waiting":
+            known = self.deliveries.get(name, {None})
+            if outcome.again and (not delivery or delivery not in known):
+                violated(f"claim of {w} by {delivery!r} said again; recorded: {known}")
+            if not outcome.again and delivery and known == {delivery}:
+                violated(f"claim of {w} by {delivery!r}, which claimed it before, said a copy")
         if w.state is State.DONE:
             if outcome.kind != "not waiting" or handoffs:
                 violated(f"claim of {w} answered {outcome.kind!r} with hand-offs {handoffs}")
@@ -577,7 +596,7 @@ class Model:
             w.state = State.RESERVED if w.reservation is not None else State.PARKED
             if w.reservation is not None:
                 w.reservation.blur()
-        return self._rejoin(w, call, lease, outcome, handoffs, None)
+        return self._rejoin(w, call, lease, outcome, handoffs, None, delivery)
 
     def cancel(
         self, name: str, call: Call, found: bool, handoffs: Sequence[tuple[str, bytes]]
@@ -634,6 +653,7 @@ class Model:
 
     def restart(self, at: float) -> None:
         """The server restarted without persistence at ``at``: everything is gone."""
+        self.deliveries.clear()
         for km in self.keys.values():
             for _, win in km.windows():
                 win.end(at)
@@ -689,6 +709,8 @@ class Model:
         if op == "park" and isinstance(w, Waiter):
             self.waiters[w.name] = w
             km.waiters = [v for v in km.waiters if v.name != w.name] + [w]
+        if op == "claim" and isinstance(w, Waiter) and kw.get("delivery"):
+            self.deliveries.setdefault(w.name, {None}).add(str(kw["delivery"]))
         if op in ("park", "claim", "cancel") and isinstance(w, Waiter):
             w.state = State.UNSURE
             if w.reservation is not None:

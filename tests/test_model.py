@@ -133,7 +133,7 @@ def outcome_of(result: object) -> Outcome:
     if isinstance(result, RoomFull):
         return Outcome("full")
     assert isinstance(result, NotWaiting), f"park or claim answered {result!r}"
-    return Outcome("not waiting")
+    return Outcome("not waiting", again=result.again)
 
 
 def say(text: str) -> None:
@@ -385,20 +385,26 @@ class SemaphoreMachine(RuleBasedStateMachine):
         self.parks += 1
         self._park(w.key, w.name, lease, 0, f"{w.name}/{self.parks}".encode())
 
-    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
-    def claim(self, pick: int, lease: float) -> None:
+    @rule(
+        pick=st.integers(0, 63),
+        lease=st.sampled_from(LEASES),
+        delivery=st.sampled_from(("", "m1", "m2")),
+    )
+    def claim(self, pick: int, lease: float, delivery: str = "") -> None:
+        """A waiter's run starts and claims, with the id of the message it came in ("": none;
+        the same id again: the broker delivered that message again)."""
         w = self._pick_waiter(pick)
         if w is None:
             return
         call, result, answered = self._run(
-            lambda: self.sems[w.key].claim(w.key, w.name, lease=lease)
+            lambda: self.sems[w.key].claim(w.key, w.name, lease=lease, delivery=delivery)
         )
         if not answered:
-            return self._lost("claim", call, key=w.key, waiter=w, lease=lease)
+            return self._lost("claim", call, key=w.key, waiter=w, lease=lease, delivery=delivery)
         handoffs = self.published.take(w.key)
         outcome = outcome_of(result)
-        say(f"claim {w} -> {outcome}, handed {handoffs}")
-        h = self.model.claim(w.name, call, lease, outcome, handoffs)
+        say(f"claim {w} by {delivery!r} -> {outcome}, handed {handoffs}")
+        h = self.model.claim(w.name, call, lease, outcome, handoffs, delivery)
         if h is not None:
             assert isinstance(result, Slot)
             self.slots[h.name] = result
@@ -759,7 +765,9 @@ def test_schedule_cancel_of_a_reserved_waiter_hands_its_slot_to_the_next(
     assert [d.state(w) for w in ("w1", "w2")] == [State.RESERVED, State.PARKED]
     d.step("cancel", pick=d.pick("w1"))
     assert [d.state(w) for w in ("w1", "w2")] == [State.DONE, State.RESERVED]
-    d.step("claim", pick=d.pick("w2"), lease=20.0)
+    d.step("claim", pick=d.pick("w2"), lease=20.0, delivery="m1")
+    d.step("claim", pick=d.pick("w2"), lease=20.0, delivery="m1")  # redelivered: again
+    d.step("claim", pick=d.pick("w2"), lease=20.0, delivery="m2")  # another copy
     assert d.state("w2") is State.DONE
     assert d.model.holdings[-1].name == "s1"
     d.step("claim", pick=d.pick("w1"), lease=20.0)  # cancelled: not waiting
