@@ -41,6 +41,7 @@ profile also prints a ``@reproduce_failure`` blob to replay it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -560,10 +561,14 @@ class SemaphoreMachine(RuleBasedStateMachine):
     def surely_held_within_limits(self) -> None:
         self.model.check_limits(time.monotonic())
 
+    @staticmethod
+    def _counts(sem: Semaphore, key: str) -> tuple[int, int]:
+        return sem.count(key), sem.available(key)
+
     @invariant()
     def counts_agree(self) -> None:
         for key, sem in self.sems.items():
-            read = self._read(lambda sem=sem, key=key: (sem.count(key), sem.available(key)))
+            read = self._read(functools.partial(self._counts, sem, key))
             if read is not None:
                 call, (count, available) = read
                 self.model.observe_count(key, call, count, available)
@@ -571,7 +576,7 @@ class SemaphoreMachine(RuleBasedStateMachine):
     @invariant()
     def holders_agree(self) -> None:
         for key, sem in self.sems.items():
-            read = self._read(lambda sem=sem, key=key: sem.holders(key))
+            read = self._read(functools.partial(sem.holders, key))
             if read is not None:
                 call, holders = read
                 rows = [(h.token, str(h.metadata.get("reserved_for", ""))) for h in holders]
@@ -586,7 +591,9 @@ class SemaphoreMachine(RuleBasedStateMachine):
                 sem: Semaphore = sem, key: str = key, parked_key: str = parked_key
             ) -> tuple[list[str], set[str]]:
                 room = [w.waiter for w in sem.admin.room(key)]
-                fields = {f.decode() for f in self.client.hkeys(parked_key)}
+                fields = {
+                    f.decode() if isinstance(f, bytes) else f for f in self.client.hkeys(parked_key)
+                }
                 return room, fields - {"!limit"}
 
             read = self._read(look)
@@ -610,12 +617,17 @@ class SemaphoreMachine(RuleBasedStateMachine):
     def _ttls(self) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
         """PTTL of every key; and for each key's slots and holders, their PTTL and the ms
         until its latest live lease ends (read in one transaction)."""
-        ttls = {raw.decode(): self.client.pttl(raw) for raw in self.client.scan_iter(count=500)}
+        ttls = {
+            raw.decode() if isinstance(raw, bytes) else str(raw): self.client.pttl(raw)
+            for raw in self.client.scan_iter(count=500)
+        }
         leases: dict[str, tuple[int, int]] = {}
         for key in KEYS:
             names = redis_keys(PREFIX, key)
             with self.client.pipeline(transaction=True) as pipe:
-                pipe.time().pttl(names.slots).pttl(names.holders)
+                pipe.time()
+                pipe.pttl(names.slots)
+                pipe.pttl(names.holders)
                 pipe.zrange(names.slots, -1, -1, withscores=True)
                 (seconds, micros), slots_ttl, holders_ttl, last = pipe.execute()
             now_ms = seconds * 1000 + micros // 1000
@@ -632,7 +644,12 @@ PROFILE = settings.get_profile("model-deep" if DEEP else "model-ci")
 @pytest.mark.timeout(0 if DEEP else 600)
 def test_random_schedules_keep_the_invariants() -> None:
     with RedisServer() as server:
-        run_state_machine_as_test(lambda: SemaphoreMachine(server), settings=PROFILE)
+
+        class OnServer(SemaphoreMachine):
+            def __init__(self) -> None:
+                super().__init__(server)
+
+        run_state_machine_as_test(OnServer, settings=PROFILE)
 
 
 # -- schedules written out: the interleavings the random search finds rarely --------------
