@@ -1,0 +1,182 @@
+"""The round trips behind ``AsyncSemaphore.acquire``, and the slots it hands out.
+
+Cancellation is what makes them more than a copy of the sync ones. A cancelled ``await`` in
+the middle of an acquire leaves the server's side unknown, so each attempt runs as a task of
+its own (:meth:`Acquirer.take`): a cancelled caller stops waiting for it, and once its answer
+is in, whatever slot it took is given back. The wait for a release (:meth:`Acquirer.wait`)
+follows the sync protocol: register as blocked (block.lua), ask again, then BLPOP the key's
+wake list, which release.lua pushes to when the waiting room does not take the freed slot.
+Sync and asyncio callers block on one list, so a release by either wakes either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from ..core import validation as check
+from ..core.parking import MAX_BLOCK
+from ..core.room import HandoffRoute
+from ..core.scripts import (
+    Admitted,
+    AsyncScripts,
+    Call,
+    Full,
+    Keys,
+    acquire_call,
+    backend_errors,
+    block_call,
+    release_call,
+)
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from .background import Background
+from .slot import AsyncSlot, deliver
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Acquirer:
+    """Takes, waits for and gives back the slots of one semaphore, and keeps those it
+    handed out until they are released (for ``aclose``).
+
+    Args:
+        scripts (AsyncScripts): the scripts, on the semaphore's client.
+        limit (int): the semaphore's limit.
+        handoffs (HandoffRoute): where the hand-offs of a give-back go.
+    """
+
+    def __init__(self, scripts: AsyncScripts, limit: int, handoffs: HandoffRoute) -> None:
+        self.scripts = scripts
+        self.limit = limit
+        self.handoffs = handoffs
+        self.held: dict[str, AsyncSlot] = {}  # token -> slot not yet released
+        self.background = Background()
+        self._identity = {"host": socket.gethostname()}
+        self._plain_metadata = (0, "")  # (pid, JSON) of the metadata of a plain acquire
+
+    def metadata(self, metadata: Mapping[str, Any] | None) -> str:
+        """The holder record an acquire stores: ``metadata`` with ``host``, ``pid`` and
+        ``limit``, as JSON.
+
+        Raises:
+            SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
+        """
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise SemaphoreValidationError(
+                f"metadata must be a mapping or None, got {type(metadata).__name__}"
+            )
+        pid = os.getpid()
+        if not metadata and self._plain_metadata[0] == pid:
+            return self._plain_metadata[1]
+        # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
+        record = {**(metadata or {}), **self._identity, "pid": pid, "limit": self.limit}
+        try:
+            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
+        if not metadata:
+            self._plain_metadata = (pid, text)
+        return text
+
+    async def run(self, key: str, call: Call[T]) -> T:
+        """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""
+        with backend_errors(key, self.limit):
+            return await self.scripts.run(call)
+
+    async def take(self, keys: Keys, key: str, token: str, ms: int, info: str) -> Admitted | Full:
+        """One acquire round trip that a cancelled caller cannot leak: the call runs on as
+        a task of its own, and whatever slot it took is given back once its answer is in.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        attempt = self.background.spawn(
+            self.run(key, acquire_call(keys, self.limit, ms, token, info))
+        )
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            self.background.spawn(self._give_back_after(attempt, keys, key, token))
+            raise
+
+    async def _give_back_after(
+        self, attempt: asyncio.Task[Admitted | Full], keys: Keys, key: str, token: str
+    ) -> None:
+        try:
+            taken = not isinstance(await attempt, Full)
+        except SemaphoreBackendError:
+            taken = True  # no answer: the script may have run, and a release costs nothing
+        if taken:
+            await self.give_back(keys, key, token)
+
+    async def give_back(self, keys: Keys, key: str, token: str) -> None:
+        """Release ``token``, a slot nobody holds. Never raises: a failure is logged, and
+        the slot lapses with its lease."""
+        try:
+            _, handed = await self.run(
+                key, release_call(keys, token, self.handoffs.release_claim_ms)
+            )
+            await deliver(self.handoffs, key, handed)
+        except SemaphoreBackendError:
+            logger.warning("could not give back a slot of %r that nobody holds; it lapses", key)
+
+    def slot(
+        self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted, sent_at: float
+    ) -> AsyncSlot:
+        """The slot ``admitted`` describes, kept in :attr:`held` until it is released."""
+        slot = AsyncSlot(
+            self.scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
+            self.handoffs, self._forget,
+        )  # fmt: skip
+        self.held[token] = slot
+        return slot
+
+    def _forget(self, slot: AsyncSlot) -> None:
+        self.held.pop(slot.token, None)
+
+    async def wait(
+        self, keys: Keys, key: str, token: str, lease: float, info: str, full: Full, wait: float
+    ) -> AsyncSlot | None:
+        """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
+        take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
+        lease to lapse (a crashed holder frees its slot then, and nobody pushes), or after
+        :data:`~celery_semaphore.core.parking.MAX_BLOCK` seconds.
+
+        Cancelled, it leaves no slot held (see :meth:`take`) and no registration behind:
+        the BLPOP is dropped with its connection, and the registration is removed by a
+        round trip that runs to its end.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        ms = check.lease_ms(lease)
+        give_up = time.monotonic() + wait
+        client = self.scripts.client
+        try:
+            while (remaining := give_up - time.monotonic()) > 0:
+                # Registered before asking again: a release in between pushes a wake.
+                now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
+                sent_at = time.monotonic()
+                reply = await self.take(keys, key, token, ms, info)
+                if isinstance(reply, Admitted):
+                    return self.slot(keys, key, token, lease, reply, sent_at)
+                lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
+                with backend_errors(key, self.limit):
+                    await client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+            return None
+        finally:
+            await self.background.finish(self._unblock(keys, key, token))
+
+    async def _unblock(self, keys: Keys, key: str, token: str) -> None:
+        with contextlib.suppress(SemaphoreBackendError), backend_errors(key, self.limit):
+            await self.scripts.client.zrem(keys.blocked, token)

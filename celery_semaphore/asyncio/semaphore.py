@@ -1,0 +1,370 @@
+"""The leased counting semaphore for asyncio code, on ``redis.asyncio``.
+
+:class:`AsyncSemaphore` takes the same options, uses the same Redis keys and runs the same
+Lua scripts (:class:`~celery_semaphore.core.scripts.AsyncScripts`) as
+:class:`~celery_semaphore.core.semaphore.Semaphore`, so coroutines and Celery tasks that
+name the same key share its slots. What is asyncio's own: renewal by one task per event
+loop (:mod:`.renewer`), an interrupt that cancels the body's task (:mod:`.guard`), and
+cancellation safety: a cancelled acquire never leaves a slot held, a cancelled body gives
+its slot back, and :meth:`AsyncSemaphore.aclose` gives back whatever is still held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis as AsyncRedis
+from redis.asyncio import RedisCluster as AsyncRedisCluster
+
+from ..core import validation as check
+from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
+from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
+from ..core.scripts import (
+    Admitted,
+    AsyncScripts,
+    Full,
+    Keys,
+    check_cluster_key,
+    count_call,
+    force_release_all_call,
+    holders_call,
+    redis_keys,
+)
+from ..core.semaphore import DEFAULT_LEASE
+from ..core.tracing import acquire_span
+from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
+from .acquiring import Acquirer
+from .clients import AsyncClient, async_client_from_url
+from .guard import guard
+from .renewer import RenewErrorCallback
+from .slot import AsyncSlot
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncSemaphore:
+    """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
+
+    At most ``limit`` holders hold a slot of one key at once, across every process that uses
+    the same Redis and prefix, whether they hold it through this class, through
+    :class:`~celery_semaphore.Semaphore` or as a bounded Celery task.
+
+    Args:
+        redis (redis.asyncio.Redis | redis.asyncio.RedisCluster | str): a ``redis.asyncio``
+            client (plain, Sentinel-managed or cluster), or a URL to make one from (see
+            :func:`~celery_semaphore.asyncio.async_client_from_url`). A client made from a
+            URL is closed by :meth:`aclose`; one passed in is left to its owner.
+        limit (int): how many holders at once, per key. Required; >= 1.
+        lease (float): default seconds a slot lives without an extend. Default 60.0.
+        prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
+            ``"semaphore"``; must be non-empty and free of braces.
+        claim_timeout (float): seconds a slot that a release hands to a parked Celery run
+            stays reserved for it. Default 30.0.
+        on_handoff (Callable[[str, Sequence[Handoff]], object] | None): called, in a worker
+            thread, with the key and the hand-offs whenever a release here reserves freed
+            slots for parked runs: it must publish their payloads. None leaves them to the
+            workers' sweep.
+        handoff_grace (float): seconds a reservation is kept for its run alone. Default 1.0.
+
+    Raises:
+        SemaphoreValidationError: any argument is invalid (before any connection is made).
+
+    Use it from one event loop: its client's connections and its slots belong to the loop
+    they were first used in.
+
+    Example::
+
+        sem = AsyncSemaphore("redis://localhost:6379/0", limit=20)
+        async with sem.hold("openai") as slot:
+            await call_model(prompt)
+    """
+
+    def __init__(
+        self,
+        redis: AsyncClient | str,
+        limit: int,
+        lease: float = DEFAULT_LEASE,
+        prefix: str = DEFAULT_PREFIX,
+        claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
+        on_handoff: Publisher | None = None,
+        handoff_grace: float = DEFAULT_HANDOFF_GRACE,
+    ) -> None:
+        self.limit = check.check_limit(limit)
+        check.lease_ms(lease)
+        self.lease = float(lease)
+        check.check_key(prefix, "prefix")
+        if "{" in prefix or "}" in prefix:
+            raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
+        self.prefix = prefix
+        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
+        client: AsyncClient
+        if isinstance(redis, str):
+            client = async_client_from_url(redis)
+        elif isinstance(redis, (AsyncRedis, AsyncRedisCluster)) and not hasattr(redis, "execute"):
+            client = redis  # a pipeline is a Redis subclass, but cannot run our calls
+        else:
+            raise SemaphoreValidationError(
+                "redis must be a redis.asyncio.Redis or redis.asyncio.RedisCluster client or a "
+                f"URL, got {type(redis).__name__}"
+            )
+        self.client = client
+        self._owns_client = isinstance(redis, str)
+        self._cluster = isinstance(client, AsyncRedisCluster)
+        self._acquirer = Acquirer(AsyncScripts(client), self.limit, self.handoffs)
+
+    def __repr__(self) -> str:
+        return f"<AsyncSemaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
+
+    async def __aenter__(self) -> AsyncSemaphore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _redis_keys(self, key: str) -> Keys:
+        if self._cluster:
+            check_cluster_key(key)
+        return redis_keys(self.prefix, key)
+
+    async def acquire(
+        self,
+        key: str,
+        *,
+        lease: float | None = None,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
+    ) -> AsyncSlot | None:
+        """Take a slot of ``key`` (one round trip per attempt), or None when all are held.
+
+        Cancelling the call never leaves a slot held: if its acquire reaches Redis, the slot
+        it took is given back as soon as the answer is in.
+
+        Args:
+            key (str): the semaphore's key; any non-empty str.
+            lease (float | None): seconds the slot lives without an extend; None uses the
+                semaphore's lease.
+            retries (int): further attempts when every slot is held. 0 (the default) fails
+                fast. A bounded spin, not a fair queue.
+            retry_delay (float): seconds between attempts (``asyncio.sleep``). Default 0.1.
+            metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
+                shown by :meth:`holders` beside ``host``, ``pid`` and ``limit``.
+            wait (float): seconds to wait for a slot when every one is held, woken by the
+                release that frees one (BLPOP on the same wake list as
+                :meth:`Semaphore.acquire`; no polling). Not together with ``retries``.
+                Default 0: fail fast.
+
+        Returns:
+            AsyncSlot | None: the slot, which the caller must release; None if every attempt
+            found all ``limit`` slots held (or was answered only after a whole lease, when
+            the slot it won is given back at once rather than trusted).
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        attempts = check.check_retries(retries) + 1
+        delay = check.check_delay(retry_delay)
+        if check.check_delay(wait, "wait") and attempts > 1:
+            raise SemaphoreValidationError("give acquire() retries or wait, not both")
+        acquirer = self._acquirer
+        info = acquirer.metadata(metadata)
+        keys = self._redis_keys(key)
+        token = secrets.token_hex(16)
+        with acquire_span(key, self.limit) as record:
+            for attempt in range(attempts):
+                if attempt:
+                    await asyncio.sleep(delay)
+                sent_at = time.monotonic()
+                reply = await acquirer.take(keys, key, token, ms, info)
+                if isinstance(reply, Admitted):
+                    if time.monotonic() - sent_at < seconds:
+                        record(attempt + 1, "acquired")
+                        return acquirer.slot(keys, key, token, seconds, reply, sent_at)
+                    # The reply came after a whole lease (a paused server, a stalled
+                    # network): the slot cannot be trusted to be ours, so give it back.
+                    await acquirer.background.finish(acquirer.give_back(keys, key, token))
+            if wait and isinstance(reply, Full):
+                slot = await acquirer.wait(keys, key, token, seconds, info, reply, wait)
+                if slot is not None:
+                    record(attempts, "acquired")
+                    return slot
+            record(attempts, "full")
+        return None
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self,
+        key: str,
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
+        interrupt: bool = False,
+    ) -> AsyncIterator[AsyncSlot]:
+        """Hold a slot of ``key`` for the ``async with`` block, renewing it in the background.
+
+        Args:
+            key (str): as for :meth:`acquire`.
+            retries (int): as for :meth:`acquire`.
+            retry_delay (float): as for :meth:`acquire`.
+            lease (float | None): as for :meth:`acquire`.
+            heartbeat (float | bool | None): seconds between renewals. None (default): a
+                quarter of the lease, at least 0.001. False: no renewal; the slot lapses a
+                lease after it was taken. An explicit value must be at most half the lease.
+            on_renew_error (Callable[[BaseException], object] | None): called, in the event
+                loop, with each renewal round trip that failed (a dropped connection, a
+                timeout). That is not a loss: the next tick retries.
+            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
+            wait (float): as for :meth:`acquire`.
+            interrupt (bool): cancel the task running the block the moment the slot is lost
+                (the block sees :class:`asyncio.CancelledError` at its current ``await``).
+                Default False: the block runs on, and can watch ``slot.lost``.
+
+        Yields:
+            AsyncSlot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (checked before acquiring).
+            SemaphoreNotAcquiredError: every attempt (or the whole wait) found all slots held.
+            SemaphoreLeaseLostError: the slot was lost while the block ran, even if the block
+                itself succeeded, or it was cancelled by ``interrupt``. If the block raised,
+                its exception propagates instead and ``slot.lost`` tells the loss.
+            SemaphoreBackendError: Redis failed while acquiring.
+        """
+        key = check.check_key(key)
+        seconds = self.lease if lease is None else lease
+        check.lease_ms(seconds)
+        interval = check.heartbeat_interval(heartbeat, float(seconds))
+        check.check_callback(on_renew_error, "on_renew_error")
+        if not isinstance(interrupt, bool):
+            raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
+        slot = await self.acquire(
+            key, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata,
+            wait=wait,
+        )  # fmt: skip
+        if slot is None:
+            raise SemaphoreNotAcquiredError(
+                f"semaphore {key!r} has all {self.limit} slots held", key, self.limit
+            )
+        async with guard(slot, interval, on_renew_error, interrupt):
+            yield slot
+
+    async def run(
+        self,
+        key: str,
+        fn: Callable[[AsyncSlot], Awaitable[T]],
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
+        interrupt: bool = False,
+    ) -> T:
+        """Await ``fn(slot)`` while holding a slot of ``key``; return what it returns.
+
+        Arguments, renewal and errors are those of :meth:`hold`.
+        """
+        async with self.hold(
+            key, retries=retries, retry_delay=retry_delay, lease=lease, heartbeat=heartbeat,
+            on_renew_error=on_renew_error, metadata=metadata, wait=wait, interrupt=interrupt,
+        ) as slot:  # fmt: skip
+            return await fn(slot)
+
+    async def count(self, key: str) -> int:
+        """How many live holders ``key`` has now; lapsed leases are not counted.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        return await self._acquirer.run(key, count_call(self._redis_keys(key)))
+
+    async def available(self, key: str) -> int:
+        """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
+        return max(0, self.limit - await self.count(key))
+
+    async def holders(self, key: str) -> list[Holder]:
+        """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
+        key = check.check_key(key)
+        now_ms, rows = await self._acquirer.run(key, holders_call(self._redis_keys(key)))
+        return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
+
+    async def force_release_all(self, key: str) -> int:
+        """Free every slot of ``key`` at once (an operator's recovery tool).
+
+        The displaced holders keep running; each learns of it at its next renewal or release,
+        which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
+
+        Returns:
+            int: how many live holders were displaced.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        key = check.check_key(key)
+        call = force_release_all_call(self._redis_keys(key))
+        displaced = await self._acquirer.run(key, call)
+        logger.warning(
+            "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
+        )
+        return displaced
+
+    async def aclose(self) -> list[AsyncSlot]:
+        """Give back every slot this semaphore handed out and nobody released, wait for the
+        round trips still running on its behalf, and close its client if it made it.
+
+        A slot given back here is marked lost first ("the semaphore was closed"): a body
+        still running under it is no longer bounded, and with ``interrupt=True`` it is
+        cancelled. Each slot is logged, at WARNING, as released or as left to lapse (Redis
+        failed). The semaphore can be used again afterwards.
+
+        Returns:
+            list[AsyncSlot]: the slots that were still held; ``slot.released`` tells which
+            were given back (the others lapse within their lease).
+        """
+        held = list(self._acquirer.held.values())
+        for slot in held:
+            slot.mark_lost("the semaphore was closed while it was held")
+        outcomes = await asyncio.gather(*(s.release() for s in held), return_exceptions=True)
+        for slot, outcome in zip(held, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                logger.warning(
+                    "semaphore %r: slot %s still held at close, not given back (%s); it "
+                    "lapses within %gs", slot.key, slot.token[:8], outcome, slot.lease,
+                )  # fmt: skip
+            else:
+                logger.warning(
+                    "semaphore %r: slot %s still held at close, given back%s", slot.key,
+                    slot.token[:8], "" if outcome else " (it had lapsed already)",
+                )  # fmt: skip
+        await self._acquirer.background.drain(self.lease)
+        if self._owns_client:
+            await _close(self.client)
+        return held
+
+
+async def _close(client: AsyncClient) -> None:
+    closer = getattr(client, "aclose", None)  # redis-py 5.0.1+; close() before
+    await (closer() if closer is not None else client.close())

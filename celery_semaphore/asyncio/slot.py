@@ -1,0 +1,254 @@
+"""A held slot in asyncio code: the lease a holder keeps alive, gives back, or learns it lost.
+
+:class:`AsyncSlot` is what :meth:`~celery_semaphore.asyncio.AsyncSemaphore.acquire` returns.
+It is the asyncio twin of :class:`celery_semaphore.core.slot.Slot`, with the same lease
+bookkeeping, the same scripts and the same verdicts; ``lost`` is an :class:`asyncio.Event`,
+and a slot belongs to the event loop it was acquired in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from ..core import validation as check
+from ..core.room import HandoffRoute
+from ..core.scripts import (
+    Admitted,
+    AsyncScripts,
+    Handoff,
+    Keys,
+    backend_errors,
+    extend_call,
+    release_call,
+)
+from ..errors import SemaphoreLeaseLostError
+
+logger = logging.getLogger(__name__)
+
+
+async def deliver(handoffs: HandoffRoute, key: str, handed: Sequence[Handoff]) -> None:
+    """Pass ``handed`` to the semaphore's ``on_handoff`` in a worker thread: a publisher
+    (Celery's, say) does blocking I/O, which must not stall the event loop. Never raises."""
+    if handed:
+        await asyncio.to_thread(handoffs.deliver, key, handed)
+
+
+class AsyncSlot:
+    """One held slot of an :class:`~celery_semaphore.asyncio.AsyncSemaphore`.
+
+    Attributes:
+        key (str): the semaphore's key.
+        limit (int): the limit the slot was taken under.
+        token (str): unique to this acquisition; proves ownership to Redis.
+        lease (float): seconds the slot lives without an extend (updated by ``extend``).
+        lost (asyncio.Event): set the moment the slot is known to be gone. A body can
+            ``await slot.lost.wait()`` beside its work, or check ``slot.lost.is_set()``.
+        acquired_at (float): epoch seconds, Redis clock.
+        expires_at (float): epoch seconds, Redis clock, as of the last successful extend.
+
+    A slot from :meth:`AsyncSemaphore.acquire` is not renewed in the background: call
+    :meth:`extend` yourself, or use :meth:`AsyncSemaphore.hold` / :meth:`AsyncSemaphore.run`.
+    ``async with slot:`` releases it on exit.
+    """
+
+    def __init__(
+        self,
+        scripts: AsyncScripts,
+        keys: Keys,
+        key: str,
+        limit: int,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        handoffs: HandoffRoute,
+        on_release: Callable[[AsyncSlot], object],
+    ) -> None:
+        self.key = key
+        self.limit = limit
+        self.token = token
+        self.lease = lease
+        self.lost = asyncio.Event()
+        self.acquired_at = admitted.now_ms / 1000
+        self.expires_at = admitted.expires_at_ms / 1000
+        self._scripts = scripts
+        self._keys = keys
+        self._handoffs = handoffs
+        self._on_release = on_release
+        # time.monotonic() when the last successful acquire/extend was *sent*: the lease
+        # began no earlier, so the slot is surely ours until `deadline`.
+        self._renewed_at = sent_at
+        # When the extend that set the current lease was sent: an older reply must not undo it.
+        self._lease_sent_at = sent_at
+        self._lost_reason = ""
+        # The release, once asked for: one round trip however many callers await it, and
+        # carried to its end even if they are cancelled.
+        self._release: asyncio.Future[bool] | None = None
+        self._lost_callbacks: list[Callable[[AsyncSlot], object]] = []
+        self._on_lease_change: Callable[[], object] | None = None
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        if self.lost.is_set():
+            state = "lost"
+        return f"<AsyncSlot key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
+
+    # -- the surface the renewer drives (see celery_semaphore.asyncio.renewer) ----------
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` by which a renewal must succeed, or the slot counts as lost:
+        one lease after the last successful acquire or extend was *sent*."""
+        return self._renewed_at + self.lease
+
+    @property
+    def renewed_at(self) -> float:
+        """``time.monotonic()`` when the last successful acquire or extend was sent."""
+        return self._renewed_at
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` has been asked for (a release that failed does not
+        count): from then on a renewal that finds the slot gone is no loss."""
+        return self._release is not None
+
+    def watch_lease(self, callback: Callable[[], object] | None) -> None:
+        """Call ``callback()`` whenever :meth:`extend` changes the lease (a renewer re-plans);
+        None stops it."""
+        self._on_lease_change = callback
+
+    def mark_lost(self, reason: str) -> None:
+        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
+        if self.lost.is_set():
+            return
+        self._lost_reason = reason
+        self.lost.set()
+        callbacks, self._lost_callbacks = self._lost_callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("lost-slot callback %r failed", callback)
+
+    def when_lost(self, callback: Callable[[AsyncSlot], object]) -> None:
+        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
+
+        It runs in the event loop, in whichever task detects the loss (usually the
+        renewer), or at once if the slot is already lost; it must not block. Exceptions it
+        raises are logged.
+        """
+        if not self.lost.is_set():
+            self._lost_callbacks.append(callback)
+            return
+        callback(self)
+
+    def check_deadline(self) -> None:
+        """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
+        if not self.released and time.monotonic() >= self.deadline:
+            self.mark_lost("no renewal succeeded within one lease")
+
+    def renewal(self) -> tuple[AsyncScripts, Keys, str, int]:
+        """What a batched renewal of this slot sends: the scripts (client) to send it with,
+        the semaphore's keys, the token and the lease in ms."""
+        return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
+
+    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
+        """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
+        ``seconds``: True when the slot is still ours. It does not mark the slot lost on
+        False (the caller decides)."""
+        if expires_at_ms is None:
+            return False
+        self._renewed_at = max(self._renewed_at, sent_at)
+        if sent_at < self._lease_sent_at:
+            return True  # a later extend has already set the lease; this reply is stale
+        changed = seconds != self.lease
+        self._lease_sent_at = sent_at
+        self.lease = seconds
+        self.expires_at = expires_at_ms / 1000
+        if changed and self._on_lease_change is not None:
+            self._on_lease_change()
+        return True
+
+    # -- the holder's surface -------------------------------------------------------------
+
+    async def extend(self, lease: float | None = None) -> bool:
+        """Renew the lease for ``lease`` seconds from now (one round trip).
+
+        Args:
+            lease (float | None): new lease in seconds; None keeps the current one.
+
+        Returns:
+            bool: True when the slot was still ours and is extended; False when it is gone
+            (lapsed, or taken by ``force_release_all``), in which case :attr:`lost` is set.
+            False without a round trip once the slot was released.
+
+        Raises:
+            SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
+            SemaphoreBackendError: the round trip failed; the slot may well still be ours.
+        """
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        if self.released:
+            return False
+        sent_at = time.monotonic()
+        with backend_errors(self.key, self.limit):
+            [expires_at_ms] = await self._scripts.run(extend_call([(self._keys, self.token, ms)]))
+        if self.renewed(sent_at, seconds, expires_at_ms):
+            return True
+        if not self.released:  # not given back meanwhile
+            self.mark_lost("extend found the slot gone")
+        return False
+
+    async def release(self) -> bool:
+        """Give the slot back (one round trip; later calls repeat the first answer). When
+        waiters are parked on the key, the same call reserves the freed slot for the oldest,
+        and its payload is published.
+
+        A caller cancelled while it waits does not stop the release: it completes anyway.
+
+        Returns:
+            bool: True when the slot was ours up to now. False when it had lapsed or been
+            taken away: the bound did not hold for the whole time it was used, and
+            :attr:`lost` is set.
+
+        Raises:
+            SemaphoreBackendError: the round trip failed; the slot lapses within its lease
+                (a later call tries again).
+        """
+        if self._release is None:
+            self._release = asyncio.ensure_future(self._give_back())
+            self._release.add_done_callback(self._released_or_failed)
+        return await asyncio.shield(self._release)
+
+    async def _give_back(self) -> bool:
+        with backend_errors(self.key, self.limit):
+            owned, handed = await self._scripts.run(
+                release_call(self._keys, self.token, self._handoffs.release_claim_ms)
+            )
+        self._on_release(self)
+        if not owned:
+            self.mark_lost("release found the slot already gone")
+        await deliver(self._handoffs, self.key, handed)
+        return owned
+
+    def _released_or_failed(self, release: asyncio.Future[bool]) -> None:
+        if release.cancelled() or release.exception() is not None:
+            self._release = None  # not released: a later release() tries again
+
+    async def __aenter__(self) -> AsyncSlot:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.release()
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports this slot's loss, naming why it was judged lost."""
+        reason = self._lost_reason or "the slot was lost"
+        return SemaphoreLeaseLostError(
+            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
+            self.key,
+            self.limit,
+        )
