@@ -326,9 +326,11 @@ def test_a_twin_of_a_sync_client_reaches_the_same_server(redis_server: RedisServ
     Semaphore(sync_client, limit=1).acquire("twin")
 
     async def main() -> None:
-        sem = AsyncSemaphore(async_client_like(sync_client), limit=1)
+        twin = async_client_like(sync_client)
+        sem = AsyncSemaphore(twin, limit=1)
         assert await sem.count("twin") == 1  # db 3, where the sync slot is
         await sem.force_release_all("twin")
+        await twin.aclose()
 
     run(main)
 

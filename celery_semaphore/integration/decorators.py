@@ -8,16 +8,21 @@ Usage::
 
     @bounded("tenant:{tenant_id}", 2, retries=50, retry_delay=0.2)   # a plain function
     def sync(tenant_id): ...
+
+    @bounded("openai", 20, app=app, on_full="wait", wait_timeout=10)  # a coroutine function
+    async def complete(prompt): ...
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from celery import Celery, Task
 
 from ..errors import SemaphoreValidationError
+from .coroutines import CoroutineRunner
 from .runner import Runner
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -40,6 +45,16 @@ def bounded(
     when every slot is held, unless ``on_full`` says otherwise; in eager mode, a wait).
     Called as a plain function, it fails fast with :class:`SemaphoreNotAcquiredError`, or
     retries as ``retries`` says.
+
+    On a coroutine function (``async def``) each call awaits a slot of the same key, limit,
+    prefix and Redis as the app's tasks, through an
+    :class:`~celery_semaphore.asyncio.AsyncSemaphore` of the running event loop: coroutines
+    and tasks count against one limit. It fails fast, or retries as ``retries`` says, or,
+    when ``on_full`` (the option or the app's setting) is ``"wait"``, waits up to
+    ``wait_timeout`` seconds for a release to wake it; then it raises
+    :class:`SemaphoreNotAcquiredError`. ``lease``, ``heartbeat`` and ``interrupt`` apply
+    (``interrupt`` cancels the call's task when its slot is lost); a lost slot raises
+    :class:`SemaphoreLeaseLostError`. Such calls send no signals or task events.
 
     Args:
         semaphore (str | Callable[..., str]): the key, a ``str.format`` template over the
@@ -71,6 +86,8 @@ def bounded(
                 f"not above it: got the task {getattr(fn, 'name', fn)!r}"
             )
         runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay)
+        if inspect.iscoroutinefunction(fn):
+            return CoroutineRunner(runner).wrap(fn)  # type: ignore[return-value]
         wrapped: F = runner.wrap(fn)  # type: ignore[assignment]
         return wrapped
 
