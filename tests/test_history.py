@@ -1,0 +1,125 @@
+"""The history checker (tests/history.py) on hand-made histories: what it accepts, and that
+its failure names what broke."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+
+import pytest
+import redis
+
+from celery_semaphore.testing import RedisServer
+
+from . import history
+from .helpers import ROOT
+from .history import History, history_key
+
+
+def _record(
+    client: redis.Redis, *runs: tuple[str, str, float, float | None], **extra: object
+) -> History:
+    """Push ``(key, task, start, end)`` runs (end None: never ended) into history "h"."""
+    for key, task, start, end in runs:
+        event = {"run": uuid.uuid4().hex, "key": key, "task": task, "weight": 1, "worker": "w",
+                 "pid": 1, "start": start, "data": {}, **extra}  # fmt: skip
+        if end is not None:
+            event["end"] = end
+        client.rpush(history_key("h"), json.dumps(event))
+    return History.load(client, "h")
+
+
+def test_the_peak_counts_runs_in_flight_and_an_end_at_a_start_is_not_both(
+    client: redis.Redis,
+) -> None:
+    h = _record(client, ("k", "a", 0, 1), ("k", "b", 1, 2), ("k", "c", 1.5, 1.5), ("j", "d", 0, 9))
+    assert h.peak("k") == 2  # b and the zero-length c
+    assert h.peak() == 3
+    report = h.assert_ok({"k": 2, "j": 1}, tasks=["a", "b", "c", "d"])
+    assert report.peaks == {"j": 1, "k": 2}
+
+
+def test_a_failure_names_the_key_the_moment_and_the_tasks_in_flight(client: redis.Redis) -> None:
+    h = _record(client, ("k", "a", 0, 2), ("k", "b", 1, 3), ("other", "c", 0, 1))
+    with pytest.raises(AssertionError) as info:
+        h.assert_ok({"k": 1})
+    message = str(info.value)
+    assert "key 'k': 2 in flight (limit 1) at +1.000s when b started: a, b" in message
+    assert "key 'other': 1 run(s) but no limit given" in message
+
+
+def test_a_schedule_of_limits_judges_each_start_by_the_limit_then(client: redis.Redis) -> None:
+    h = _record(client, ("k", "a", 0, 10), ("k", "b", 1, 10), ("k", "c", 6, 10))
+    # Two were allowed until t=5, one after: b's start was fine, c's was not.
+    report = h.check({"k": [(0.0, 2), (5.0, 1)]})
+    assert report.problems == ["key 'k': 3 in flight (limit 1) at +6.000s when c started: a, b, c"]
+    assert h.check({"k": [(0.0, 1), (5.0, 3)]}).problems[0].startswith("key 'k': 2 in flight")
+
+
+def test_runs_per_task_missing_unexpected_and_named_repeats(client: redis.Redis) -> None:
+    h = _record(client, ("k", "a", 0, 1), ("k", "a", 2, 3), ("k", "x", 4, 5))
+    problems = h.check({"k": 1}, tasks=["a", "b"]).problems
+    assert [p.split(":")[0] for p in problems] == ["task a", "task x", "task b"]
+    assert "2 completed runs, allowed 1" in problems[0]
+    assert "not expected to run" in problems[1]
+    assert "expected, but no run of it completed (never started)" in problems[2]
+    report = h.check({"k": 1}, tasks=["a", "x"], repeats={"the test retries it": ["a"]})
+    assert report.ok, report
+    assert report.repeated == {"again (the test retries it)": 1}
+
+
+def test_a_killed_run_is_visible_and_allowed_only_when_the_test_killed_it(
+    client: redis.Redis,
+) -> None:
+    h = _record(client, ("k", "a", 0, None), ("k", "a", 1, 2), ("k", "b", 3, 4))
+    assert "not killed by the test" in h.check({"k": 1}).problems[0]
+    assert h.check({"k": 1}, tasks=["a", "b"], killed=["a"]).ok
+    assert "no run of it was left unfinished" in h.check({"k": 1}, killed=["b"]).problems[-1]
+    # A killed pid: its runs may be unfinished, and its last completed run may run again.
+    again = _record(client, ("k", "b", 5, 6))
+    assert any("2 completed runs" in p for p in again.check({"k": 1}).problems)
+    assert again.check({"k": 1}, killed_pids=[1]).ok
+
+
+def test_lost_slots_leave_the_peak_and_must_be_expected(client: redis.Redis) -> None:
+    h = _record(client, ("k", "a", 0, 2), ("k", "b", 1, 3), lost=True)
+    assert h.peak("k") == 0
+    assert len(h.check({"k": 1}).problems) == 2
+    assert h.check({"k": 1}, lost=["a", "b"]).ok
+    assert h.check({"k": 1}, may_lose="the store froze").ok
+    assert "no run of it did" in _record(client).check({"k": 1}, lost=["c"]).problems[-1]
+
+
+def test_run_records_threads_and_subprocesses_and_a_kill_mid_run(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    def body(n: int) -> None:
+        with history.run(client, "h", "k", task_id=f"t{n}", data={"n": n}) as recording:
+            recording.data["seen"] = True
+
+    threads = [threading.Thread(target=body, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    code = textwrap.dedent(
+        f"""
+        import os, redis
+        from tests import history
+        client = redis.Redis.from_url({redis_server.url!r})
+        with history.run(client, "h", "k", task_id="child", worker="sub", mark_start=True):
+            os.kill(os.getpid(), 9)
+        """
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
+    h = History.load(client, "h")
+    assert sorted(h.values("n", completed=True)) == [0, 1, 2]
+    assert all(r.data["seen"] and r.pid == os.getpid() for r in h.completed)
+    [child] = h.unfinished
+    assert (child.task_id, child.worker, child.end) == ("child", "sub", None)
+    h.assert_ok({"k": 3}, tasks=["t0", "t1", "t2"], killed=["child"])
