@@ -7,6 +7,9 @@ Sections, each printing a table:
 * ``pairs``: uncontended acquire+release pairs per second, one client, against the physical
   limit (two EVALSHA of a trivial script through redis-py ``Script`` objects on the same
   connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds.
+* ``async-pairs``: the same for :class:`AsyncSemaphore` on one ``redis.asyncio`` client,
+  against two async EVALSHA of a trivial script (``redis.asyncio`` ``Script`` objects) on the
+  same connection, in interleaved rounds.
 * ``renewal``: round trips per renewal tick and renewal threads alive, for 1, 10, 100 and
   1,000 slots held by one process.
 * ``server``: Redis's own microseconds per call (``INFO commandstats``) for acquire, extend
@@ -19,19 +22,22 @@ Each section runs on its own private redis-server. Figures are medians (min-max)
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis
 import redis_lock
+from redis import asyncio as aioredis
 from rich.console import Console
 from rich.table import Table
 
 from celery_semaphore import Semaphore
+from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core import heartbeat
 from celery_semaphore.testing import RedisServer
 
@@ -109,12 +115,70 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
             for name in setups:
                 rates[name].append(done / spent[name])
                 ratios[name].append(done / spent[name] / limit)
-    table = Table(title=f"Uncontended pairs/s, one client, {args.rounds} rounds of {args.pairs}")
+    title = f"Uncontended pairs/s, one client, {args.rounds} rounds of {args.pairs}"
+    _pairs_table(console, title, rates, ratios)
+
+
+def _pairs_table(
+    console: Console, title: str, rates: dict[str, list[float]], ratios: dict[str, list[float]]
+) -> None:
+    table = Table(title=title)
     for column in ("setup", "pairs/s", "ratio to the limit"):
         table.add_column(column)
-    for name in setups:
+    for name in rates:
         table.add_row(name, _spread(rates[name]), _spread(ratios[name], "{:.2f}"))
     console.print(table)
+
+
+async def _async_rate(pair: Callable[[], Awaitable[object]], n: int) -> float:
+    started = time.perf_counter()
+    for _ in range(n):
+        await pair()
+    return n / (time.perf_counter() - started)
+
+
+async def _async_pairs(port: int, args: argparse.Namespace) -> tuple[dict[str, list[float]], ...]:
+    client = aioredis.Redis(host="127.0.0.1", port=port)
+    trivial = client.register_script(TRIVIAL)
+    sem = AsyncSemaphore(client, limit=10, lease=60.0)
+
+    async def anchor() -> None:
+        await trivial(keys=["bench:k"], args=[1])
+        await trivial(keys=["bench:k"], args=[1])
+
+    async def ours() -> None:
+        slot = await sem.acquire("bench")
+        assert slot is not None
+        await slot.release()
+
+    setups = {
+        "two async EVALSHA of a trivial script (the limit)": anchor,
+        "AsyncSemaphore acquire + release": ours,
+    }
+    for pair in setups.values():
+        await _async_rate(pair, 200)  # load the scripts, warm the connection
+    rates: dict[str, list[float]] = {name: [] for name in setups}
+    ratios: dict[str, list[float]] = {name: [] for name in setups}
+    chunk = 100  # setups take turns every 100 pairs, so drift hits them alike
+    for _ in range(args.rounds):
+        spent = dict.fromkeys(setups, 0.0)
+        for _ in range(max(1, args.pairs // chunk)):
+            for name, pair in setups.items():
+                spent[name] += chunk / await _async_rate(pair, chunk)
+        done = max(1, args.pairs // chunk) * chunk
+        limit = done / spent[next(iter(setups))]
+        for name in setups:
+            rates[name].append(done / spent[name])
+            ratios[name].append(done / spent[name] / limit)
+    await client.aclose()
+    return rates, ratios
+
+
+def async_pairs(args: argparse.Namespace, console: Console) -> None:
+    with RedisServer() as server:
+        rates, ratios = asyncio.run(_async_pairs(server.port, args))
+    title = f"Uncontended async pairs/s, one asyncio client, {args.rounds} rounds of {args.pairs}"
+    _pairs_table(console, title, rates, ratios)
 
 
 def _evalsha_stats(client: redis.Redis) -> tuple[int, float]:
@@ -217,7 +281,7 @@ def server(args: argparse.Namespace, console: Console) -> None:
                   f"(minimal pair: {1e6 / statistics.median(minimal):,.0f})")  # fmt: skip
 
 
-SECTIONS = {"pairs": pairs, "renewal": renewal, "server": server}
+SECTIONS = {"pairs": pairs, "async-pairs": async_pairs, "renewal": renewal, "server": server}
 
 
 def main() -> None:
