@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "semaphore"
 
+INDEX_EVERY = 2.0
+"""Seconds between two writes of one key to the room index by one process."""
+
 _GLOB = re.compile(r"([*?\[\]\\])")
 
 
@@ -91,6 +94,7 @@ class SemaphoreAdmin:
         self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
         self.prefix = check.check_key(prefix, "prefix")
         self._scripts = Scripts(client)
+        self._indexed: dict[str, float] = {}  # key -> time.monotonic() of its last index_room
         # On a cluster, a script's two keys must share a slot (see redis_keys).
         self._cluster = isinstance(client, redis.RedisCluster)
 
@@ -111,8 +115,15 @@ class SemaphoreAdmin:
         return f"{self.prefix}:rooms"
 
     def index_room(self, key: str, ttl_ms: int) -> None:
-        """Add ``key`` to :attr:`room_index` (its room just took a waiter). Never raises: a
-        key left out is found by the next full scan (see :meth:`rooms`)."""
+        """Add ``key`` to :attr:`room_index` (its room just took a waiter), at most once per
+        :data:`INDEX_EVERY` seconds per key and process, so a burst of parks costs one write.
+        Never raises: a key left out is found by the next full scan (see :meth:`rooms`)."""
+        now = time.monotonic()
+        if now - self._indexed.get(key, -INDEX_EVERY) < INDEX_EVERY:
+            return
+        if len(self._indexed) > 10_000:  # many keys: forget the old ones, re-index later
+            self._indexed.clear()
+        self._indexed[key] = now
         try:
             with self.client.pipeline(transaction=False) as pipe:
                 pipe.zadd(self.room_index, {key: round(time.time() * 1000)})
