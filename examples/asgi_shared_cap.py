@@ -110,7 +110,8 @@ async def completion(request: Request) -> JSONResponse:
 async def _lifespan(web: Starlette) -> AsyncIterator[None]:
     web.state.redis = aioredis.Redis.from_url(REDIS_URL)
     yield
-    await web.state.redis.aclose()
+    client = web.state.redis
+    await (client.aclose() if hasattr(client, "aclose") else client.close())  # 5.0.1 renamed it
 
 
 web = Starlette(routes=[Route("/complete", completion)], lifespan=_lifespan)

@@ -38,6 +38,12 @@ def run(make: Callable[[], Awaitable[T]]) -> T:
     return asyncio.run(main())
 
 
+async def close(client: aioredis.Redis) -> None:
+    """Close an asyncio client: ``aclose()`` from redis-py 5.0.1, ``close()`` before."""
+    closer = getattr(client, "aclose", None)
+    await (closer() if closer is not None else client.close())
+
+
 def _blocked(client: redis.Redis, key: str = "k") -> int:
     return int(client.zcard(redis_keys("semaphore", key).blocked))
 
@@ -316,7 +322,7 @@ def test_resp3_and_decoding_clients(redis_server: RedisServer, options: dict[str
         assert await slot.extend() is True
         assert await slot.release() is True
         assert await sem.force_release_all("k") == 0
-        await client.aclose()
+        await close(client)
 
     run(main)
 
@@ -330,7 +336,7 @@ def test_a_twin_of_a_sync_client_reaches_the_same_server(redis_server: RedisServ
         sem = AsyncSemaphore(twin, limit=1)
         assert await sem.count("twin") == 1  # db 3, where the sync slot is
         await sem.force_release_all("twin")
-        await twin.aclose()
+        await close(twin)
 
     run(main)
 

@@ -22,7 +22,7 @@ from celery_semaphore.asyncio.acquiring import Acquirer
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.testing import RedisServer
 
-from .test_asyncio import run
+from .test_asyncio import close, run
 
 
 async def until(predicate: Any, timeout: float = 30.0) -> None:
@@ -60,7 +60,7 @@ def test_an_acquire_cancelled_while_redis_is_frozen_leaves_no_slot_held(
             own_redis.resume()
         # aclose waits for the round trips still running on the semaphore's behalf.
         assert await sem.aclose() == []
-        await client.aclose()
+        await close(client)
 
     admin.config_resetstat()
     run(main)
@@ -203,7 +203,7 @@ def test_a_paused_server_loses_the_slot_at_its_deadline(own_redis: RedisServer) 
                     finally:
                         own_redis.resume()
         finally:
-            await client.aclose()
+            await close(client)
         return late
 
     late = run(main)
