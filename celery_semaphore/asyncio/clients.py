@@ -121,7 +121,7 @@ def async_client_like(client: redis.Redis | redis.RedisCluster) -> AsyncClient:
         nodes = [(node.host, int(node.port)) for node in known]
         first = known[0].redis_connection
         kwargs = first.connection_pool.connection_kwargs if first is not None else {}
-        return _cluster(nodes, _accepted(aioconnection.Connection, kwargs))
+        return _cluster(nodes, _accepted(aioredis.RedisCluster, kwargs))
     pool = client.connection_pool
     if isinstance(pool, SentinelConnectionPool):
         sentinels = [
@@ -144,8 +144,8 @@ def async_client_like(client: redis.Redis | redis.RedisCluster) -> AsyncClient:
 
 
 def _accepted(cls: type[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` that connections of ``cls`` take (sync-only options dropped), with the
-    semaphore's asyncio retry in place of the sync one."""
+    """``kwargs`` that ``cls`` (a connection or client class) takes, sync-only options
+    dropped, with the semaphore's asyncio retry in place of the sync one."""
     names = _parameters(cls)
     options = {k: v for k, v in kwargs.items() if k in names and k != "retry"}
     return {**options, "retry": default_async_options()["retry"]}

@@ -13,6 +13,7 @@ a reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -303,7 +304,16 @@ class AsyncScripts:
     def __init__(self, client: AsyncRedis | AsyncRedisCluster) -> None:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+        # redis-py's asyncio cluster client fails commands sent at once before it has read
+        # the slot map, so a cluster client is initialised once, before its first call.
+        self._unready = isinstance(client, AsyncRedisCluster)
+        self._initialising = asyncio.Lock()
 
     async def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
+        if self._unready:
+            async with self._initialising:
+                if self._unready:
+                    await self.client.initialize()
+                    self._unready = False
         return call.parse(await self._scripts[call.script](keys=call.keys, args=call.args))
