@@ -3,12 +3,14 @@ plain-Python model in ``tests/model.py`` (Hypothesis ``RuleBasedStateMachine``; 
 
 Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s), extend,
 release; an operator's force-release of one slot, of a waiter's reservation, or of a whole
-key; a burst of new waiters parks (with or without ``max_queued``), one parks again, claims,
-is cancelled; a sweep; time passes a little, or until short leases and reservations (claim
-timeouts of 0.3 s or 20 s) have surely lapsed. Faults: the server frozen with SIGSTOP while
-one or two calls are made (each must fail with ``SemaphoreBackendError`` within the client's
-0.3 s socket timeout; the server may still run them when it wakes), and a restart without
-persistence (everything gone); at most one fault per 10 steps.
+key; a burst of new waiters parks (with or without ``max_queued``), one parks again, claims
+(with a delivery id, maybe one that claimed before), is cancelled; a sweep; time passes a
+little, or until short leases and reservations (claim timeouts of 0.3 s or 20 s) have surely
+lapsed. Each key's hand-off grace is 0 (strict arrival order) or 0.3 s. Faults: the server
+frozen with SIGSTOP while one or two calls are made (each must fail with
+``SemaphoreBackendError`` within the client's 0.3 s socket timeout; the server may still run
+them when it wakes), and a restart without persistence (everything gone); at most one fault
+per 10 steps.
 
 The model reasons with time windows: a slot is surely held only until ``sent + lease -
 MARGIN`` and surely gone only after ``received + lease + MARGIN`` (MARGIN 0.35 s), and
@@ -22,16 +24,19 @@ gone is never listed; extend and release answers match it (a surely-held slot is
 surely-gone one is not); a waiter is handed off only while it waits (never again while its
 reservation is live, never after it claimed, was cancelled or was refused), in arrival order,
 with its latest payload, and a release, cancel, park or sweep that frees a slot hands it to a
-waiter that surely waits; nobody is lost (every waiter that waits is in the parked hash, and
-the room, read with ``SemaphoreAdmin.room``, holds every surely-parked waiter, in arrival
-order; after a sweep, every waiter whose reservation lapsed is back in the room); every key
-in Redis has a TTL, and a key's slots and holders outlive its live leases.
+waiter that surely waits (the one exception to the order: a waiter that parks in person may
+take a reservation unclaimed past the grace, and must when one surely is); a claim is told
+"again" exactly when its delivery claimed before; nobody is lost (every waiter that waits is
+in the parked hash, and the room, read with ``SemaphoreAdmin.room``, holds every
+surely-parked waiter, in arrival order; after a sweep, every waiter whose reservation lapsed
+is back in the room); every key in Redis has a TTL, and a key's slots and holders outlive its
+live leases.
 
 Run it:
 
     .venv/bin/pytest tests/test_model.py -q           # CI profile: fixed examples, under a minute
     CELERY_SEMAPHORE_MODEL=deep .venv/bin/pytest tests/test_model.py -q -k random
-                                                       # 400 random examples, about 12 minutes
+                                                       # 400 random examples, about 10 minutes
 
 ``CELERY_SEMAPHORE_MODEL_EXAMPLES=N`` sets the deep profile's number of examples. A failure
 prints the steps, each with a note of what it was answered and how long it took; the deep
