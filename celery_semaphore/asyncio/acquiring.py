@@ -162,6 +162,7 @@ class Acquirer:
         ms = check.lease_ms(lease)
         give_up = time.monotonic() + wait
         client = self.scripts.client
+        slot = None
         try:
             while (remaining := give_up - time.monotonic()) > 0:
                 # Registered before asking again: a release in between pushes a wake.
@@ -169,13 +170,19 @@ class Acquirer:
                 sent_at = time.monotonic()
                 reply = await self.take(keys, key, token, ms, info)
                 if isinstance(reply, Admitted):
-                    return self.slot(keys, key, token, lease, reply, sent_at)
+                    slot = self.slot(keys, key, token, lease, reply, sent_at)
+                    return slot
                 lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
                 with backend_errors(key, self.limit):
                     await client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None
         finally:
-            await self.background.finish(self._unblock(keys, key, token))
+            try:
+                await self.background.finish(self._unblock(keys, key, token))
+            except asyncio.CancelledError:
+                if slot is not None:  # won, then cancelled: nobody will hold it
+                    self.background.spawn(slot.release())
+                raise
 
     async def _unblock(self, keys: Keys, key: str, token: str) -> None:
         with contextlib.suppress(SemaphoreBackendError), backend_errors(key, self.limit):

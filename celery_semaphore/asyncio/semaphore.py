@@ -346,7 +346,8 @@ class AsyncSemaphore:
         """
         held = list(self._acquirer.held.values())
         for slot in held:
-            slot.mark_lost("the semaphore was closed while it was held")
+            if not slot.released:  # a release already under way is its holder's own
+                slot.mark_lost("the semaphore was closed while it was held")
         outcomes = await asyncio.gather(*(s.release() for s in held), return_exceptions=True)
         for slot, outcome in zip(held, outcomes, strict=True):
             if isinstance(outcome, BaseException):

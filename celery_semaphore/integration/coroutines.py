@@ -118,6 +118,7 @@ class CoroutineRunner:
         semaphore, policy = self.resolve(runner.app if named else get_current_app())
         key = runner.key_for(args, kwargs)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0
+        interval = check.heartbeat_interval(policy.heartbeat, policy.lease)
         slot = await semaphore.acquire(
             key, retries=0 if wait else runner.retries, retry_delay=runner.retry_delay, wait=wait
         )
@@ -125,6 +126,5 @@ class CoroutineRunner:
             raise SemaphoreNotAcquiredError(
                 f"semaphore {key!r} has all {runner.limit} slots held", key, runner.limit
             )
-        interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
         async with guard(slot, interval, interrupt=policy.interrupt):
             return await fn(*args, **kwargs)
