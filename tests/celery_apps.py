@@ -1,7 +1,7 @@
 """A Celery app with bounded tasks, shared by in-process and subprocess workers in the tests.
 
-Bodies record when they start and end (``time.monotonic``, which is system-wide on Linux) in
-Redis through a client of their own, so the test can count concurrency without the library.
+Bounded bodies record their runs in the history :data:`BODIES` (tests/history.py) through a
+Redis client of their own, so the tests judge concurrency and runs without the library.
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import redis
 from celery import Celery
 
 from celery_semaphore import SemaphoreTask, bounded, current_slot
+
+from . import history
+from .history import BODIES
 
 # Celery's settings for not losing a task whose pool process is killed: the message is
 # acknowledged only when the run ends, requeued if its process dies, and redelivered if a
@@ -69,7 +72,7 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     @app.task(base=SemaphoreTask, semaphore="provider", limit=3, bind=True, max_retries=0,
               on_full="retry", shared=False, name="csem.provider_call")  # fmt: skip
     def provider_call(self: Any, n: int, duration: float = 0.1) -> dict[str, Any]:
-        with record("provider"):
+        with history.run(recorder, BODIES, "provider"):
             time.sleep(duration)
         headers = self.request.headers or {}
         return {"n": n, "retries": self.request.retries, "sheds": headers.get("semaphore_sheds")}
@@ -77,14 +80,14 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     @app.task(base=SemaphoreTask, semaphore="tenant:{tenant_id}", limit=1,
               shared=False, name="csem.per_tenant")  # fmt: skip
     def per_tenant(tenant_id: str, duration: float = 0.1) -> str:
-        with record(f"tenant:{tenant_id}"):
+        with history.run(recorder, BODIES, f"tenant:{tenant_id}"):
             time.sleep(duration)
         return tenant_id
 
     @app.task(shared=False, name="csem.legacy")
     @bounded("legacy", 2)
     def legacy(n: int, duration: float = 0.05) -> int:
-        with record("legacy"):
+        with history.run(recorder, BODIES, "legacy"):
             time.sleep(duration)
         return n
 
@@ -97,7 +100,7 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
               bind=True, max_retries=0, on_full="retry", shared=False,
               name="csem.autoretry")  # fmt: skip
     def autoretry(self: Any, duration: float) -> dict[str, Any]:
-        with record("auto"):
+        with history.run(recorder, BODIES, "auto"):
             time.sleep(duration)
         return {"sheds": (self.request.headers or {}).get("semaphore_sheds")}
 
@@ -112,33 +115,35 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             raise self.retry(countdown=0.05)
         return int(self.request.retries)
 
-    def hold_until_lost(marker: str) -> str:
+    def hold_until_lost(key: str) -> str:
+        """Records its start, then holds its slot until it is reported lost (at most 20 s)."""
         slot = current_slot()
         assert slot is not None
-        recorder.set(marker, slot.token)
-        if not slot.lost.wait(20):
-            return "never lost"
+        with history.run(recorder, BODIES, key, slot=slot, mark_start=True):
+            if not slot.lost.wait(20):
+                return "never lost"
         return "body finished"
 
     @app.task(base=SemaphoreTask, semaphore="lost-raise", limit=1, lease=2.0, heartbeat=0.1,
               shared=False, name="csem.lost_raise")  # fmt: skip
     def lost_raise() -> str:
-        return hold_until_lost("test:lost-raise")
+        return hold_until_lost("lost-raise")
 
     @app.task(base=SemaphoreTask, semaphore="lost-retry", limit=1, lease=2.0, heartbeat=0.1,
               on_lease_lost="retry", bind=True, shared=False, name="csem.lost_retry")  # fmt: skip
     def lost_retry(self: Any) -> str:
         if (self.request.headers or {}).get("semaphore_sheds"):
-            return "second run"
-        return hold_until_lost("test:lost-retry")
+            with history.run(recorder, BODIES, "lost-retry"):
+                return "second run"
+        return hold_until_lost("lost-retry")
 
     @app.task(base=SemaphoreTask, semaphore="sleepy", limit=1, lease=30.0,
               shared=False, name="csem.sleepy")  # fmt: skip
     def sleepy(seconds: float) -> str:
         slot = current_slot()
         assert slot is not None
-        recorder.set("test:sleepy", os.getpid())
-        time.sleep(seconds)
+        with history.run(recorder, BODIES, "sleepy", slot=slot, mark_start=True):
+            time.sleep(seconds)
         return "woke"
 
     @app.task(base=SemaphoreTask, semaphore="long", limit=1, lease=1.0, shared=False,
@@ -146,8 +151,8 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     def long_body(seconds: float) -> str:
         slot = current_slot()
         assert slot is not None
-        recorder.set("test:long", 1)
-        time.sleep(seconds)
+        with history.run(recorder, BODIES, "long", slot=slot, mark_start=True):
+            time.sleep(seconds)
         return "lost" if slot.lost.is_set() else "kept"
 
     @app.task(base=SemaphoreTask, semaphore="held", limit=2, shared=False, name="csem.hold_until")

@@ -1,13 +1,17 @@
-"""Independent measurement for tests: counts bodies in flight without the library's help."""
+"""Helpers for the tests: workers and their processes, threads, polling, the broker's state.
+
+What bodies ran is recorded and checked by tests/history.py, without the library's help."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from . import history
+from .history import BODIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,8 +68,6 @@ def read_intervals(client: object, key: str) -> list[tuple[float, float]]:
 
 def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Poll ``predicate()`` until it is truthy or ``timeout`` seconds pass."""
-    import time
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():  # type: ignore[operator]
@@ -130,6 +135,31 @@ def assert_force_release_is_reported(sem: Any, admin: Any) -> None:
         assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
     assert "gone" in str(slot.lease_lost_error())
     assert admin.force_release_all("shared") == 0
+
+
+def run_callers(sem: Any, key: str, recorder: Any, callers: int) -> list[str]:
+    """``callers`` threads at once, each running one body through ``sem.run(key, ...)``
+    (retrying until it has a slot); each body records its run, as task ``caller-<n>``, in the
+    history :data:`BODIES` through ``recorder``. Fails on any caller's error; returns the
+    callers' task ids."""
+    errors: list[BaseException] = []
+    numbers = itertools.count()
+
+    def caller() -> None:
+        task_id = f"caller-{next(numbers)}"
+
+        def body(slot: Any) -> None:
+            with history.run(recorder, BODIES, key, task_id=task_id, slot=slot):
+                time.sleep(0.01)  # the body's own work, not a synchronisation wait
+
+        try:
+            sem.run(key, body, retries=10_000, retry_delay=0.005)
+        except BaseException as exc:
+            errors.append(exc)
+
+    run_in_threads(caller, callers)
+    assert errors == []
+    return [f"caller-{n}" for n in range(callers)]
 
 
 def acquire_at_once(sem: Any, key: str, callers: int) -> list[Any]:

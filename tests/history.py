@@ -34,6 +34,9 @@ Limit = int | Sequence[tuple[float, int]]
 """A key's limit: a number, or a schedule of ``(since, limit)`` pairs, ``since`` a
 ``time.monotonic()`` reading; before the first pair the first limit holds."""
 
+BODIES = "bodies"
+"""The history that the tests' bodies record in (each run under its semaphore key)."""
+
 MOST_LISTED = 5
 """Moments over the limit listed per key in a failure message (the rest are counted)."""
 
@@ -128,7 +131,9 @@ class Run:
 @dataclass
 class Report:
     """What :meth:`History.check` found. ``peaks``: the most weight in flight per key (runs
-    that kept their slot); ``problems``: one line per thing that broke, empty when all held."""
+    that kept their slot); ``missing``: expected tasks with no completed run; ``repeated``:
+    runs beyond a task's first, per allowance; ``problems``: one line per thing that broke,
+    empty when all held."""
 
     peaks: dict[str, int]
     limits: dict[str, int]
@@ -136,6 +141,7 @@ class Report:
     unfinished: int
     lost: int
     tasks: int
+    missing: list[str]
     repeated: dict[str, int]
     problems: list[str]
 
@@ -148,7 +154,7 @@ class Report:
         repeated = "".join(f", {n} run {why}" for why, n in sorted(self.repeated.items()))
         return (f"peak in flight (slot kept): {peaks or 'none'}; {self.runs} runs of "
                 f"{self.tasks} tasks ({self.unfinished} never ended, {self.lost} lost their "
-                f"slot{repeated})")  # fmt: skip
+                f"slot{repeated}); tasks missing: {len(self.missing)}")  # fmt: skip
 
     def __str__(self) -> str:
         if self.ok:
@@ -252,7 +258,8 @@ class History:
           and no other task may have one. Without it, each task that ran has one.
         * ``repeats``: why some tasks may complete more often, ``{reason: task ids}``; each
           reason that names a task allows it one more completed run.
-        * ``killed``: tasks the test killed mid-body; each must have a run that never ended.
+        * ``killed``: tasks the test killed once mid-body; each must have one run that never
+          ended.
           ``killed_pids``: processes the test killed; their runs may never end, and the last
           run to end in each may run again (its process died after the body, before its task
           returned: at-least-once delivery runs it again). Any other run must end.
@@ -305,7 +312,8 @@ class History:
             elif len(runs) > 1:
                 for reason in why[task_id][: len(runs) - 1]:
                     repeated[reason] += 1
-        for task_id in sorted((expected or set()) - set(completed)):
+        missing = sorted((expected or set()) - set(completed))
+        for task_id in missing:
             started = [r for r in self.runs if r.task_id == task_id]
             detail = "; ".join(r.describe(origin) for r in started) or "never started"
             problems.append(f"task {task_id}: expected, but no run of it completed ({detail})")
@@ -313,9 +321,10 @@ class History:
         for r in self.unfinished:
             if r.task_id not in killed and r.pid not in killed_pids:
                 problems.append(f"run of {r.describe(origin)}: not killed by the test")
-        unfinished_ids = {r.task_id for r in self.unfinished}
-        problems += [f"task {task_id}: killed by the test, but no run of it was left unfinished"
-                     for task_id in sorted(set(killed) - unfinished_ids)]  # fmt: skip
+        unfinished = Counter(r.task_id for r in self.unfinished)
+        problems += [f"task {task_id}: killed once by the test, but {unfinished[task_id]} of its "
+                     "runs never ended" for task_id in sorted(set(killed))
+                     if unfinished[task_id] != 1]  # fmt: skip
 
         lost_runs = [r for r in self.runs if r.lost]
         if not may_lose:
@@ -332,6 +341,7 @@ class History:
             unfinished=len(self.unfinished),
             lost=len(lost_runs),
             tasks=len({r.task_id for r in self.runs}),
+            missing=missing,
             repeated={f"again ({reason})": n for reason, n in repeated.items()},
             problems=problems,
         )

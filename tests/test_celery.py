@@ -26,8 +26,10 @@ from celery_semaphore import (
 )
 from celery_semaphore.testing import RedisServer
 
-from .celery_apps import interval_key, make_app
-from .helpers import peak_overlap, prefork_worker_process, read_intervals, wait_for
+from . import history
+from .celery_apps import make_app
+from .helpers import prefork_worker_process, wait_for
+from .history import BODIES, History
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,10 +74,8 @@ def test_30_tasks_on_limit_3_never_exceed_3(
     results = [task.delay(n, 0.2) for n in range(30)]
     values = [r.get(timeout=120) for r in results]
     assert sorted(v["n"] for v in values) == list(range(30))
-    intervals = read_intervals(client, interval_key("provider"))
-    assert len(intervals) == 30
-    assert peak_overlap(intervals) <= 3
-    assert peak_overlap(intervals) >= 2, "the worker never ran tasks side by side"
+    report = History.load(client, BODIES).assert_ok({"provider": 3}, tasks=[r.id for r in results])
+    assert report.peaks["provider"] >= 2, "the worker never ran tasks side by side"
     # Shedding happened, and none of it counted against max_retries=0.
     assert any(v["sheds"] for v in values)
     assert all(v["retries"] == 0 for v in values)
@@ -84,22 +84,17 @@ def test_30_tasks_on_limit_3_never_exceed_3(
 
 def test_solo_pool_runs_bounded_tasks(solo_worker: Celery, client: redis.Redis) -> None:
     task = solo_worker.tasks["csem.provider_call"]
-    assert [r.get(timeout=60)["n"] for r in [task.delay(n, 0.01) for n in range(5)]] == [
-        0,
-        1,
-        2,
-        3,
-        4,
-    ]
+    results = [task.delay(n, 0.01) for n in range(5)]
+    assert [r.get(timeout=60)["n"] for r in results] == [0, 1, 2, 3, 4]
+    History.load(client, BODIES).assert_ok({"provider": 3}, tasks=[r.id for r in results])
     assert _semaphore(solo_worker).count("provider") == 0
 
 
 def test_decorator_bounds_a_plain_task(threads_worker: Celery, client: redis.Redis) -> None:
     task = threads_worker.tasks["csem.legacy"]
-    assert sorted(r.get(timeout=60) for r in [task.delay(n, 0.1) for n in range(12)]) == list(
-        range(12)
-    )
-    assert peak_overlap(read_intervals(client, interval_key("legacy"))) <= 2
+    results = [task.delay(n, 0.1) for n in range(12)]
+    assert sorted(r.get(timeout=60) for r in results) == list(range(12))
+    History.load(client, BODIES).assert_ok({"legacy": 2}, tasks=[r.id for r in results])
 
 
 def test_key_templates_give_each_tenant_its_own_limit(
@@ -108,11 +103,9 @@ def test_key_templates_give_each_tenant_its_own_limit(
     task = threads_worker.tasks["csem.per_tenant"]
     results = [task.delay(tenant, 0.2) for tenant in ["a", "b"] * 4]
     assert sorted(r.get(timeout=60) for r in results) == ["a"] * 4 + ["b"] * 4
-    a = read_intervals(client, interval_key("tenant:a"))
-    b = read_intervals(client, interval_key("tenant:b"))
-    assert peak_overlap(a) == 1
-    assert peak_overlap(b) == 1
-    assert peak_overlap(a + b) == 2, "tenants a and b never ran at the same time"
+    runs = History.load(client, BODIES)
+    runs.assert_ok({"tenant:a": 1, "tenant:b": 1}, tasks=[r.id for r in results])
+    assert runs.peak() == 2, "tenants a and b never ran at the same time"
 
 
 @pytest.mark.parametrize("worker", WORKERS)
@@ -136,20 +129,27 @@ def test_a_task_that_retries_itself_releases_its_slot(
 
 def test_lease_lost_fails_the_task_by_default(threads_worker: Celery, client: redis.Redis) -> None:
     result = threads_worker.tasks["csem.lost_raise"].delay()
-    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
     assert _semaphore(threads_worker).force_release_all("lost-raise") == 1
     with pytest.raises(SemaphoreLeaseLostError) as info:
         result.get(timeout=60)
     assert "lost-raise" in str(info.value)
+    History.load(client, BODIES).assert_ok({"lost-raise": 1}, tasks=[result.id], lost=[result.id])
 
 
 def test_lease_lost_can_shed_the_task_to_run_again(
     threads_worker: Celery, client: redis.Redis
 ) -> None:
     result = threads_worker.tasks["csem.lost_retry"].delay()
-    assert wait_for(lambda: client.get("test:lost-retry"), timeout=30)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
     assert _semaphore(threads_worker).force_release_all("lost-retry") == 1
     assert result.get(timeout=60) == "second run"
+    History.load(client, BODIES).assert_ok(
+        {"lost-retry": 1},
+        tasks=[result.id],
+        lost=[result.id],
+        repeats={"on_lease_lost='retry' runs the body again": [result.id]},
+    )
 
 
 def test_a_killed_prefork_child_frees_its_slot_long_before_its_lease(
@@ -158,17 +158,18 @@ def test_a_killed_prefork_child_frees_its_slot_long_before_its_lease(
     from billiard.exceptions import WorkerLostError
 
     result = prefork_worker.tasks["csem.sleepy"].delay(120)
-    assert wait_for(lambda: client.get("test:sleepy"), timeout=60)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=60)
     sem = _semaphore(prefork_worker)
     [holder] = sem.holders("sleepy")
     assert holder.metadata["task_id"] == result.id
-    child = int(client.get("test:sleepy") or 0)
-    assert holder.metadata["pid"] == child
-    os.kill(child, signal.SIGKILL)
+    [run] = History.load(client, BODIES).runs
+    assert holder.metadata["pid"] == run.pid
+    os.kill(run.pid, signal.SIGKILL)
     # The lease is 30 s; the worker's main process frees the slot as soon as it sees the death.
     assert wait_for(lambda: sem.count("sleepy") == 0, timeout=15)
     with pytest.raises(WorkerLostError):
         result.get(timeout=30)
+    History.load(client, BODIES).assert_ok({"sleepy": 1}, tasks=[], killed=[result.id])
 
 
 def test_warm_shutdown_lets_a_running_task_finish_and_keep_renewing(
@@ -176,10 +177,11 @@ def test_warm_shutdown_lets_a_running_task_finish_and_keep_renewing(
 ) -> None:
     # A 1 s lease and a 4 s body: without renewal during the drain the slot would lapse.
     result = app.tasks["csem.long_body"].delay(4.0)
-    assert wait_for(lambda: client.get("test:long"), timeout=60)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=60)
     prefork_process.send_signal(signal.SIGTERM)
     assert result.get(timeout=60) == "kept"
     assert prefork_process.wait(timeout=60) == 0
+    History.load(client, BODIES).assert_ok({"long": 1}, tasks=[result.id])
     assert _semaphore(app).count("long") == 0
 
 
@@ -212,18 +214,19 @@ def test_the_body_can_be_interrupted_when_its_slot_is_lost(
     @app.task(base=SemaphoreTask, semaphore="spin", limit=1, lease=2.0, heartbeat=0.1,
               interrupt=True, shared=False, name="csem.spin")  # fmt: skip
     def spin() -> str:
-        client.set("test:spin", 1)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            pass  # pure Python: the interrupt lands at the next bytecode
+        with history.run(client, BODIES, "spin", slot=current_slot(), mark_start=True):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                pass  # pure Python: the interrupt lands at the next bytecode
         return "ran to the end"
 
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         result = spin.delay()
-        assert wait_for(lambda: client.get("test:spin"), timeout=30)
+        assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
         _semaphore(app).force_release_all("spin")
         with pytest.raises(SemaphoreLeaseLostError):
             result.get(timeout=20)
+    History.load(client, BODIES).assert_ok({"spin": 1}, tasks=[result.id], lost=[result.id])
 
 
 def _rabbitmq_up() -> bool:
@@ -244,9 +247,10 @@ def test_works_with_a_rabbitmq_broker(redis_server: RedisServer, client: redis.R
     )
     with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False):
         task = app.tasks["csem.provider_call"]
-        values = [r.get(timeout=120) for r in [task.delay(n, 0.1) for n in range(12)]]
+        results = [task.delay(n, 0.1) for n in range(12)]
+        values = [r.get(timeout=120) for r in results]
     assert sorted(v["n"] for v in values) == list(range(12))
-    assert peak_overlap(read_intervals(client, interval_key("provider"))) <= 3
+    History.load(client, BODIES).assert_ok({"provider": 3}, tasks=[r.id for r in results])
     assert any(v["sheds"] for v in values)
 
 
@@ -270,7 +274,7 @@ def test_calling_run_directly_uses_the_tasks_own_app(redis_server: RedisServer) 
 
 
 def test_a_quick_rerun_of_a_shed_task_is_never_reported_as_retry(
-    redis_server: RedisServer,
+    redis_server: RedisServer, client: redis.Redis
 ) -> None:
     # Countdown 0 and instant bodies: a shed task's re-run often finishes before the shed
     # run has ended. Its SUCCESS must stand (result.get() must return), for every task.
@@ -280,6 +284,7 @@ def test_a_quick_rerun_of_a_shed_task_is_never_reported_as_retry(
         results = [task.delay("race", 0) for _ in range(80)]
         assert [r.get(timeout=120) for r in results] == ["race"] * 80
         assert {r.state for r in results} == {"SUCCESS"}
+    History.load(client, BODIES).assert_ok({"tenant:race": 1}, tasks=[r.id for r in results])
 
 
 def test_shed_tasks_in_chords_chains_and_groups_complete(
@@ -297,13 +302,15 @@ def test_shed_tasks_in_chords_chains_and_groups_complete(
     )
     assert chain(task.si("d", 0.05), task.si("d", 0.05)).delay().get(timeout=120) == "d"
     assert group(task.s("e", 0.05) for _ in range(4)).delay().get(timeout=120) == ["e"] * 4
-    runs = [len(read_intervals(client, interval_key(f"tenant:{t}"))) for t in "cde"]
-    assert runs == [5, 2, 4]
+    runs = History.load(client, BODIES)
+    runs.assert_ok({"tenant:c": 1, "tenant:d": 1, "tenant:e": 1})  # each task's body once
+    assert [len(runs.of(f"tenant:{t}").runs) for t in "cde"] == [5, 2, 4]
 
 
 def test_a_task_with_autoretry_for_is_shed_too(threads_worker: Celery, client: redis.Redis) -> None:
     # autoretry_for makes Celery keep the bound run aside; binding again must not replace it.
     task = threads_worker.tasks["csem.autoretry"]
-    values = [r.get(timeout=120) for r in [task.delay(0.1) for _ in range(6)]]
+    results = [task.delay(0.1) for _ in range(6)]
+    values = [r.get(timeout=120) for r in results]
     assert any(v["sheds"] for v in values)
-    assert peak_overlap(read_intervals(client, interval_key("auto"))) == 1
+    History.load(client, BODIES).assert_ok({"auto": 1}, tasks=[r.id for r in results])

@@ -30,13 +30,8 @@ from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.settings import app_settings
 from celery_semaphore.views.inspection import views
 
-from .helpers import (
-    InFlight,
-    acquire_at_once,
-    assert_force_release_is_reported,
-    run_in_threads,
-    wait_for,
-)
+from .helpers import acquire_at_once, assert_force_release_is_reported, run_callers, wait_for
+from .history import BODIES, History
 from .servers import ClusterServers, SentinelServers
 
 MakeSemaphore = Callable[..., Semaphore]
@@ -81,24 +76,10 @@ def _take_25_on_limit_20(sem: Semaphore, key: str) -> None:
     assert sem.count(key) == 0
 
 
-def _run_50_on_limit_5(sem: Semaphore, key: str) -> None:
-    inflight = InFlight()
-    errors: list[BaseException] = []
-
-    def body(slot: Slot) -> None:
-        with inflight:
-            time.sleep(0.01)  # the body's own work, not a synchronisation wait
-
-    def caller() -> None:
-        try:
-            sem.run(key, body, retries=10_000, retry_delay=0.005)
-        except BaseException as exc:
-            errors.append(exc)
-
-    run_in_threads(caller, 50)
-    assert errors == []
-    assert inflight.entered == 50
-    assert 1 <= inflight.peak <= 5
+def _run_50_on_limit_5(sem: Semaphore, key: str, recorder: redis.Redis) -> None:
+    """50 callers through ``sem`` (limit 5), their bodies recorded through ``recorder``."""
+    callers = run_callers(sem, key, recorder, 50)
+    History.load(recorder, BODIES).assert_ok({key: 5}, tasks=callers)
     assert sem.count(key) == 0
 
 
@@ -152,8 +133,10 @@ def test_cluster_25_callers_on_limit_20_get_exactly_20_slots(on_cluster: MakeSem
     _take_25_on_limit_20(on_cluster(limit=20), "openai")
 
 
-def test_cluster_50_threads_on_limit_5_never_exceed_5(on_cluster: MakeSemaphore) -> None:
-    _run_50_on_limit_5(on_cluster(limit=5, lease=10.0), "legacy-api")
+def test_cluster_50_threads_on_limit_5_never_exceed_5(
+    on_cluster: MakeSemaphore, client: redis.Redis
+) -> None:
+    _run_50_on_limit_5(on_cluster(limit=5, lease=10.0), "legacy-api", client)
 
 
 def test_cluster_hold_keeps_its_slot_through_a_body_three_times_the_lease(
@@ -290,10 +273,10 @@ def test_sentinel_25_callers_on_limit_20_get_exactly_20_slots(
 
 @pytest.mark.parametrize("via", ["master_for", "url"])
 def test_sentinel_50_threads_on_limit_5_never_exceed_5(
-    sentinel_set: SentinelServers, master: redis.Redis, via: str
+    sentinel_set: SentinelServers, master: redis.Redis, via: str, client: redis.Redis
 ) -> None:
     sem = Semaphore(master if via == "master_for" else sentinel_set.url, limit=5, lease=10.0)
-    _run_50_on_limit_5(sem, "legacy-api")
+    _run_50_on_limit_5(sem, "legacy-api", client)
     sem.client.close()
 
 

@@ -26,6 +26,7 @@ from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
+from .history import BODIES, History
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,7 +114,7 @@ def test_release_all_asks_then_displaces_a_running_holder(
 ) -> None:
     app, _ = worker
     result = app.tasks["csem.lost_raise"].delay()
-    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
     refused = celery_cli(redis_server.url, "semaphore", "release-all", "lost-raise", stdin="n\n")
     assert refused.returncode != 0
     assert "Aborted" in refused.stdout + refused.stderr

@@ -24,7 +24,14 @@ from celery_semaphore import (
 )
 from celery_semaphore.testing import RedisServer
 
-from .helpers import InFlight, acquire_at_once, assert_force_release_is_reported, run_in_threads
+from .helpers import (
+    ROOT,
+    acquire_at_once,
+    assert_force_release_is_reported,
+    run_callers,
+    wait_for,
+)
+from .history import BODIES, History
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -43,23 +50,12 @@ def test_25_callers_on_limit_20_get_exactly_20_slots(make_semaphore: MakeSemapho
     assert sem.count("openai") == 0
 
 
-def test_50_threads_on_limit_5_with_retries_never_exceed_5(make_semaphore: MakeSemaphore) -> None:
+def test_50_threads_on_limit_5_with_retries_never_exceed_5(
+    make_semaphore: MakeSemaphore, client: redis.Redis
+) -> None:
     sem = make_semaphore(limit=5, lease=10.0)
-    inflight = InFlight()
-    done: list[int] = []
-
-    def body(slot: Slot) -> None:
-        with inflight:
-            time.sleep(0.01)  # the body's own work, not a synchronisation wait
-        done.append(1)
-
-    def caller() -> None:
-        sem.run("legacy-api", body, retries=10_000, retry_delay=0.005)
-
-    run_in_threads(caller, 50)
-    assert len(done) == 50
-    assert inflight.entered == 50
-    assert 1 <= inflight.peak <= 5
+    callers = run_callers(sem, "legacy-api", client, 50)
+    History.load(client, BODIES).assert_ok({"legacy-api": 5}, tasks=callers)
     assert sem.count("legacy-api") == 0
 
 
@@ -77,23 +73,26 @@ def test_retries_exhausted_returns_none_and_hold_raises(make_semaphore: MakeSema
     held.release()
 
 
-def test_killed_holder_frees_its_slot_within_one_lease(redis_server: RedisServer) -> None:
+def test_killed_holder_frees_its_slot_within_one_lease(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
     lease = 2.0
     code = textwrap.dedent(
         f"""
-        import sys, time
+        import time, redis
         from celery_semaphore import Semaphore
+        from tests import history
         sem = Semaphore({redis_server.url!r}, limit=1, lease={lease})
         slot = sem.acquire("crash")
         assert slot is not None
-        print("acquired", flush=True)
-        time.sleep(600)
+        recorder = redis.Redis.from_url({redis_server.url!r})
+        with history.run(recorder, {BODIES!r}, "crash", task_id="child", mark_start=True):
+            time.sleep(600)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "acquired"
+        assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
         taken_by = time.monotonic()
         sem = Semaphore(redis_server.url, limit=1, lease=lease)
         assert sem.acquire("crash") is None
@@ -101,12 +100,13 @@ def test_killed_holder_frees_its_slot_within_one_lease(redis_server: RedisServer
         proc.wait()
         slot = sem.acquire("crash", retries=1000, retry_delay=0.02)
         assert slot is not None
-        # The child's lease started before it printed; allow generous scheduling slack.
+        # The child's lease started before its body did; allow generous scheduling slack.
         assert time.monotonic() - taken_by < lease + 1.5
         slot.release()
     finally:
         proc.kill()
         proc.wait()
+    History.load(client, BODIES).assert_ok({"crash": 1}, tasks=[], killed=["child"])
 
 
 def test_hold_keeps_its_slot_through_a_body_three_times_the_lease(

@@ -15,6 +15,7 @@ from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
+from .history import BODIES, History
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_lease_loss_is_counted(
     registry: CollectorRegistry, app: Celery, client: redis.Redis, redis_server: RedisServer
 ) -> None:
     result = app.tasks["csem.lost_raise"].delay()
-    assert wait_for(lambda: client.get("test:lost-raise"), timeout=30)
+    assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
     Semaphore(redis_server.url, limit=1).force_release_all("lost-raise")
     with pytest.raises(SemaphoreLeaseLostError):
         result.get(timeout=60)
