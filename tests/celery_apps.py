@@ -6,7 +6,6 @@ Redis client of their own, so the tests judge concurrency and runs without the l
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -33,16 +32,6 @@ AT_LEAST_ONCE: dict[str, Any] = {
 
 def interval_key(label: str) -> str:
     return f"test:intervals:{label}"
-
-
-def room_runs_key(key: str) -> str:
-    """Where ``csem.room_step`` runs on semaphore key ``room:<key>`` record themselves."""
-    return f"test:room:{key}:runs"
-
-
-def room_callbacks_key(key: str) -> str:
-    """Where ``csem.room_collect`` records each of its runs."""
-    return f"test:room:{key}:callbacks"
 
 
 def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Celery:
@@ -180,28 +169,27 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", claim_timeout=5.0,
               shared=False, name="csem.queued")  # fmt: skip
     def queued(n: int, duration: float = 0.1) -> int:
-        recorder.rpush("test:queued:order", n)
-        with record("queued"):
+        with history.run(recorder, BODIES, "queued", data={"n": n}):
             time.sleep(duration)
         return n
 
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", shed_timeout=0.5,
               shared=False, name="csem.queued_budget")  # fmt: skip
     def queued_budget(n: int) -> int:
-        recorder.rpush("test:queued:order", n)
-        return n
+        with history.run(recorder, BODIES, "queued", data={"n": n}):
+            return n
 
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="wait", wait_timeout=30.0,
               shared=False, name="csem.waits")  # fmt: skip
     def waits(n: int) -> int:
-        recorder.rpush("test:queued:order", n)
-        return n
+        with history.run(recorder, BODIES, "queued", data={"n": n}):
+            return n
 
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="wait", wait_timeout=0.2,
               shared=False, name="csem.waits_briefly")  # fmt: skip
     def waits_briefly(n: int) -> int:
-        recorder.rpush("test:queued:order", n)
-        return n
+        with history.run(recorder, BODIES, "queued", data={"n": n}):
+            return n
 
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", bind=True,
               max_retries=1, shared=False, name="csem.queued_retry")  # fmt: skip
@@ -217,30 +205,22 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         self: Any, value: int, step: int = 0, key: str = "compat", duration: float = 0.05
     ) -> int:
         """A waiting-room task on key ``room:<key>`` (limit 2): returns ``value + step`` (a
-        chain passes the previous link's result as ``value``). Each run records its interval
-        under ``interval_key("room:<key>")`` and, under ``room_runs_key(key)``, its task id,
-        arguments, start, end and whether its message carried the hand-off header. The long
-        claim_timeout keeps a lapsed reservation (a hand-off nobody published) from being
-        rescued by a sweep within a test's timeouts."""
-        start = time.monotonic()
-        try:
+        chain passes the previous link's result as ``value``). Each run records itself under
+        its key with its ``value``, ``step`` and whether its message carried the hand-off
+        header (``handoff``). The long claim_timeout keeps a lapsed reservation (a hand-off
+        nobody published) from being rescued by a sweep within a test's timeouts."""
+        handoff = (self.request.headers or {}).get("semaphore_handoff") is not None
+        data = {"value": value, "step": step, "handoff": handoff}
+        with history.run(recorder, BODIES, f"room:{key}", data=data):
             time.sleep(duration)
-        finally:
-            end = time.monotonic()
-            handoff = (self.request.headers or {}).get("semaphore_handoff") is not None
-            run = {"id": self.request.id, "value": value, "step": step, "start": start,
-                   "end": end, "handoff": handoff}  # fmt: skip
-            pipe = recorder.pipeline(transaction=False)
-            pipe.rpush(interval_key(f"room:{key}"), f"{start} {end}")
-            pipe.rpush(room_runs_key(key), json.dumps(run))
-            pipe.execute()
         return value + step
 
     @app.task(shared=False, name="csem.room_collect")
     def room_collect(values: list[int], key: str) -> list[int]:
-        """An unbounded chord callback that records each of its runs."""
-        recorder.rpush(room_callbacks_key(key), json.dumps(values))
-        return sorted(values)
+        """An unbounded chord callback; each run records itself under key ``collect:<key>``,
+        with the ``values`` it was given."""
+        with history.run(recorder, BODIES, f"collect:{key}", data={"values": values}):
+            return sorted(values)
 
     return app
 
@@ -271,21 +251,15 @@ SOAK_QUEUED_DONE = "test:soak-queue:done"
 """``csem.soak_queued`` runs that finished their body: ``"<n> <pid>"`` a run."""
 
 
-def gate_key(what: str, n: int | None = None) -> str:
-    """Where ``csem.gate`` records ``what`` ("started", "finished", "pid"), per run ``n``."""
-    return f"test:gate:{what}" if n is None else f"test:gate:{what}:{n}"
-
-
 def add_room_fault_tasks(app: Celery) -> Celery:
     """Add the waiting room's fault-test tasks to ``app`` (one of :func:`make_app`'s):
 
     * ``csem.gate(n, hold=False)``: key "gate", limit 1, ``on_full="queue"``, lease 2 s,
       ``claim_timeout`` 4 s (what a test does while a hand-off is reserved has seconds of
-      margin). Each run records its ``n`` under ``gate_key("started")``, its
-      pid under ``gate_key("pid", n)``, holds its slot while ``hold`` until the test sets
-      :data:`GATE_OPEN` (at most 60 s), then records ``n`` under ``gate_key("finished")``
-      and its interval under ``interval_key("gate")``. A body killed midway records a start
-      and nothing else. ``csem.gate_no_result`` is the same with ``ignore_result=True``.
+      margin). Each run records its start in the history :data:`BODIES` (key "gate", data
+      ``n``), holds its slot while ``hold`` until the test sets :data:`GATE_OPEN` (at most
+      60 s), then records its end: a body killed midway is a run that never ended.
+      ``csem.gate_no_result`` is the same with ``ignore_result=True``.
     * ``csem.block_until(flag)``: unbounded; records its pid under :data:`BLOCKING` and
       keeps its pool process busy until the test sets ``flag`` (at most 60 s).
     * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
@@ -296,14 +270,11 @@ def add_room_fault_tasks(app: Celery) -> Celery:
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
     def gate(n: int, hold: bool = False) -> int:
-        start = time.monotonic()
-        recorder.rpush(gate_key("started"), n)
-        recorder.set(gate_key("pid", n), os.getpid())
-        deadline = start + 60
-        while hold and not recorder.exists(GATE_OPEN) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        recorder.rpush(gate_key("finished"), n)
-        recorder.rpush(interval_key("gate"), f"{start} {time.monotonic()}")
+        slot = current_slot()
+        with history.run(recorder, BODIES, "gate", slot=slot, mark_start=True, data={"n": n}):
+            deadline = time.monotonic() + 60
+            while hold and not recorder.exists(GATE_OPEN) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return n
 
     for name, ignore_result in [("csem.gate", False), ("csem.gate_no_result", True)]:

@@ -16,8 +16,8 @@ from celery_semaphore import Semaphore, SemaphoreNotAcquiredError
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.room import publisher_for
 
-from .celery_apps import interval_key
-from .helpers import peak_overlap, prefork_worker_process, read_intervals, spearman, wait_for
+from .helpers import prefork_worker_process, spearman, wait_for
+from .history import BODIES, History
 
 
 @pytest.fixture
@@ -26,8 +26,12 @@ def prefork(app: Celery, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
         yield proc
 
 
-def _order(client: redis.Redis) -> list[int]:
-    return [int(n) for n in client.lrange("test:queued:order", 0, -1)]
+def _ran(client: redis.Redis, *expected: str) -> list[int]:
+    """Check the history (key "queued" at most 3 in flight; each of the ``expected`` tasks
+    ran once, no other task ran) and return each run's ``n``, in the order they started."""
+    runs = History.load(client, BODIES)
+    runs.assert_ok({"queued": 3}, tasks=expected)
+    return runs.values("n")
 
 
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
@@ -60,8 +64,8 @@ def test_a_backlog_runs_at_the_limit_in_arrival_order(
         elapsed = time.monotonic() - started
     # Hand-offs go out oldest first; runs handed off together may start a moment apart in
     # either order, so the start order is compared by rank correlation.
-    assert spearman(_order(client)) >= 0.95, _order(client)
-    assert peak_overlap(read_intervals(client, interval_key("queued"))) <= 3
+    order = _ran(client, *(r.id for r in results))
+    assert spearman(order) >= 0.95, order
     assert sem.admin.room("queued") == []
     assert sem.count("queued") == 0
     # 24 runs of 0.1 s on 3 slots take 0.8 s at best; countdown shedding took several times
@@ -94,7 +98,7 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
         assert wait_for(lambda: sem.admin.room("queued") == [], timeout=30)
         assert wait_for(lambda: sem.count("queued") == 0, timeout=30)
-    assert _order(client) == [2]
+    assert _ran(client, kept.id) == [2]
 
 
 def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
@@ -113,6 +117,7 @@ def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
             assert slot is not None
             slot.release()
         assert sorted(r.get(timeout=60) for r in results) == list(range(5))
+    _ran(client, *(r.id for r in results))
     assert mute.count("queued") == 0
 
 
@@ -147,7 +152,7 @@ def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
             assert slot is not None
             slot.release()
         assert patient.get(timeout=60) == 2
-    assert _order(client) == [2]  # the impatient body never ran
+    assert _ran(client, patient.id) == [2]  # the impatient body never ran
     assert sem.count("queued") == 0
 
 
@@ -166,6 +171,7 @@ def test_a_run_that_waits_in_the_worker_starts_on_the_release_without_parking(
         assert sem.admin.room("queued") == []
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
+    assert _ran(client, result.id) == [1]
 
 
 def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
@@ -184,4 +190,4 @@ def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
         assert second.get(timeout=60) == 2
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
-    assert _order(client) == [1, 2]
+    assert _ran(client, first.id, second.id) == [1, 2]

@@ -4,17 +4,16 @@ chord, chain, link), eager mode, direct calls and ``apply()`` (outside a worker 
 a worker's run), and ``AsyncResult`` while a run is parked.
 
 Every task here passes ``on_full="queue"`` explicitly. The bounded runs record themselves
-(intervals, arguments, whether a hand-off started them) in Redis with a client of their own
-(``csem.room_step`` in tests/celery_apps.py), so peaks and run counts are measured outside
-the library. The backlogs are parked one by one behind slots the test holds, so their
-arrival order is their send order; the test then releases the slots through a semaphore
-that publishes hand-offs as the app's workers do.
+(arguments, whether a hand-off started them) in the tests' history (tests/history.py) with a
+client of their own (``csem.room_step`` in tests/celery_apps.py), so peaks and run counts are
+measured outside the library. The backlogs are parked one by one behind slots the test
+holds, so their arrival order is their send order; the test then releases the slots through
+a semaphore that publishes hand-offs as the app's workers do.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import socket
 import threading
 import uuid
@@ -33,8 +32,9 @@ from celery_semaphore import Semaphore, SemaphoreTask, Slot
 from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
-from .celery_apps import interval_key, make_app, room_callbacks_key, room_runs_key
-from .helpers import peak_overlap, prefork_worker_process, read_intervals, wait_for
+from .celery_apps import make_app
+from .helpers import prefork_worker_process, wait_for
+from .history import BODIES, History, Run
 from .servers import ClusterServers, SentinelServers
 
 LIMIT = 2
@@ -60,10 +60,13 @@ def _redis_names(key: str) -> list[str]:
     return [f"semaphore:{{{key}}}{suffix}" for suffix in ROOM_SUFFIXES]
 
 
-def _runs(client: redis.Redis, key: str) -> list[dict[str, Any]]:
-    """What each run of ``csem.room_step`` on ``room:<key>`` recorded, in start order."""
-    runs = [json.loads(raw) for raw in client.lrange(room_runs_key(key), 0, -1)]
-    return sorted(runs, key=lambda run: float(run["start"]))
+def _runs(client: redis.Redis, key: str, tasks: list[str] | None = None) -> list[Run]:
+    """The runs of ``csem.room_step`` on ``room:<key>``, in the order they started, once the
+    history is checked: at most LIMIT in flight, each task run once (exactly ``tasks``, if
+    named)."""
+    runs = History.load(client, BODIES)
+    runs.assert_ok({f"room:{key}": LIMIT}, tasks=tasks)
+    return runs.runs
 
 
 class Holding:
@@ -127,19 +130,15 @@ def _drain(
     holder.release()
     count = len(results)
     assert [r.get(timeout=60) for r in results] == list(range(count))
-    runs = _runs(client, key)
-    assert sorted(run["value"] for run in runs) == list(range(count)), runs
-    assert len({run["id"] for run in runs}) == count
-    assert all(run["handoff"] for run in runs), "a parked run started without a hand-off"
+    runs = _runs(client, key, tasks=[r.id for r in results])
+    assert all(run.data["handoff"] for run in runs), "a parked run started without a hand-off"
     # The room hands slots out oldest first, and at most LIMIT runs hold or wait for a slot
     # at once, so a run can only start before the (at most LIMIT - 1) older runs handed a
     # slot at about the same time.
-    order = [run["value"] for run in runs]
+    order = [run.data["value"] for run in runs]
     assert all(abs(position - value) < LIMIT for position, value in enumerate(order)), order
-    peak = peak_overlap(read_intervals(client, interval_key(f"room:{key}")))
-    assert peak <= LIMIT
     if side_by_side:
-        assert peak == LIMIT, "the backlog never ran at the limit"
+        assert History(runs).peak() == LIMIT, "the backlog never ran at the limit"
     assert holder.sem.admin.room(holder.key) == []
     assert wait_for(lambda: holder.sem.count(holder.key) == 0, timeout=30)
 
@@ -296,27 +295,32 @@ def test_groups_chords_chains_and_links_of_parked_runs_complete(
         assert chained.get(timeout=60) == 1010
         assert grouped.get(timeout=60) == [0, 1, 2, 3]
         assert linked.get(timeout=60) == 2000
-        assert wait_for(lambda: client.llen(room_callbacks_key(f"{key}-link")) >= 1, timeout=30)
-        runs = _runs(client, key)
-        # The chord's callback fired once, with every result of its header.
-        callbacks = [json.loads(raw) for raw in client.lrange(room_callbacks_key(key), 0, -1)]
-        assert len(callbacks) == 1
-        assert sorted(callbacks[0]) == [110, 111, 112, 113]
-    # Each bounded run ran exactly once.
+        assert wait_for(
+            lambda: History.load(client, BODIES).of(f"collect:{key}-link").runs, timeout=30
+        )
+    # Each bounded run ran exactly once, at most LIMIT at a time; each callback ran once.
+    seen = History.load(client, BODIES)
+    seen.assert_ok({holder.key: LIMIT, f"collect:{key}": 1, f"collect:{key}-link": 1})
+    runs = seen.of(holder.key).runs
     expected = [(n, 0) for n in range(4)] + [(n, 100) for n in range(10, 14)]
     expected += [(1000, 1), (1001, 2), (1003, 3), (1006, 4), (2000, 0)]
-    assert sorted((run["value"], run["step"]) for run in runs) == sorted(expected)
-    assert len({run["id"] for run in runs}) == len(expected)
+    assert sorted((run.data["value"], run.data["step"]) for run in runs) == sorted(expected)
+    # The chord's callback fired once, with every result of its header; the link's, once.
+    [callback] = seen.of(f"collect:{key}").runs
+    assert sorted(callback.data["values"]) == [110, 111, 112, 113]
+    assert len(seen.of(f"collect:{key}-link").runs) == 1
     # Each link of the chain ran after the one before it ended, on that one's result.
-    links = sorted((r for r in runs if 1000 <= r["value"] < 2000), key=lambda r: r["step"])
-    assert [link["step"] for link in links] == [1, 2, 3, 4]
-    assert all(later["start"] >= earlier["end"] for earlier, later in itertools.pairwise(links))
+    links = sorted(
+        (r for r in runs if 1000 <= r.data["value"] < 2000), key=lambda r: r.data["step"]
+    )
+    assert [link.data["step"] for link in links] == [1, 2, 3, 4]
+    assert all(
+        earlier.end is not None and later.start >= earlier.end
+        for earlier, later in itertools.pairwise(links)
+    )
     # The second link was parked too, and its hand-off carried the rest of the chain on.
-    assert links[1]["handoff"], links
-    assert peak_overlap(read_intervals(client, interval_key(f"room:{key}"))) <= LIMIT
+    assert links[1].data["handoff"], links
     assert holder.sem.admin.room(holder.key) == []
-    assert client.llen(room_callbacks_key(key)) == 1
-    assert client.llen(room_callbacks_key(f"{key}-link")) == 1  # the link callback, once
 
 
 # --- 5. eager mode, direct calls, apply() ----------------------------------------------------
@@ -350,7 +354,7 @@ def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
         try:
             caller.join(timeout=WATCH)
             assert caller.is_alive(), outcome  # it waits for a slot
-            assert client.llen(room_runs_key(key)) == 0  # the body has not run
+            assert History.load(client, BODIES).runs == []  # the body has not run
             assert holder.parked() == 0
             holder.held.pop().release()
             caller.join(timeout=60)
@@ -359,7 +363,7 @@ def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
             caller.join(timeout=60)
     assert outcome == {"value": 6}
     [run] = _runs(client, key)
-    assert not run["handoff"]
+    assert not run.data["handoff"]
     # Nothing was ever parked: the room's keys were never made.
     assert client.exists(*_redis_names(holder.key)[2:]) == 0
     app.close()
@@ -389,12 +393,12 @@ def test_inside_a_workers_run_a_direct_call_or_apply_waits_too(
         assert wait_for(lambda: client.exists(f"test:room:{key}:outer"), timeout=30)
         assert not wait_for(result.ready, timeout=WATCH)  # the call in it waits for a slot
         assert result.state == "PENDING"
-        assert client.llen(room_runs_key(key)) == 0
+        assert History.load(client, BODIES).runs == []
         assert holder.parked() == 0
         holder.held.pop().release()
         assert result.get(timeout=60) == 6
     [run] = _runs(client, key)
-    assert not run["handoff"]
+    assert not run.data["handoff"]
     assert client.exists(*_redis_names(holder.key)[2:]) == 0
 
 

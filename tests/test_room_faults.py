@@ -2,8 +2,9 @@
 store, expired and revoked parked runs. Real redis-server processes, real Celery workers.
 
 Every test uses ``csem.gate`` (tests/celery_apps.py: key "gate", limit 1, lease 2 s), whose
-runs record their starts and ends in Redis, so the test counts body runs without the
-library's help. Hand-offs made by the test itself reserve a slot for 2 s (``_holder``).
+runs record their starts and ends in the tests' history (tests/history.py), so the test
+judges body runs without the library's help. Hand-offs made by the test itself reserve a slot
+for 2 s (``_holder``).
 """
 
 from __future__ import annotations
@@ -29,34 +30,15 @@ from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
-from .celery_apps import (
-    BLOCKING,
-    GATE_OPEN,
-    STALLED_PUBLISH,
-    add_room_fault_tasks,
-    gate_key,
-    interval_key,
-    make_app,
-)
-from .helpers import (
-    child_pids,
-    int_list,
-    peak_overlap,
-    prefork_worker_process,
-    read_intervals,
-    unacked_task_ids,
-    wait_for,
-)
+from .celery_apps import BLOCKING, GATE_OPEN, STALLED_PUBLISH, add_room_fault_tasks, make_app
+from .helpers import child_pids, prefork_worker_process, unacked_task_ids, wait_for
+from .history import BODIES, History
 
 KEY = "gate"
 
 
 class RunLost(AssertionError):
     """A run that Celery's delivery settings promise to run never finished."""
-
-
-class RanTwice(AssertionError):
-    """A run's body ran again after it had finished."""
 
 
 @pytest.fixture
@@ -70,6 +52,17 @@ def _holder(app: Celery) -> Semaphore:
     return Semaphore(
         app.conf.semaphore_url, limit=1, claim_timeout=2.0, on_handoff=publisher_for(app)
     )
+
+
+def _started(client: redis.Redis, completed: bool = False) -> list[int]:
+    """The ``n`` of each gate run that started (or ``completed``), in the order they started."""
+    return History.load(client, BODIES).values("n", completed=completed)
+
+
+def _check(client: redis.Redis, *tasks: str, killed: tuple[str, ...] = ()) -> None:
+    """The history holds: one gate body at a time, each of ``tasks`` ran once, no other task
+    ran, and no run was left unfinished but the one of each ``killed`` task."""
+    History.load(client, BODIES).assert_ok({KEY: 1}, tasks=tasks, killed=killed)
 
 
 def _room(sem: Semaphore) -> list[str]:
@@ -138,7 +131,7 @@ def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
     env = {"CSEM_TEST_STALL_HANDOFF": "1"}
     with prefork_worker_process(gate_app, tmp_path / "w.log", concurrency=2, env=env) as worker:
         releaser = gate_app.tasks["csem.gate"].delay(0, hold=True)
-        assert wait_for(lambda: int_list(client, gate_key("started")) == [0], timeout=60)
+        assert wait_for(lambda: _started(client) == [0], timeout=60)
         (parked,) = _park(gate_app, sem, (1,))
         client.set(GATE_OPEN, 1)  # run 0 ends: its release reserves the slot for run 1
         assert wait_for(lambda: client.get(STALLED_PUBLISH) is not None, timeout=60)
@@ -146,17 +139,15 @@ def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
         assert pid in child_pids(worker.pid), "the stalled publisher is not a pool process"
         # The slot is reserved for run 1, and its message was never sent.
         assert client.zscore(redis_keys("semaphore", KEY).slots, f"~{parked.id}") is not None
-        assert int_list(client, gate_key("started")) == [0]
+        assert _started(client) == [0]
         os.kill(pid, signal.SIGKILL)
         assert parked.get(timeout=60) == 1
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
-    # The worker is stopped: nothing can start run 1 again.
-    assert sorted(int_list(client, gate_key("started"))) == [0, 1]
-    assert sorted(int_list(client, gate_key("finished"))) == [0, 1]
+    # The worker is stopped: nothing can start run 1 again. Each body ran once.
+    _check(client, releaser.id, parked.id)
     # Run 0's body ran, but its process died before the task returned: Celery (acks early)
     # reports the run lost, as for any pool process killed mid-task.
     assert releaser.state == "FAILURE"
-    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
 
 
 # -- a worker dies with a hand-off ---------------------------------------------------------
@@ -189,7 +180,7 @@ def _strand_a_hand_off(
             timeout=60,
         )
         _kill_worker(worker_a)
-    assert int_list(client, gate_key("started")) == []
+    assert _started(client) == []
     # Stranded with the dead worker (twice, had the reservation lapsed and the dead worker's
     # own sweep handed it out again before the kill).
     assert set(unacked_task_ids(client)) == {waiter.id}
@@ -241,18 +232,15 @@ def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_onc
     waiter = _strand_a_hand_off(gate_app, sem, client, tmp_path, task=task)
     # Worker B (the broker's default visibility timeout: the stranded message stays out).
     with start_worker(gate_app, pool="threads", concurrency=2, perform_ping_check=False):
-        assert wait_for(lambda: int_list(client, gate_key("finished")) == [1], timeout=60)
+        assert wait_for(lambda: _started(client, completed=True) == [1], timeout=60)
         assert wait_for(lambda: _drained(sem), timeout=30)
-    assert int_list(client, gate_key("started")) == [1]
+    assert _started(client) == [1]
     # Worker C restores the stranded message: a second delivery of the same hand-off.
     with _restoring_worker(redis_server.url) as seen:
         assert wait_for(lambda: any(t == waiter.id for t, _ in seen), timeout=60)
         assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
-    started = int_list(client, gate_key("started"))
-    if started.count(1) > 1:
-        raise RanTwice(f"the redelivered hand-off ran the body again: {started}, {seen}")
+    _check(client, waiter.id)  # the redelivered hand-off did not run the body again
     assert {state for task_id, state in seen if task_id == waiter.id} == {"IGNORED"}
-    assert int_list(client, gate_key("finished")) == [1]
     if task == "csem.gate":
         assert waiter.state == "SUCCESS"
 
@@ -269,7 +257,7 @@ def test_a_stranded_hand_off_redelivered_while_its_run_still_runs_is_not_run_aga
     waiter = _strand_a_hand_off(gate_app, sem, client, tmp_path, hold=True)
     # Worker B: the sweep's hand-off starts the run, which holds its slot until the gate opens.
     with prefork_worker_process(gate_app, tmp_path / "b.log", concurrency=2):
-        assert wait_for(lambda: int_list(client, gate_key("started")) == [1], timeout=60)
+        assert wait_for(lambda: _started(client) == [1], timeout=60)
         # Worker C restores the stranded message while the run is in its body; B or C takes
         # it (out of the broker's queue and unacked set: a pool process has accepted it).
         with _restoring_worker(redis_server.url):
@@ -278,11 +266,8 @@ def test_a_stranded_hand_off_redelivered_while_its_run_still_runs_is_not_run_aga
             assert waiter.get(timeout=60) == 1
             assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
     # Both workers are stopped warm: whatever either had started has ended.
-    started = int_list(client, gate_key("started"))
-    if started.count(1) > 1:
-        raise RanTwice(f"the stranded hand-off ran the body again: {started}")
+    _check(client, waiter.id)  # the stranded hand-off did not run the body again
     assert _drained(sem)
-    assert int_list(client, gate_key("finished")) == [1]
 
 
 @pytest.mark.parametrize("acks", ["early", "late"])
@@ -305,8 +290,9 @@ def test_a_handed_off_run_whose_pool_process_is_killed(
     with prefork_worker_process(gate_app, tmp_path / "w.log", concurrency=2, env=env) as worker:
         victim, following = _park(gate_app, sem, (1, True), (2,))
         assert held.release()  # hands the slot to the victim, which claims it and holds it
-        assert wait_for(lambda: client.get(gate_key("pid", 1)) is not None, timeout=60)
-        pid = int(client.get(gate_key("pid", 1)))  # type: ignore[arg-type]
+        assert wait_for(lambda: _started(client) == [1], timeout=60)
+        [run] = History.load(client, BODIES).runs
+        pid = run.pid
         assert pid in child_pids(worker.pid)
         os.kill(pid, signal.SIGKILL)
         client.set(GATE_OPEN, 1)  # a second run of the victim would not wait
@@ -320,16 +306,11 @@ def test_a_handed_off_run_whose_pool_process_is_killed(
             except CeleryTimeoutError:
                 raise RunLost(f"the victim never finished: state {victim.state}") from None
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
-    started, finished = (
-        int_list(client, gate_key("started")),
-        int_list(client, gate_key("finished")),
-    )
-    assert (started.count(2), finished.count(2)) == (1, 1)
+    # The victim's body started once and never ended, plus (acks late) once more to the end.
     if acks == "early":
-        assert (started.count(1), finished.count(1)) == (1, 0)
+        _check(client, following.id, killed=(victim.id,))
     else:
-        assert (started.count(1), finished.count(1)) == (2, 1)
-    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
+        _check(client, following.id, victim.id, killed=(victim.id,))
 
 
 # -- the store restarts with the room in it ------------------------------------------------
@@ -363,9 +344,8 @@ def test_a_room_survives_a_restart_of_a_persistent_store_and_drains(
                 assert wait_for(lambda: _drained(sem), timeout=30)
         finally:
             app.close()
-    assert int_list(client, gate_key("started")) == [0, 1, 2]
-    assert int_list(client, gate_key("finished")) == [0, 1, 2]
-    assert peak_overlap(read_intervals(client, interval_key(KEY))) <= 1
+    _check(client, *(r.id for r in parked))
+    assert _started(client) == [0, 1, 2]
 
 
 def test_a_restart_without_persistence_loses_the_parked_runs(
@@ -410,7 +390,7 @@ def test_a_restart_without_persistence_loses_the_parked_runs(
     finally:
         task_postrun.disconnect(on_postrun)
         app.close()
-    assert int_list(client, gate_key("started")) == [9]
+    _check(client, fresh.id)  # runs 0-2 never ran
 
 
 # -- parked runs that must not run ---------------------------------------------------------
@@ -440,7 +420,7 @@ def test_a_parked_run_whose_expiry_passes_is_revoked_and_passes_its_hand_off_on(
         assert kept.get(timeout=60) == 2
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
-    assert int_list(client, gate_key("started")) == [2]
+    _check(client, kept.id)  # the doomed run never ran
 
 
 def test_a_revoked_parked_run_leaves_the_room_in_a_prefork_worker(
@@ -463,4 +443,4 @@ def test_a_revoked_parked_run_leaves_the_room_in_a_prefork_worker(
         assert kept.get(timeout=60) == 2
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
-    assert int_list(client, gate_key("started")) == [2]
+    _check(client, kept.id)  # the doomed run never ran

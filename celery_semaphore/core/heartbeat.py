@@ -199,7 +199,10 @@ class Renewer:
 
     def _send(self, due: Sequence[_Entry], now: float) -> None:
         if self._sender is None or self._sender.busy_with is not None:
-            # Stuck on a round trip that has not answered: leave it behind.
+            if self._sender is not None:
+                # Stuck on a round trip that has not answered: leave it behind, told to end
+                # once that round trip returns.
+                self._sender.jobs.put(None)
             self._sender = _Sender()
         for entry in due:
             entry.last_sent = now
