@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -30,10 +28,6 @@ AT_LEAST_ONCE: dict[str, Any] = {
 }
 
 
-def interval_key(label: str) -> str:
-    return f"test:intervals:{label}"
-
-
 def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Celery:
     app = Celery("csem_tests", broker=broker_url or redis_url, backend=redis_url,
                  set_as_current=False)  # fmt: skip
@@ -49,14 +43,6 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
         }
     )
     recorder = redis.Redis.from_url(redis_url)
-
-    @contextmanager
-    def record(label: str) -> Iterator[None]:
-        start = time.monotonic()
-        try:
-            yield
-        finally:
-            recorder.rpush(interval_key(label), f"{start} {time.monotonic()}")
 
     @app.task(base=SemaphoreTask, semaphore="provider", limit=3, bind=True, max_retries=0,
               on_full="retry", shared=False, name="csem.provider_call")  # fmt: skip
@@ -158,12 +144,8 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     def soak(n: int, seconds: float) -> int:
         slot = current_slot()
         assert slot is not None
-        start = time.monotonic()
-        try:
+        with history.run(recorder, BODIES, "soak", slot=slot, mark_start=True):
             time.sleep(seconds)
-        finally:
-            recorder.rpush(interval_key("soak"),
-                           f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
         return n
 
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", claim_timeout=5.0,
@@ -247,8 +229,6 @@ STALLED_PUBLISH = "test:stalled-publish"
 """The pid of the process whose hand-off publish ``stall_first_handoff_publish`` stopped."""
 BLOCKING = "test:blocking"
 """The pids of the ``csem.block_until`` runs that started."""
-SOAK_QUEUED_DONE = "test:soak-queue:done"
-"""``csem.soak_queued`` runs that finished their body: ``"<n> <pid>"`` a run."""
 
 
 def add_room_fault_tasks(app: Celery) -> Celery:
@@ -264,8 +244,7 @@ def add_room_fault_tasks(app: Celery) -> Celery:
       keeps its pool process busy until the test sets ``flag`` (at most 60 s).
     * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
       "soak-queue", limit 4, lease 2 s, heartbeat 0.2 s, ``claim_timeout`` 2 s); records its
-      interval (with whether its slot was lost) and, when its body ends, ``"<n> <pid>"``
-      under :data:`SOAK_QUEUED_DONE`.
+      start and end in the history :data:`BODIES`, with whether its slot was lost.
     """
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
@@ -296,15 +275,8 @@ def add_room_fault_tasks(app: Celery) -> Celery:
     def soak_queued(n: int, seconds: float) -> int:
         slot = current_slot()
         assert slot is not None
-        start = time.monotonic()
-        try:
+        with history.run(recorder, BODIES, "soak-queue", slot=slot, mark_start=True):
             time.sleep(seconds)
-        finally:
-            pipe = recorder.pipeline(transaction=False)
-            pipe.rpush(interval_key("soak-queue"),
-                       f"{start} {time.monotonic()} {int(slot.lost.is_set())}")  # fmt: skip
-            pipe.rpush(SOAK_QUEUED_DONE, f"{n} {os.getpid()}")
-            pipe.execute()
         return n
 
     return app

@@ -207,8 +207,3 @@ def unacked_task_ids(client: Any) -> list[str]:
         message = json.loads(raw)[0]
         ids.append(str((message.get("headers") or {}).get("id")))
     return sorted(ids)
-
-
-def int_list(client: Any, key: str) -> list[int]:
-    """The Redis list ``key`` as ints."""
-    return [int(v) for v in client.lrange(key, 0, -1)]

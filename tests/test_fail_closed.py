@@ -28,7 +28,9 @@ from celery_semaphore.integration.settings import app_settings, client_for
 from celery_semaphore.signals import semaphore_parked, semaphore_shed
 from celery_semaphore.testing import RedisServer
 
+from . import history
 from .helpers import wait_for
+from .history import BODIES, History
 
 UNREACHABLE = "redis://127.0.0.1:1/0"
 
@@ -57,14 +59,14 @@ def _outcome(call: Callable[[], Any]) -> None:
 
 @pytest.mark.parametrize(("match", "options"), BAD_TASKS)
 def test_a_task_with_invalid_options_fails_every_call_and_never_runs(
-    match: str, options: dict[str, Any]
+    match: str, options: dict[str, Any], client: redis.Redis
 ) -> None:
     app = Celery("fc", broker=UNREACHABLE, backend="cache+memory://", set_as_current=False)
-    ran: list[str] = []
 
     @app.task(base=SemaphoreTask, shared=False, name="fc.sync", **options)
     def sync(tenant_id: str) -> None:
-        ran.append(tenant_id)
+        with history.run(client, BODIES, tenant_id):
+            pass
 
     calls: list[Callable[[], Any]] = [
         lambda: sync.apply(("a",)),
@@ -85,7 +87,7 @@ def test_a_task_with_invalid_options_fails_every_call_and_never_runs(
         start_worker(app, pool="solo", perform_ping_check=False),
     ):
         pass
-    assert ran == []
+    History.load(client, BODIES).assert_ok({}, tasks=[])  # no body ran
 
 
 def test_methods_and_celery_options_beside_the_semaphore_options_are_accepted() -> None:
@@ -319,9 +321,9 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
     @app.task(base=SemaphoreTask, semaphore="timeout", limit=1, shed_timeout=1.0, bind=True,
               max_retries=1, on_full=on_full, shared=False, name="shed.timeout")  # fmt: skip
     def slow_retry(self: Any) -> int:
-        if self.request.retries == 0:
-            client.set("test:first-run", 1)
-            raise self.retry(countdown=3.0)
+        with history.run(client, BODIES, "timeout"):
+            if self.request.retries == 0:
+                raise self.retry(countdown=3.0)
         return int(self.request.retries)
 
     holder = sem.acquire("timeout")
@@ -332,7 +334,7 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
             result = slow_retry.delay()
             assert wait_for(lambda: (0, sheds_seen) in sheds)
             holder.release()
-            assert wait_for(lambda: client.exists("test:first-run"))
+            assert wait_for(lambda: History.load(client, BODIES).runs)
             # Hold the key again before the retry (3 s later, past shed_timeout) arrives.
             holder = sem.acquire("timeout", retries=200, retry_delay=0.01)
             assert holder is not None
@@ -345,6 +347,9 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
             assert result.get(timeout=60) == 1
     finally:
         stop_recording()
+    History.load(client, BODIES).assert_ok(
+        {"timeout": 1}, tasks=[result.id], repeats={"the task retries itself once": [result.id]}
+    )
 
 
 def test_a_shed_carries_celerys_retry_headers_and_nothing_the_broker_added(

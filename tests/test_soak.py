@@ -33,21 +33,9 @@ from celery.contrib.testing.worker import start_worker
 from celery_semaphore import Semaphore
 from celery_semaphore.testing import RedisServer
 
-from .celery_apps import (
-    AT_LEAST_ONCE,
-    SOAK_QUEUED_DONE,
-    add_room_fault_tasks,
-    interval_key,
-    make_app,
-)
-from .helpers import (
-    child_pids,
-    peak_overlap,
-    read_intervals,
-    stop_process,
-    unacked_task_ids,
-    wait_for,
-)
+from .celery_apps import AT_LEAST_ONCE, add_room_fault_tasks, make_app
+from .helpers import child_pids, stop_process, unacked_task_ids, wait_for
+from .history import BODIES, History, history_key
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 4
@@ -55,6 +43,13 @@ LEASE = 2.0
 FAULTS = [(0.1, "kill"), (0.25, "kill"), (0.4, "pause"), (0.6, "kill")]
 """Faults at fixed points of progress (bodies recorded), so each lands while tasks still
 run: three pool processes SIGKILLed, and the slots' Redis frozen for longer than a lease."""
+FREEZE = "the semaphore's Redis froze for 1.5 leases"
+"""Why a run may report its slot lost."""
+
+
+def _progress(client: redis.Redis) -> float:
+    """About how many bodies have run: each records its start and its end."""
+    return client.llen(history_key(BODIES)) / 2
 
 
 class RunsLost(AssertionError):
@@ -136,10 +131,13 @@ def _inject(
 def test_soak(
     redis_server: RedisServer, own_redis: RedisServer, tmp_path: Path, soak_tasks: int
 ) -> None:
-    """Shedding (``on_full="retry"``): peak <= limit, no task lost, no slot leaked."""
+    """Shedding (``on_full="retry"``): peak <= limit; every task's body ran to its end once
+    (twice only for a run killed after its body ended, which at-least-once runs again), a
+    body that never ended was in a killed process; no slot leaked."""
     client = redis.Redis.from_url(redis_server.url)
     rng = random.Random(1234)
     faults: Counter[str] = Counter()
+    killed: list[int] = []
     with _soak_workers(redis_server, own_redis, tmp_path, "retry") as (app, workers):
         task = app.tasks["csem.soak"]
         started = time.monotonic()
@@ -148,10 +146,10 @@ def test_soak(
         deadline = time.monotonic() + 240
         while plan:
             assert time.monotonic() < deadline, f"stuck before the faults: {plan}"
-            if client.llen(interval_key("soak")) >= plan[0][0] * soak_tasks:
+            if _progress(client) >= plan[0][0] * soak_tasks:
                 _, fault = plan.pop(0)
                 pool = lambda: [p for w in workers for p in _children(w.pid)]  # noqa: E731
-                _inject(fault, rng, own_redis, pool, faults, [])
+                _inject(fault, rng, own_redis, pool, faults, killed)
             time.sleep(0.02)
         while not all(r.ready() for r in results):
             assert time.monotonic() < deadline, (
@@ -159,19 +157,22 @@ def test_soak(
             )
             time.sleep(0.2)
         states = Counter(r.state for r in results)
+        ids = [r.id for r in results]
         del results
     elapsed = time.monotonic() - started
-    intervals = read_intervals(client, interval_key("soak"))
-    peak = peak_overlap(intervals)
+    # Killed runs are run again (at least once): a body killed mid-run never ended, and the
+    # last body a killed process ended may have run twice.
+    report = History.load(client, BODIES).check(
+        {"soak": LIMIT}, tasks=ids, killed_pids=killed, may_lose=FREEZE
+    )
     sem = Semaphore(own_redis.url, limit=LIMIT)
     assert wait_for(lambda: sem.count("soak") == 0, timeout=2 * LEASE + 10)
     print(
         f"\nsoak: {soak_tasks} tasks in {elapsed:.1f}s over 2 prefork (3 each) + 1 threads (4)"
         f" workers, limit {LIMIT}; faults: {dict(faults)}; final states: {dict(states)};"
-        f" peak in flight (slot kept): {peak}; tasks lost: {soak_tasks - sum(states.values())};"
-        f" slots leaked: {sem.count('soak')}"
+        f" {report.summary()}; slots leaked: {sem.count('soak')}"
     )
-    assert peak <= LIMIT
+    assert report.ok, report
     assert set(states) <= {"SUCCESS", "FAILURE"}, states
     # Failures are the runs whose slot was lost in the freeze (killed runs are requeued).
     assert states["SUCCESS"] >= soak_tasks - 3 * LIMIT, states
@@ -225,7 +226,7 @@ def test_soak_backlog_in_the_waiting_room(
         deadline = time.monotonic() + 240
         while plan:
             assert time.monotonic() < deadline, f"stuck before the faults: {plan}"
-            if client.llen(SOAK_QUEUED_DONE) >= plan[0][0] * count:
+            if _progress(client) >= plan[0][0] * count:
                 _inject(plan.pop(0)[1], rng, own_redis, running_in_pool, faults, killed)
             time.sleep(0.02)
         # Done when every task is, or when nothing is left that could start one (then the
@@ -241,31 +242,23 @@ def test_soak_backlog_in_the_waiting_room(
             time.sleep(0.2)
         elapsed = time.monotonic() - started
         states = Counter(r.state for r in results)
+        ids = [r.id for r in results]
         unfinished = [r.id for r in results if not r.ready()]
         del results
-    intervals = read_intervals(client, interval_key(key))
-    peak = peak_overlap(intervals)
     # A body that ended in a process then killed before its task returned runs again (at
     # least once): the last body each killed process ended may end twice; no other may.
-    ends: Counter[int] = Counter()
-    last_ended: dict[int, int] = {}
-    for entry in client.lrange(SOAK_QUEUED_DONE, 0, -1):
-        n, pid = map(int, entry.split())
-        ends[n] += 1
-        last_ended[pid] = n
-    excused = {last_ended[pid] for pid in killed if pid in last_ended}
-    finished_twice = sorted(n for n, c in ends.items() if c > 1 and n not in excused)
+    report = History.load(client, BODIES).check(
+        {key: LIMIT}, tasks=ids, killed_pids=killed, may_lose=FREEZE
+    )
     assert wait_for(lambda: sem.count(key) == 0, timeout=2 * LEASE + 10)
     print(
         f"\nsoak backlog (waiting room): {count} tasks in {elapsed:.1f}s, limit {LIMIT};"
-        f" faults: {dict(faults)}; final states: {dict(states)}; peak in flight (slot kept):"
-        f" {peak}; bodies finished twice: {len(finished_twice)}; tasks lost:"
-        f" {len(unfinished)}; slots leaked: {sem.count(key)}; parked left:"
+        f" faults: {dict(faults)}; final states: {dict(states)}; {report.summary()};"
+        f" tasks unfinished: {len(unfinished)}; slots leaked: {sem.count(key)}; parked left:"
         f" {len(sem.admin.room(key))}"
     )
     assert faults["pool process SIGKILLed"] == 3
-    assert peak <= LIMIT
-    assert finished_twice == []
+    assert report.ok, report
     assert sem.admin.room(key) == []
     if unfinished:
         raise RunsLost(f"{len(unfinished)} task(s) never finished: {states}; {unfinished}")
