@@ -3,12 +3,12 @@ its failure names what broke."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import threading
 import uuid
 
 import pytest
@@ -17,7 +17,7 @@ import redis
 from celery_semaphore.testing import RedisServer
 
 from . import history
-from .helpers import ROOT
+from .helpers import ROOT, run_in_threads
 from .history import History, history_key
 
 
@@ -98,15 +98,14 @@ def test_lost_slots_leave_the_peak_and_must_be_expected(client: redis.Redis) -> 
 def test_run_records_threads_and_subprocesses_and_a_kill_mid_run(
     redis_server: RedisServer, client: redis.Redis
 ) -> None:
-    def body(n: int) -> None:
+    numbers = itertools.count()
+
+    def body() -> None:
+        n = next(numbers)
         with history.run(client, "h", "k", task_id=f"t{n}", data={"n": n}) as recording:
             recording.data["seen"] = True
 
-    threads = [threading.Thread(target=body, args=(n,)) for n in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(body, 3)
     code = textwrap.dedent(
         f"""
         import os, redis
