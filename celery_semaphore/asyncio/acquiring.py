@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from ..core import validation as check
+from ..core.options import HolderRecord
 from ..core.parking import MAX_BLOCK
 from ..core.room import HandoffRoute
 from ..core.scripts import (
@@ -36,7 +34,7 @@ from ..core.scripts import (
     block_call,
     release_call,
 )
-from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from ..errors import SemaphoreBackendError
 from .background import Background
 from .slot import AsyncSlot, deliver
 
@@ -61,8 +59,7 @@ class Acquirer:
         self.handoffs = handoffs
         self.held: dict[str, AsyncSlot] = {}  # token -> slot not yet released
         self.background = Background()
-        self._identity = {"host": socket.gethostname()}
-        self._plain_metadata = (0, "")  # (pid, JSON) of the metadata of a plain acquire
+        self._record = HolderRecord(limit)
 
     def metadata(self, metadata: Mapping[str, Any] | None) -> str:
         """The holder record an acquire stores: ``metadata`` with ``host``, ``pid`` and
@@ -71,22 +68,7 @@ class Acquirer:
         Raises:
             SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
         """
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise SemaphoreValidationError(
-                f"metadata must be a mapping or None, got {type(metadata).__name__}"
-            )
-        pid = os.getpid()
-        if not metadata and self._plain_metadata[0] == pid:
-            return self._plain_metadata[1]
-        # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
-        record = {**(metadata or {}), **self._identity, "pid": pid, "limit": self.limit}
-        try:
-            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
-        if not metadata:
-            self._plain_metadata = (pid, text)
-        return text
+        return self._record.encode(metadata)
 
     async def run(self, key: str, call: Call[T]) -> T:
         """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""

@@ -24,6 +24,7 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
+from ..core.options import acquire_args, semaphore_options
 from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.scripts import (
     Admitted,
@@ -97,13 +98,7 @@ class AsyncSemaphore:
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
     ) -> None:
-        self.limit = check.check_limit(limit)
-        check.lease_ms(lease)
-        self.lease = float(lease)
-        check.check_key(prefix, "prefix")
-        if "{" in prefix or "}" in prefix:
-            raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
-        self.prefix = prefix
+        self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         client: AsyncClient
         if isinstance(redis, str):
@@ -172,13 +167,9 @@ class AsyncSemaphore:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        attempts = check.check_retries(retries) + 1
-        delay = check.check_delay(retry_delay)
-        if check.check_delay(wait, "wait") and attempts > 1:
-            raise SemaphoreValidationError("give acquire() retries or wait, not both")
+        key, seconds, ms, attempts, delay, wait = acquire_args(
+            key, lease, self.lease, retries, retry_delay, wait
+        )
         acquirer = self._acquirer
         info = acquirer.metadata(metadata)
         keys = self._redis_keys(key)

@@ -13,11 +13,8 @@ and two-pronged loss detection.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import secrets
-import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
@@ -33,6 +30,7 @@ from . import validation as check
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
 from .heartbeat import RenewErrorCallback, renewer
+from .options import HolderRecord, acquire_args, semaphore_options
 from .parking import WaitingRoom
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
@@ -99,13 +97,7 @@ class Semaphore(WaitingRoom):
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
     ) -> None:
-        self.limit = check.check_limit(limit)
-        check.lease_ms(lease)
-        self.lease = float(lease)
-        check.check_key(prefix, "prefix")
-        if "{" in prefix or "}" in prefix:
-            raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
-        self.prefix = prefix
+        self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         client: RedisClient
         if isinstance(redis, str):
             client = client_from_url(redis)
@@ -121,8 +113,7 @@ class Semaphore(WaitingRoom):
         self._scripts = Scripts(cast(Redis, client))
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
-        self._identity = {"host": socket.gethostname()}
-        self._plain_metadata = (0, "")  # (pid, JSON) of the metadata of a plain acquire
+        self._record = HolderRecord(self.limit)
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
@@ -139,22 +130,7 @@ class Semaphore(WaitingRoom):
             logger.warning("could not give back a late slot of %r; it lapses", key)
 
     def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
-        if metadata is not None and not isinstance(metadata, Mapping):
-            raise SemaphoreValidationError(
-                f"metadata must be a mapping or None, got {type(metadata).__name__}"
-            )
-        pid = os.getpid()
-        if not metadata and self._plain_metadata[0] == pid:
-            return self._plain_metadata[1]
-        # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
-        record = {**(metadata or {}), **self._identity, "pid": pid, "limit": self.limit}
-        try:
-            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
-        if not metadata:  # the same for every plain acquire of this process: keep it
-            self._plain_metadata = (pid, text)
-        return text
+        return self._record.encode(metadata)
 
     def acquire(
         self,
@@ -192,13 +168,9 @@ class Semaphore(WaitingRoom):
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        attempts = check.check_retries(retries) + 1
-        delay = check.check_delay(retry_delay)
-        if check.check_delay(wait, "wait") and attempts > 1:
-            raise SemaphoreValidationError("give acquire() retries or wait, not both")
+        key, seconds, ms, attempts, delay, wait = acquire_args(
+            key, lease, self.lease, retries, retry_delay, wait
+        )
         info = self._metadata(metadata)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)

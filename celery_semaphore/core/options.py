@@ -1,0 +1,100 @@
+"""What the sync :class:`~celery_semaphore.core.semaphore.Semaphore` and the asyncio
+:class:`~celery_semaphore.asyncio.semaphore.AsyncSemaphore` check and build alike, before
+anything is sent to Redis: the constructor's options, an acquire's arguments, and the
+holder record an acquire stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ..errors import SemaphoreValidationError
+from . import validation as check
+
+
+def semaphore_options(limit: int, lease: float, prefix: str) -> tuple[int, float, str]:
+    """``(limit, lease, prefix)`` checked: an int >= 1, positive finite seconds, and a
+    non-empty str free of braces (they would break the keys' hash tag).
+
+    Raises:
+        SemaphoreValidationError: any of them is invalid; the message names it.
+    """
+    checked_limit = check.check_limit(limit)
+    check.lease_ms(lease)
+    checked_prefix = check.check_key(prefix, "prefix")
+    if "{" in checked_prefix or "}" in checked_prefix:
+        raise SemaphoreValidationError(f"prefix must not contain braces, got {prefix!r}")
+    return checked_limit, float(lease), checked_prefix
+
+
+class AcquireArgs(NamedTuple):
+    """An acquire's arguments, checked (see :func:`acquire_args`)."""
+
+    key: str
+    seconds: float
+    ms: int
+    attempts: int
+    delay: float
+    wait: float
+
+
+def acquire_args(
+    key: str, lease: float | None, default_lease: float, retries: int, delay: float, wait: float
+) -> AcquireArgs:
+    """The arguments of ``acquire`` checked, with the lease in seconds and ms and the number
+    of attempts.
+
+    Raises:
+        SemaphoreValidationError: an argument is invalid, or both ``retries`` and ``wait``
+            are given.
+    """
+    seconds = default_lease if lease is None else lease
+    ms = check.lease_ms(seconds)
+    attempts = check.check_retries(retries) + 1
+    waiting = check.check_delay(wait, "wait")
+    if waiting and attempts > 1:
+        raise SemaphoreValidationError("give acquire() retries or wait, not both")
+    return AcquireArgs(
+        check.check_key(key), float(seconds), ms, attempts, check.check_delay(delay), waiting
+    )
+
+
+class HolderRecord:
+    """Encodes what an acquire stores about its holder: the caller's metadata plus ``host``,
+    ``pid`` and ``limit``, as compact JSON. The record of a plain acquire (no metadata) is
+    the same for every acquire of a process, so it is encoded once per process.
+
+    Args:
+        limit (int): the semaphore's limit, recorded with each holder.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._host = socket.gethostname()
+        self._plain = (0, "")  # (pid, JSON) of a plain acquire's record
+
+    def encode(self, metadata: Mapping[str, Any] | None) -> str:
+        """The JSON record for an acquire with ``metadata``.
+
+        Raises:
+            SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
+        """
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise SemaphoreValidationError(
+                f"metadata must be a mapping or None, got {type(metadata).__name__}"
+            )
+        pid = os.getpid()
+        if not metadata and self._plain[0] == pid:
+            return self._plain[1]
+        # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
+        record = {**(metadata or {}), "host": self._host, "pid": pid, "limit": self.limit}
+        try:
+            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
+        if not metadata:
+            self._plain = (pid, text)
+        return text
