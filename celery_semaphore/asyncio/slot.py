@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..core import validation as check
+from ..core.lease import LeaseRecord
 from ..core.room import HandoffRoute
 from ..core.scripts import (
     Admitted,
@@ -24,7 +25,6 @@ from ..core.scripts import (
     extend_call,
     release_call,
 )
-from ..errors import SemaphoreLeaseLostError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ async def deliver(handoffs: HandoffRoute, key: str, handed: Sequence[Handoff]) -
         await asyncio.to_thread(handoffs.deliver, key, handed)
 
 
-class AsyncSlot:
+class AsyncSlot(LeaseRecord):
     """One held slot of an :class:`~celery_semaphore.asyncio.AsyncSemaphore`.
 
     Attributes:
@@ -67,28 +67,16 @@ class AsyncSlot:
         handoffs: HandoffRoute,
         on_release: Callable[[AsyncSlot], object],
     ) -> None:
-        self.key = key
-        self.limit = limit
-        self.token = token
-        self.lease = lease
+        super().__init__(key, limit, token, lease, admitted, sent_at)
         self.lost = asyncio.Event()
-        self.acquired_at = admitted.now_ms / 1000
-        self.expires_at = admitted.expires_at_ms / 1000
         self._scripts = scripts
         self._keys = keys
         self._handoffs = handoffs
         self._on_release = on_release
-        # time.monotonic() when the last successful acquire/extend was *sent*: the lease
-        # began no earlier, so the slot is surely ours until `deadline`.
-        self._renewed_at = sent_at
-        # When the extend that set the current lease was sent: an older reply must not undo it.
-        self._lease_sent_at = sent_at
-        self._lost_reason = ""
         # The release, once asked for: one round trip however many callers await it, and
         # carried to its end even if they are cancelled.
         self._release: asyncio.Future[bool] | None = None
         self._lost_callbacks: list[Callable[[AsyncSlot], object]] = []
-        self._on_lease_change: Callable[[], object] | None = None
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
@@ -99,26 +87,10 @@ class AsyncSlot:
     # -- the surface the renewer drives (see celery_semaphore.asyncio.renewer) ----------
 
     @property
-    def deadline(self) -> float:
-        """``time.monotonic()`` by which a renewal must succeed, or the slot counts as lost:
-        one lease after the last successful acquire or extend was *sent*."""
-        return self._renewed_at + self.lease
-
-    @property
-    def renewed_at(self) -> float:
-        """``time.monotonic()`` when the last successful acquire or extend was sent."""
-        return self._renewed_at
-
-    @property
     def released(self) -> bool:
         """Whether :meth:`release` has been asked for (a release that failed does not
         count): from then on a renewal that finds the slot gone is no loss."""
         return self._release is not None
-
-    def watch_lease(self, callback: Callable[[], object] | None) -> None:
-        """Call ``callback()`` whenever :meth:`extend` changes the lease (a renewer re-plans);
-        None stops it."""
-        self._on_lease_change = callback
 
     def mark_lost(self, reason: str) -> None:
         """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
@@ -154,23 +126,6 @@ class AsyncSlot:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
         return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
-
-    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
-        """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
-        ``seconds``: True when the slot is still ours. It does not mark the slot lost on
-        False (the caller decides)."""
-        if expires_at_ms is None:
-            return False
-        self._renewed_at = max(self._renewed_at, sent_at)
-        if sent_at < self._lease_sent_at:
-            return True  # a later extend has already set the lease; this reply is stale
-        changed = seconds != self.lease
-        self._lease_sent_at = sent_at
-        self.lease = seconds
-        self.expires_at = expires_at_ms / 1000
-        if changed and self._on_lease_change is not None:
-            self._on_lease_change()
-        return True
 
     # -- the holder's surface -------------------------------------------------------------
 
@@ -243,12 +198,3 @@ class AsyncSlot:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.release()
-
-    def lease_lost_error(self) -> SemaphoreLeaseLostError:
-        """The error that reports this slot's loss, naming why it was judged lost."""
-        reason = self._lost_reason or "the slot was lost"
-        return SemaphoreLeaseLostError(
-            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
-            self.key,
-            self.limit,
-        )

@@ -14,15 +14,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..errors import SemaphoreLeaseLostError
 from . import validation as check
+from .lease import LeaseRecord
 from .room import HandoffRoute
 from .scripts import Admitted, Keys, Scripts, backend_errors
 
 logger = logging.getLogger(__name__)
 
 
-class Slot:
+class Slot(LeaseRecord):
     """One held slot of a semaphore, returned by :meth:`Semaphore.acquire`.
 
     Attributes:
@@ -53,26 +53,13 @@ class Slot:
         sent_at: float,
         handoffs: HandoffRoute,
     ) -> None:
-        self.key = key
-        self.limit = limit
-        self.token = token
-        self.lease = lease
+        super().__init__(key, limit, token, lease, admitted, sent_at)
         self.lost = threading.Event()
-        self.acquired_at = admitted.now_ms / 1000
-        self.expires_at = admitted.expires_at_ms / 1000
         self._scripts = scripts
         self._keys = keys
         self._handoffs = handoffs
-        # Local monotonic time at which the last successful acquire/extend was *sent*: the
-        # lease began no earlier than that, so the slot is surely ours until `deadline`.
-        self._renewed_at = sent_at
-        # When the extend that set the current lease was sent: an older reply must not undo it.
-        self._lease_sent_at = sent_at
-        self._lost_reason = ""
         self._released: bool | None = None
         self._lost_callbacks: list[Callable[[Slot], object]] = []
-        # Set by a running Heartbeat, so that a changed lease re-plans its next renewal.
-        self._on_lease_change: Callable[[], object] | None = None
         self._callbacks_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -84,25 +71,9 @@ class Slot:
     # -- the surface a renewer drives (see celery_semaphore.core.heartbeat) -------------
 
     @property
-    def deadline(self) -> float:
-        """``time.monotonic()`` by which a renewal must succeed, or the slot counts as lost:
-        one lease after the last successful acquire or extend was *sent*."""
-        return self._renewed_at + self.lease
-
-    @property
-    def renewed_at(self) -> float:
-        """``time.monotonic()`` when the last successful acquire or extend was sent."""
-        return self._renewed_at
-
-    @property
     def released(self) -> bool:
         """Whether :meth:`release` has run (whatever it answered)."""
         return self._released is not None
-
-    def watch_lease(self, callback: Callable[[], object] | None) -> None:
-        """Call ``callback()`` whenever :meth:`extend` changes the lease (a renewer re-plans);
-        None stops it."""
-        self._on_lease_change = callback
 
     def mark_lost(self, reason: str) -> None:
         """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
@@ -154,23 +125,6 @@ class Slot:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
         return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
-
-    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
-        """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
-        ``seconds``: True when the slot is still ours. Like :meth:`renew`, it does not mark
-        the slot lost on False."""
-        if expires_at_ms is None:
-            return False
-        self._renewed_at = max(self._renewed_at, sent_at)
-        if sent_at < self._lease_sent_at:
-            return True  # a later extend has already set the lease; this reply is stale
-        changed = seconds != self.lease
-        self._lease_sent_at = sent_at
-        self.lease = seconds
-        self.expires_at = expires_at_ms / 1000
-        if changed and self._on_lease_change is not None:
-            self._on_lease_change()
-        return True
 
     def extend(self, lease: float | None = None) -> bool:
         """Renew the lease for ``lease`` seconds from now (one round trip).
@@ -224,12 +178,3 @@ class Slot:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
-
-    def lease_lost_error(self) -> SemaphoreLeaseLostError:
-        """The error that reports this slot's loss, naming why it was judged lost."""
-        reason = self._lost_reason or "the slot was lost"
-        return SemaphoreLeaseLostError(
-            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
-            self.key,
-            self.limit,
-        )

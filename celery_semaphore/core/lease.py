@@ -1,0 +1,85 @@
+"""The lease bookkeeping a held slot keeps, the same for the sync
+:class:`~celery_semaphore.core.slot.Slot` and the asyncio
+:class:`~celery_semaphore.asyncio.slot.AsyncSlot`: when the lease surely runs out, and how a
+renewal's answer moves it on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import SemaphoreLeaseLostError
+from .scripts import Admitted
+
+
+class LeaseRecord:
+    """A held slot's identity and lease clock; see :class:`~celery_semaphore.core.slot.Slot`
+    for the attributes.
+
+    Args:
+        key (str): the semaphore's key.
+        limit (int): the limit the slot was taken under.
+        token (str): the acquisition's token.
+        lease (float): seconds the slot lives without an extend.
+        admitted (Admitted): the acquire's answer (expiry and server time, ms).
+        sent_at (float): ``time.monotonic()`` when that acquire was sent.
+    """
+
+    def __init__(
+        self, key: str, limit: int, token: str, lease: float, admitted: Admitted, sent_at: float
+    ) -> None:
+        self.key = key
+        self.limit = limit
+        self.token = token
+        self.lease = lease
+        self.acquired_at = admitted.now_ms / 1000
+        self.expires_at = admitted.expires_at_ms / 1000
+        # Local monotonic time at which the last successful acquire/extend was *sent*: the
+        # lease began no earlier than that, so the slot is surely ours until `deadline`.
+        self._renewed_at = sent_at
+        # When the extend that set the current lease was sent: an older reply must not undo it.
+        self._lease_sent_at = sent_at
+        self._lost_reason = ""
+        # Set by a renewer, so that a changed lease re-plans its next renewal.
+        self._on_lease_change: Callable[[], object] | None = None
+
+    @property
+    def deadline(self) -> float:
+        """``time.monotonic()`` by which a renewal must succeed, or the slot counts as lost:
+        one lease after the last successful acquire or extend was *sent*."""
+        return self._renewed_at + self.lease
+
+    @property
+    def renewed_at(self) -> float:
+        """``time.monotonic()`` when the last successful acquire or extend was sent."""
+        return self._renewed_at
+
+    def watch_lease(self, callback: Callable[[], object] | None) -> None:
+        """Call ``callback()`` whenever an extend changes the lease (a renewer re-plans);
+        None stops it."""
+        self._on_lease_change = callback
+
+    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
+        """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
+        ``seconds``: True when the slot is still ours. It does not mark the slot lost on
+        False (the caller decides)."""
+        if expires_at_ms is None:
+            return False
+        self._renewed_at = max(self._renewed_at, sent_at)
+        if sent_at < self._lease_sent_at:
+            return True  # a later extend has already set the lease; this reply is stale
+        changed = seconds != self.lease
+        self._lease_sent_at = sent_at
+        self.lease = seconds
+        self.expires_at = expires_at_ms / 1000
+        if changed and self._on_lease_change is not None:
+            self._on_lease_change()
+        return True
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports this slot's loss, naming why it was judged lost."""
+        reason = self._lost_reason or "the slot was lost"
+        return SemaphoreLeaseLostError(
+            f"semaphore {self.key!r} (limit {self.limit}): {reason} while its body ran",
+            self.key,
+            self.limit,
+        )
