@@ -163,10 +163,8 @@ class Report:
                           *(f"  - {p}" for p in self.problems), self.summary()])  # fmt: skip
 
 
-def _limit_at(limit: Limit, moment: float) -> int:
-    if isinstance(limit, int):
-        return limit
-    schedule = sorted(limit)
+def _limit_at(schedule: Sequence[tuple[float, int]], moment: float) -> int:
+    """The limit of a sorted, non-empty ``schedule`` at ``moment``."""
     index = bisect_right([since for since, _ in schedule], moment) - 1
     return schedule[max(index, 0)][1]
 
@@ -217,6 +215,7 @@ class History:
         """The most weight in flight among ``runs`` (completed, slot kept), and a line for each
         start that put the weight in flight over ``limit`` as of that moment."""
         origin = self._origin()
+        schedule = [(float("-inf"), limit)] if isinstance(limit, int) else sorted(limit or [])
         in_flight: list[tuple[float, int, Run]] = []
         weight = peak = 0
         over: list[str] = []
@@ -227,8 +226,8 @@ class History:
             heapq.heappush(in_flight, (r.end or r.start, n, r))
             weight += r.weight
             peak = max(peak, weight)
-            allowed = None if limit is None else _limit_at(limit, r.start)
-            if allowed is not None and weight > allowed:
+            allowed = _limit_at(schedule, r.start) if schedule else weight
+            if weight > allowed:
                 ids = ", ".join(sorted(f.task_id for _, _, f in in_flight))
                 over.append(f"{weight} in flight (limit {allowed}) at +{r.start - origin:.3f}s "
                             f"when {r.task_id} started: {ids}")  # fmt: skip
@@ -305,9 +304,9 @@ class History:
                                 f"{len(runs)} run(s): "
                                 f"{'; '.join(r.describe(origin) for r in runs)}")  # fmt: skip
             elif len(runs) > 1 + allowed[task_id]:
-                reasons = f" (allowed {1 + allowed[task_id]}: {', '.join(why[task_id])})"
-                problems.append(f"task {task_id}: {len(runs)} completed runs, "
-                                f"{reasons if allowed[task_id] else 'allowed 1'}: "
+                because = "".join(f", {reason}" for reason in why[task_id])
+                problems.append(f"task {task_id}: {len(runs)} completed runs (allowed "
+                                f"{1 + allowed[task_id]}{because}): "
                                 f"{'; '.join(r.describe(origin) for r in runs)}")  # fmt: skip
             elif len(runs) > 1:
                 for reason in why[task_id][: len(runs) - 1]:

@@ -65,7 +65,7 @@ def test_runs_per_task_missing_unexpected_and_named_repeats(client: redis.Redis)
     h = _record(client, ("k", "a", 0, 1), ("k", "a", 2, 3), ("k", "x", 4, 5))
     problems = h.check({"k": 1}, tasks=["a", "b"]).problems
     assert [p.split(":")[0] for p in problems] == ["task a", "task x", "task b"]
-    assert "2 completed runs, allowed 1" in problems[0]
+    assert "2 completed runs (allowed 1)" in problems[0]
     assert "not expected to run" in problems[1]
     assert "expected, but no run of it completed (never started)" in problems[2]
     report = h.check({"k": 1}, tasks=["a", "x"], repeats={"the test retries it": ["a"]})
