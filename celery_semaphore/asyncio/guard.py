@@ -14,8 +14,9 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from ..core.lease import RenewErrorCallback
 from ..errors import SemaphoreBackendError
-from .renewer import RenewErrorCallback, renewer
+from .renewer import renewer
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)

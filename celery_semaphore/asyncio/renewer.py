@@ -23,45 +23,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
+from ..core.lease import RenewalPlan, RenewErrorCallback
 from ..core.scripts import AsyncScripts, Keys, backend_errors, extend_call
 from ..errors import SemaphoreBackendError
 
 if TYPE_CHECKING:
     from .slot import AsyncSlot
 
-RenewErrorCallback = Callable[[BaseException], object]
-
-
-@dataclass(eq=False)
-class _Entry:
-    """One registered slot and its renewal plan."""
-
-    slot: AsyncSlot
-    share: float  # the interval as a share of the lease, kept when the lease changes
-    on_error: RenewErrorCallback | None
-    last_sent: float  # time.monotonic() of the last renewal sent (the acquire, at first)
-
-    @property
-    def interval(self) -> float:
-        return self.share * self.slot.lease
-
-    @property
-    def next_tick(self) -> float:
-        return self.last_sent + self.interval
-
 
 @dataclass(eq=False)
 class _Flight:
     """Renewals sent together, and what came back: per entry, an expiry or an error."""
 
-    entries: list[_Entry]
+    entries: list[RenewalPlan[AsyncSlot]]
     sent_at: float
     answers: dict[int, int | BaseException | None] = field(default_factory=dict)
     task: asyncio.Task[None] | None = None
@@ -69,7 +50,9 @@ class _Flight:
     async def send(self, timeout: float) -> None:
         """One script call per (client, hash slot) group, all at once, each cut off after
         ``timeout`` seconds. Never raises: a group's error becomes its entries' answer."""
-        groups: dict[tuple[int, int], list[tuple[_Entry, AsyncScripts, Keys, str, int]]] = {}
+        groups: dict[
+            tuple[int, int], list[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]]
+        ] = {}
         for entry in self.entries:
             scripts, keys, token, ms = entry.slot.renewal()
             cluster = isinstance(scripts.client, RedisCluster)
@@ -87,7 +70,7 @@ class _Flight:
 
     @staticmethod
     async def _extend(
-        group: Sequence[tuple[_Entry, AsyncScripts, Keys, str, int]], timeout: float
+        group: Sequence[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]], timeout: float
     ) -> list[int | None]:
         first = group[0][0].slot
         call = extend_call([(keys, token, ms) for _, _, keys, token, ms in group])
@@ -110,7 +93,7 @@ class AsyncRenewer:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._entries: dict[int, _Entry] = {}  # id(slot) -> entry
+        self._entries: dict[int, RenewalPlan[AsyncSlot]] = {}  # id(slot) -> entry
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._flight: _Flight | None = None
@@ -120,7 +103,7 @@ class AsyncRenewer:
         lease changes) until :meth:`remove`. ``on_error`` is called, in the event loop, with
         each round trip that failed without saying the slot is gone; an exception it raises
         is swallowed."""
-        entry = _Entry(slot, interval / slot.lease, on_error, slot.renewed_at)
+        entry = RenewalPlan(slot, interval / slot.lease, on_error, slot.renewed_at)
 
         def lease_changed() -> None:
             # Renew at once: a renewal of the old lease still in flight must not be the last
@@ -174,7 +157,7 @@ class AsyncRenewer:
             if _renewers.get(self._loop) is self:
                 del _renewers[self._loop]
 
-    def _send(self, due: list[_Entry], now: float) -> None:
+    def _send(self, due: list[RenewalPlan[AsyncSlot]], now: float) -> None:
         for entry in due:
             entry.last_sent = now
         flight = _Flight(due, now)
@@ -202,13 +185,13 @@ class AsyncRenewer:
                     slot.mark_lost("a renewal found the slot gone")
                 self._entries.pop(id(slot), None)
 
-    def _judge(self, entry: _Entry, reason: str) -> None:
+    def _judge(self, entry: RenewalPlan[AsyncSlot], reason: str) -> None:
         if self._entries.get(id(entry.slot)) is entry and not entry.slot.released:
             entry.slot.mark_lost(reason)
             self._entries.pop(id(entry.slot), None)
 
     @staticmethod
-    def _report(entry: _Entry, error: BaseException) -> None:
+    def _report(entry: RenewalPlan[AsyncSlot], error: BaseException) -> None:
         if entry.on_error is not None:
             # A broken telemetry hook must not stop renewal.
             with contextlib.suppress(Exception):

@@ -24,6 +24,7 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
+from ..core.lease import RenewErrorCallback
 from ..core.options import acquire_args, semaphore_options
 from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.scripts import (
@@ -43,7 +44,6 @@ from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer
 from .clients import AsyncClient, async_client_from_url
 from .guard import guard
-from .renewer import RenewErrorCallback
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)

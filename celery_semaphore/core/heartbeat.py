@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from .lease import RenewalPlan, RenewErrorCallback
 from .scripts import Keys, Scripts, backend_errors
 
 if TYPE_CHECKING:
     from .slot import Slot
 
-RenewErrorCallback = Callable[[BaseException], object]
 
 LINGER = 2.0
 """Seconds the renewal thread outlives the last slot it renewed, so that a worker running
@@ -46,28 +46,10 @@ short tasks one after another does not start a thread for each."""
 
 
 @dataclass(eq=False)
-class _Entry:
-    """One registered slot and its renewal plan."""
-
-    slot: Slot
-    share: float  # the interval as a share of the lease, kept when the lease changes
-    on_error: RenewErrorCallback | None
-    last_sent: float  # time.monotonic() of the last renewal sent (the acquire, at first)
-
-    @property
-    def interval(self) -> float:
-        return self.share * self.slot.lease
-
-    @property
-    def next_tick(self) -> float:
-        return self.last_sent + self.interval
-
-
-@dataclass(eq=False)
 class _Batch:
     """Renewals sent together: one script call per (client, hash slot) group."""
 
-    entries: list[_Entry]
+    entries: list[RenewalPlan[Slot]]
     sent_at: float
     on_done: Callable[[], object]
     done: threading.Event = field(default_factory=threading.Event)
@@ -77,7 +59,9 @@ class _Batch:
     def send(self) -> None:
         """Run in the sender thread; never raises."""
         try:
-            groups: dict[tuple[int, int], list[tuple[_Entry, Scripts, Keys, str, int]]] = {}
+            groups: dict[
+                tuple[int, int], list[tuple[RenewalPlan[Slot], Scripts, Keys, str, int]]
+            ] = {}
             for entry in self.entries:
                 scripts, keys, token, ms = entry.slot.renewal()
                 # On a cluster, one call per hash slot; elsewhere, one per client.
@@ -123,7 +107,7 @@ class Renewer:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
-        self._entries: dict[int, _Entry] = {}  # id(slot) -> entry
+        self._entries: dict[int, RenewalPlan[Slot]] = {}  # id(slot) -> entry
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._sender: _Sender | None = None
@@ -134,7 +118,7 @@ class Renewer:
         lease changes) until :meth:`remove`. ``on_renew_error`` is called, in the renewal
         thread, with each round trip that failed without saying the slot is gone; an
         exception it raises is swallowed."""
-        entry = _Entry(slot, interval / slot.lease, on_renew_error, slot.renewed_at)
+        entry = RenewalPlan(slot, interval / slot.lease, on_renew_error, slot.renewed_at)
 
         def lease_changed() -> None:
             # Renew at once: a renewal of the old lease still in flight must not be the last
@@ -197,7 +181,7 @@ class Renewer:
             wake_at = min([e.slot.deadline for e in entries] + ticks + [now + 3600.0])
             self._wake.wait(max(0.0, wake_at - time.monotonic()))
 
-    def _send(self, due: Sequence[_Entry], now: float) -> None:
+    def _send(self, due: Sequence[RenewalPlan[Slot]], now: float) -> None:
         if self._sender is None or self._sender.busy_with is not None:
             if self._sender is not None:
                 # Stuck on a round trip that has not answered: leave it behind, told to end
@@ -228,13 +212,13 @@ class Renewer:
                         slot.mark_lost("a renewal found the slot gone")
                     self._entries.pop(id(slot), None)
 
-    def _judge(self, entry: _Entry, reason: str) -> None:
+    def _judge(self, entry: RenewalPlan[Slot], reason: str) -> None:
         with self._lock:
             if self._entries.get(id(entry.slot)) is entry and not entry.slot.released:
                 entry.slot.mark_lost(reason)
                 self._entries.pop(id(entry.slot), None)
 
-    def _report(self, entry: _Entry, error: BaseException) -> None:
+    def _report(self, entry: RenewalPlan[Slot], error: BaseException) -> None:
         if entry.on_error is not None:
             # A broken telemetry hook must not stop renewal.
             with contextlib.suppress(Exception):

@@ -6,9 +6,14 @@ renewal's answer moves it on."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from ..errors import SemaphoreLeaseLostError
 from .scripts import Admitted
+
+RenewErrorCallback = Callable[[BaseException], object]
+"""Called with each renewal round trip that failed without saying the slot is gone."""
 
 
 class LeaseRecord:
@@ -83,3 +88,35 @@ class LeaseRecord:
             self.key,
             self.limit,
         )
+
+
+S = TypeVar("S", bound=LeaseRecord)
+
+
+@dataclass(eq=False)
+class RenewalPlan(Generic[S]):
+    """One slot registered with a renewer (sync or asyncio), and when to renew it next.
+
+    Attributes:
+        slot: the slot.
+        share (float): the renewal interval as a share of the lease, kept when the lease
+            changes, so a shorter lease is renewed sooner.
+        on_error (RenewErrorCallback | None): see :meth:`Semaphore.hold`.
+        last_sent (float): ``time.monotonic()`` of the last renewal sent (the acquire, at
+            first).
+    """
+
+    slot: S
+    share: float
+    on_error: RenewErrorCallback | None
+    last_sent: float
+
+    @property
+    def interval(self) -> float:
+        """Seconds between renewals, for the slot's current lease."""
+        return self.share * self.slot.lease
+
+    @property
+    def next_tick(self) -> float:
+        """``time.monotonic()`` of the next renewal."""
+        return self.last_sent + self.interval

@@ -29,7 +29,8 @@ from ..errors import (
 from . import validation as check
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
-from .heartbeat import RenewErrorCallback, renewer
+from .heartbeat import renewer
+from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, semaphore_options
 from .parking import WaitingRoom
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
