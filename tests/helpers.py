@@ -26,46 +26,6 @@ from .history import BODIES
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class InFlight:
-    """Counts concurrent bodies with a lock of its own and remembers the peak."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.current = 0
-        self.peak = 0
-        self.entered = 0
-
-    def __enter__(self) -> InFlight:
-        with self._lock:
-            self.current += 1
-            self.entered += 1
-            self.peak = max(self.peak, self.current)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self.current -= 1
-
-
-def peak_overlap(intervals: list[tuple[float, float]]) -> int:
-    """Most intervals open at one instant (an interval ending as another starts: not both)."""
-    events = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals],
-                    key=lambda event: (event[0], event[1]))  # fmt: skip
-    peak = current = 0
-    for _, step in events:
-        current += step
-        peak = max(peak, current)
-    return peak
-
-
-def read_intervals(client: object, key: str) -> list[tuple[float, float]]:
-    """Intervals that bodies recorded with RPUSH as b"<start> <end>[ <lost>]", leaving out
-    those whose slot was lost (their overlap is reported, not prevented)."""
-    raw = client.lrange(key, 0, -1)  # type: ignore[attr-defined]
-    fields = [item.decode().split() for item in raw]
-    return [(float(f[0]), float(f[1])) for f in fields if len(f) < 3 or f[2] == "0"]
-
-
 def wait_for(predicate: object, timeout: float = 30.0, interval: float = 0.02) -> bool:
     """Poll ``predicate()`` until it is truthy or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout

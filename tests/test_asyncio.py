@@ -24,7 +24,7 @@ from celery_semaphore.asyncio import AsyncSemaphore, AsyncSlot, async_client_lik
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.testing import RedisServer
 
-from .helpers import InFlight
+from . import history
 
 T = TypeVar("T")
 
@@ -408,19 +408,22 @@ def test_200_slots_share_one_renewal_task_and_only_the_force_released_one_is_los
     run(main)
 
 
-def test_50_coroutines_on_limit_5_with_waits_never_exceed_5(redis_server: RedisServer) -> None:
-    inflight = InFlight()
-
+def test_50_coroutines_on_limit_5_with_waits_never_exceed_5(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
     async def main() -> None:
         async with AsyncSemaphore(redis_server.url, limit=5, lease=10.0) as sem:
 
-            async def body(slot: AsyncSlot) -> None:
-                with inflight:
-                    await asyncio.sleep(0.02)  # the body's own work, not a synchronisation wait
+            def body(n: int) -> Callable[[AsyncSlot], Awaitable[None]]:
+                async def work(slot: AsyncSlot) -> None:
+                    with history.run(client, history.BODIES, "legacy-api", task_id=f"c{n}"):
+                        await asyncio.sleep(0.02)  # the body's own work, not a wait
 
-            await asyncio.gather(*(sem.run("legacy-api", body, wait=60.0) for _ in range(50)))
+                return work
+
+            await asyncio.gather(*(sem.run("legacy-api", body(n), wait=60.0) for n in range(50)))
             assert await sem.count("legacy-api") == 0
 
     run(main)
-    assert inflight.entered == 50
-    assert 1 <= inflight.peak <= 5
+    bodies = history.History.load(client, history.BODIES)
+    bodies.assert_ok({"legacy-api": 5}, tasks=[f"c{n}" for n in range(50)])

@@ -27,11 +27,10 @@ from celery_semaphore import (
 )
 from celery_semaphore.testing import RedisServer, unbounded
 
-from .helpers import peak_overlap, read_intervals
+from . import history
 from .test_asyncio import run
 
 LIMIT = 3
-TASK_INTERVALS = "test:intervals:mixed"
 
 
 def _app(url: str, **conf: Any) -> Celery:
@@ -53,9 +52,8 @@ def mixed_app(redis_server: RedisServer) -> Iterator[Celery]:
     @app.task(shared=False, name="csem_async.mixed")
     @bounded("mixed", LIMIT)
     def mixed(n: int, duration: float) -> int:
-        start = time.monotonic()
-        time.sleep(duration)
-        recorder.rpush(TASK_INTERVALS, f"{start} {time.monotonic()}")
+        with history.run(recorder, history.BODIES, "mixed"):
+            time.sleep(duration)
         return n
 
     yield app
@@ -67,13 +65,10 @@ def mixed_app(redis_server: RedisServer) -> Iterator[Celery]:
 def test_a_threads_worker_and_50_coroutines_never_exceed_the_limit(
     mixed_app: Celery, client: redis.Redis
 ) -> None:
-    spans: list[tuple[float, float]] = []
-
     @bounded("mixed", LIMIT, app=mixed_app, on_full="wait", wait_timeout=120)
     async def handler(n: int, duration: float) -> int:
-        start = time.monotonic()
-        await asyncio.sleep(duration)
-        spans.append((start, time.monotonic()))
+        with history.run(client, history.BODIES, "mixed", task_id=f"coroutine-{n}"):
+            await asyncio.sleep(duration)
         return n
 
     async def drive() -> list[int]:
@@ -84,13 +79,15 @@ def test_a_threads_worker_and_50_coroutines_never_exceed_the_limit(
         results = [task.delay(n, 0.2) for n in range(20)]
         assert run(drive) == list(range(50))
         assert [r.get(timeout=120) for r in results] == list(range(20))
-    tasks = read_intervals(client, TASK_INTERVALS)
-    assert len(tasks) == 20
-    assert len(spans) == 50
-    peak = peak_overlap(tasks + spans)
-    assert 2 <= peak <= LIMIT, f"peak {peak} in flight against a limit of {LIMIT}"
+    bodies = history.History.load(client, history.BODIES)
+    report = bodies.assert_ok(
+        {"mixed": LIMIT}, tasks=[r.id for r in results] + [f"coroutine-{n}" for n in range(50)]
+    )
+    assert report.peaks["mixed"] >= 2, report
     # Both kinds really ran side by side, not one after the other.
-    assert any(s < te and ts < e for s, e in spans for ts, te in tasks)
+    spans = [r for r in bodies.completed if r.task_id.startswith("coroutine-")]
+    tasks = [r for r in bodies.completed if not r.task_id.startswith("coroutine-")]
+    assert any(s.start < (t.end or 0) and t.start < (s.end or 0) for s in spans for t in tasks)
     assert Semaphore(client, limit=LIMIT).count("mixed") == 0
 
 
