@@ -19,6 +19,7 @@ run, and ``AsyncResult.get()`` would wait for ever.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import uuid
@@ -47,6 +48,8 @@ from .signals import semaphore_parked, send_event, task_label
 from .stats import bump
 
 logger = logging.getLogger(__name__)
+
+_PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
 
 
 def is_handoff(request: Any) -> bool:
@@ -84,7 +87,9 @@ def publisher_for(app: Celery) -> Publisher:
             headers[HANDOFF_ID_HEADER] = uuid.uuid4().hex
             if handoff.give_up:
                 headers[GIVE_UP_HEADER] = True
-            signature.apply_async()
+            # Celery before 5.5 stops listening for a task's result when any AsyncResult of
+            # that id is collected, including a get() waiting in this process: keep ours.
+            _PUBLISHED.append(signature.apply_async())
             logger.debug(
                 "semaphore %r: %s task %s",
                 key,
