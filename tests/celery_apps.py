@@ -307,6 +307,11 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
     add_room_fault_tasks(app)
     if os.environ.get("CSEM_TEST_STALL_HANDOFF"):
         stall_first_handoff_publish(os.environ["CSEM_TEST_REDIS_URL"])
+    if os.environ.get("CSEM_TEST_RECORD_DELIVERIES"):
+        # The soak kills pool processes: the checker must know what each was running.
+        history.record_deliveries(
+            redis.Redis.from_url(os.environ["CSEM_TEST_REDIS_URL"]), BODIES, "csem.soak"
+        )
     if os.environ.get("CSEM_TEST_ON_FULL"):
         # The app-wide default; tasks that name on_full keep theirs.
         app.conf.semaphore_on_full = os.environ["CSEM_TEST_ON_FULL"]

@@ -13,6 +13,10 @@ weight in flight at any moment against the key's limit at that moment (a schedul
 changes is accepted); the completed runs of each task id (exactly one unless the test names
 why more are allowed); that every expected task is accounted for; that every run that started
 ended, unless the test killed it; and that no slot was lost unless the test expects it.
+
+A test whose processes are killed may also call :func:`record_deliveries` in them, so that the
+checker knows which task each killed process was running (its body, or a shed or park that
+never reached a body) when it died.
 """
 
 from __future__ import annotations
@@ -44,6 +48,28 @@ MOST_LISTED = 5
 def history_key(name: str) -> str:
     """The Redis list that history ``name`` is recorded in."""
     return f"test:history:{name}"
+
+
+def deliveries_key(name: str) -> str:
+    """The Redis list that :func:`record_deliveries` writes history ``name``'s deliveries in."""
+    return history_key(f"{name}:deliveries")
+
+
+def record_deliveries(client: Any, name: str, prefix: str) -> None:
+    """Record, in this process, the start of every delivery of a Celery task whose name starts
+    with ``prefix`` (Celery's ``task_prerun``, before the semaphore is asked): its task id and
+    pid, through ``client``. A process killed in the middle of a task is then known to have
+    been running it even if no body started, say while it shed the run: the run's message was
+    published again and its own delivery, not yet acknowledged, is redelivered too, so at-least-
+    once delivery may run that task twice."""
+    from celery.signals import task_prerun
+
+    def started(task_id: str = "", task: Any = None, **_: Any) -> None:
+        if task is not None and task.name.startswith(prefix):
+            event = {"task": task_id, "pid": os.getpid(), "start": time.monotonic()}
+            client.rpush(deliveries_key(name), json.dumps(event))
+
+    task_prerun.connect(started, weak=False)
 
 
 @dataclass
@@ -175,9 +201,11 @@ def _top(limit: Limit) -> int:
 
 @dataclass
 class History:
-    """The runs of one history, in the order they started."""
+    """The runs of one history, in the order they started, and the deliveries that
+    :func:`record_deliveries` saw (``(task id, pid)``, in the order they started)."""
 
     runs: list[Run]
+    deliveries: list[tuple[str, int]] = field(default_factory=list)
 
     @classmethod
     def load(cls, client: Any, name: str) -> History:
@@ -190,7 +218,9 @@ class History:
                     weight=e["weight"], worker=e["worker"], pid=e["pid"],
                     lost=e.get("lost", False), data=e["data"], run_id=e["run"])
                 for e in merged.values()]  # fmt: skip
-        return cls(sorted(runs, key=lambda r: r.start))
+        events = [json.loads(raw) for raw in client.lrange(deliveries_key(name), 0, -1)]
+        deliveries = [(e["task"], e["pid"]) for e in sorted(events, key=lambda e: e["start"])]
+        return cls(sorted(runs, key=lambda r: r.start), deliveries)
 
     @property
     def completed(self) -> list[Run]:
@@ -202,7 +232,7 @@ class History:
 
     def of(self, key: str) -> History:
         """The runs of ``key`` only."""
-        return History([r for r in self.runs if r.key == key])
+        return History([r for r in self.runs if r.key == key], self.deliveries)
 
     def values(self, name: str, completed: bool = False) -> list[Any]:
         """``data[name]`` of each run (or each completed run), in the order they started."""
@@ -261,7 +291,9 @@ class History:
           ended.
           ``killed_pids``: processes the test killed; their runs may never end, and the last
           run to end in each may run again (its process died after the body, before its task
-          returned: at-least-once delivery runs it again). Any other run must end.
+          returned: at-least-once delivery runs it again). So may the task whose delivery
+          each was running when it died, if :func:`record_deliveries` saw it. Any other run
+          must end.
         * ``lost``: tasks that must report their slot lost (in at least one run);
           ``may_lose``: why any run may. No other run may report its slot lost.
         """
@@ -293,6 +325,11 @@ class History:
         for r in last_ended.values():
             allowed[r.task_id] += 1
             why[r.task_id].append("its process was killed after the body ended")
+        in_flight = {pid: task_id for task_id, pid in self.deliveries if pid in killed_pids}
+        for pid, task_id in in_flight.items():
+            if last_ended.get(pid) is None or last_ended[pid].task_id != task_id:
+                allowed[task_id] += 1
+                why[task_id].append("its process was killed while it ran the task")
 
         completed: dict[str, list[Run]] = defaultdict(list)
         for r in self.completed:

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 import redis
+from celery import Celery
 
 from celery_semaphore.testing import RedisServer
 
@@ -84,6 +85,31 @@ def test_a_killed_run_is_visible_and_allowed_only_when_the_test_killed_it(
     again = _record(client, ("k", "b", 5, 6))
     assert any("2 completed runs" in p for p in again.check({"k": 1}).problems)
     assert again.check({"k": 1}, killed_pids=[1]).ok
+
+
+def test_a_killed_process_may_run_again_the_task_it_was_delivered_last(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """A task that never reached a body in the killed process (it shed there) is allowed a
+    second completed run, if its delivery was recorded; an older delivery there is not."""
+    app = Celery("history_test", set_as_current=False)
+
+    @app.task(name="csem.history_probe", shared=False)
+    def shed_then_ran() -> None:
+        """Stands for a delivery that shed: no body recorded in this process."""
+
+    history.record_deliveries(client, "h", "csem.history_probe")
+    for task_id in ("old", "b"):
+        shed_then_ran.apply(task_id=task_id)
+    h = _record(client, ("k", "old", 0, 1), ("k", "old", 2, 3), ("k", "b", 4, 5), ("k", "b", 6, 7))
+    assert h.deliveries == [("old", os.getpid()), ("b", os.getpid())]
+    problems = h.check({"k": 1}, killed_pids=[os.getpid()]).problems
+    assert [p.split(":")[0] for p in problems] == ["task old"]
+    assert "2 completed runs (allowed 1)" in problems[0]
+    assert "its process was killed while it ran" not in problems[0]
+    report = h.check({"k": 1}, killed_pids=[os.getpid()], repeats={"a test": ["old"]})
+    assert report.repeated == {"again (its process was killed while it ran the task)": 1,
+                               "again (a test)": 1}  # fmt: skip
 
 
 def test_lost_slots_leave_the_peak_and_must_be_expected(client: redis.Redis) -> None:

@@ -78,7 +78,7 @@ def _soak_workers(
     )
     env = {**os.environ, "CSEM_TEST_REDIS_URL": redis_server.url,
            "CSEM_TEST_SEMAPHORE_URL": own_redis.url, "CSEM_TEST_ACKS_LATE": "1",
-           "CSEM_TEST_ON_FULL": on_full}  # fmt: skip
+           "CSEM_TEST_ON_FULL": on_full, "CSEM_TEST_RECORD_DELIVERIES": "1"}  # fmt: skip
     workers = []
     for i in range(2):
         log = (tmp_path / f"prefork-{i}.log").open("wb")
@@ -132,7 +132,9 @@ def test_soak(
     redis_server: RedisServer, own_redis: RedisServer, tmp_path: Path, soak_tasks: int
 ) -> None:
     """Shedding (``on_full="retry"``): peak <= limit; every task's body ran to its end once
-    (twice only for a run killed after its body ended, which at-least-once runs again), a
+    (twice only for the task a killed process was running: killed after its body ended, or
+    after its shed published the run again and before its own delivery was acknowledged;
+    at-least-once delivery runs it again, as it would after Celery's own ``retry()``), a
     body that never ended was in a killed process; no slot leaked."""
     client = redis.Redis.from_url(redis_server.url)
     rng = random.Random(1234)
@@ -161,7 +163,7 @@ def test_soak(
         del results
     elapsed = time.monotonic() - started
     # Killed runs are run again (at least once): a body killed mid-run never ended, and the
-    # last body a killed process ended may have run twice.
+    # task a killed process was running (its body, or its shed) may have run twice.
     report = History.load(client, BODIES).check(
         {"soak": LIMIT}, tasks=ids, killed_pids=killed, may_lose=FREEZE
     )
