@@ -105,7 +105,7 @@ def test_precedence_task_option_over_app_setting_over_default() -> None:
 
     found = runner_of(app.tasks["p.t"])
     assert found is not None
-    semaphore, policy = found[0].resolve(app)
+    semaphore, policy, _ = found[0].resolve(app)
     assert policy.lease == 10.0  # task option
     assert policy.shed_countdown == 2.0  # app setting
     assert policy.on_full == "queue"  # default
@@ -162,8 +162,8 @@ def test_a_subclass_of_a_bound_task_gets_its_own_semaphore() -> None:
     found_b = runner_of(app.tasks["sub.fetch_b"])
     assert found_a is not None
     assert found_b is not None
-    assert (found_a[0].template.source, found_a[0].limit) == ("provider-a", 1)
-    assert (found_b[0].template.source, found_b[0].limit) == ("provider-b", 5)
+    assert (found_a[0].template.source, found_a[0].limits.fixed) == ("provider-a", 1)  # type: ignore[union-attr]
+    assert (found_b[0].template.source, found_b[0].limits.fixed) == ("provider-b", 5)  # type: ignore[union-attr]
 
 
 def test_bad_app_option_for_bounded_is_named() -> None:

@@ -54,7 +54,7 @@ def test_a_release_hands_its_slot_to_the_parked_waiter(
 ) -> None:
     first, _ = _fill(sem)
     parked = sem.park("k", "w1", b"message-1")
-    assert parked == Parked(position=0, now_ms=parked.now_ms)  # type: ignore[union-attr]
+    assert parked == Parked(position=0, now_ms=parked.now_ms, limit=2)  # type: ignore[union-attr]
     assert [w.waiter for w in sem.admin.room("k")] == ["w1"]
     assert first.release()
     assert published.handoffs == [("k", "w1", b"message-1")]
@@ -180,7 +180,9 @@ def test_room_keys_expire_and_bad_arguments_are_refused_before_redis(
     _fill(sem)
     sem.park("k", "w1", b"", room_ttl=120.0, deadline=time.time() + 60)
     keys = redis_keys(sem.prefix, "k")
-    for name in [*keys[:5], sem.admin.room_index]:  # blocked and wake: see test_wait.py
+    # blocked and wake: see test_wait.py; limits (a live limit) persists: see test_limits.py
+    for name in [keys.slots, keys.holders, keys.room, keys.parked, keys.deadlines,
+                 sem.admin.room_index]:  # fmt: skip
         assert 0 < client.pttl(name) <= 120_000, name
     for bad in [
         lambda: sem.park("k", "~w", b""),
@@ -188,6 +190,7 @@ def test_room_keys_expire_and_bad_arguments_are_refused_before_redis(
         lambda: sem.park("k", "", b""),
         lambda: sem.park("k", "w", "text"),  # type: ignore[arg-type]
         lambda: sem.park("k", "w", b"", max_queued=-1),
+        lambda: sem.park("k", "w", b"", limit=0),
         lambda: sem.park("k", "w", b"", room_ttl=0),
         lambda: sem.park("k", "w", b"", deadline=-1.0),
         lambda: sem.park("k", "w", b"", deadline=float("nan")),

@@ -61,30 +61,31 @@ class Acquirer:
         self.background = Background()
         self._record = HolderRecord(limit)
 
-    def metadata(self, metadata: Mapping[str, Any] | None) -> str:
+    def metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
         """The holder record an acquire stores: ``metadata`` with ``host``, ``pid`` and
-        ``limit``, as JSON.
+        ``limit`` (None: the semaphore's), as JSON.
 
         Raises:
             SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
         """
-        return self._record.encode(metadata)
+        return self._record.encode(metadata, limit)
 
     async def run(self, key: str, call: Call[T]) -> T:
         """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""
         with backend_errors(key, self.limit):
             return await self.scripts.run(call)
 
-    async def take(self, keys: Keys, key: str, token: str, ms: int, info: str) -> Admitted | Full:
-        """One acquire round trip that a cancelled caller cannot leak: the call runs on as
-        a task of its own, and whatever slot it took is given back once its answer is in.
+    async def take(
+        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int
+    ) -> Admitted | Full:
+        """One acquire round trip under ``limit`` that a cancelled caller cannot leak: the
+        call runs on as a task of its own, and whatever slot it took is given back once its
+        answer is in.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        attempt = self.background.spawn(
-            self.run(key, acquire_call(keys, self.limit, ms, token, info))
-        )
+        attempt = self.background.spawn(self.run(key, acquire_call(keys, limit, ms, token, info)))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
@@ -127,7 +128,15 @@ class Acquirer:
         self.held.pop(slot.token, None)
 
     async def wait(
-        self, keys: Keys, key: str, token: str, lease: float, info: str, full: Full, wait: float
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        info: str,
+        full: Full,
+        wait: float,
+        limit: int,
     ) -> AsyncSlot | None:
         """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
         take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
@@ -150,7 +159,7 @@ class Acquirer:
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = await self.take(keys, key, token, ms, info)
+                reply = await self.take(keys, key, token, ms, info, limit)
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, lease, reply, sent_at)
                     return slot

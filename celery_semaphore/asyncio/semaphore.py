@@ -133,6 +133,7 @@ class AsyncSemaphore:
         self,
         key: str,
         *,
+        limit: int | None = None,
         lease: float | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
@@ -146,6 +147,8 @@ class AsyncSemaphore:
 
         Args:
             key (str): the semaphore's key; any non-empty str.
+            limit (int | None): this call's limit for ``key``; None: the semaphore's. A live
+                limit set on the key wins over either (as for :meth:`Semaphore.acquire`).
             lease (float | None): seconds the slot lives without an extend; None uses the
                 semaphore's lease.
             retries (int): further attempts when every slot is held. 0 (the default) fails
@@ -170,16 +173,17 @@ class AsyncSemaphore:
         key, seconds, ms, attempts, delay, wait = acquire_args(
             key, lease, self.lease, retries, retry_delay, wait
         )
+        limit = self.limit if limit is None else check.check_limit(limit)
         acquirer = self._acquirer
-        info = acquirer.metadata(metadata)
+        info = acquirer.metadata(metadata, limit)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
-        with acquire_span(key, self.limit) as record:
+        with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, info)
+                reply = await acquirer.take(keys, key, token, ms, info, limit)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -188,7 +192,7 @@ class AsyncSemaphore:
                     # network): the slot cannot be trusted to be ours, so give it back.
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
-                slot = await acquirer.wait(keys, key, token, seconds, info, reply, wait)
+                slot = await acquirer.wait(keys, key, token, seconds, info, reply, wait, limit)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot

@@ -33,7 +33,9 @@ class LeaseRecord:
         self, key: str, limit: int, token: str, lease: float, admitted: Admitted, sent_at: float
     ) -> None:
         self.key = key
-        self.limit = limit
+        # The limit that applied, as the script answered it (a live limit wins over the
+        # caller's; see set_limit.lua).
+        self.limit = admitted.limit or limit
         self.token = token
         self.lease = lease
         self.acquired_at = admitted.now_ms / 1000

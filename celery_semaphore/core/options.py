@@ -76,8 +76,9 @@ class HolderRecord:
         self._host = socket.gethostname()
         self._plain = (0, "")  # (pid, JSON) of a plain acquire's record
 
-    def encode(self, metadata: Mapping[str, Any] | None) -> str:
-        """The JSON record for an acquire with ``metadata``.
+    def encode(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
+        """The JSON record for an acquire with ``metadata`` under ``limit`` (None: the
+        semaphore's).
 
         Raises:
             SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
@@ -87,14 +88,15 @@ class HolderRecord:
                 f"metadata must be a mapping or None, got {type(metadata).__name__}"
             )
         pid = os.getpid()
-        if not metadata and self._plain[0] == pid:
+        plain = not metadata and limit in (None, self.limit)
+        if plain and self._plain[0] == pid:
             return self._plain[1]
         # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
-        record = {**(metadata or {}), "host": self._host, "pid": pid, "limit": self.limit}
+        record = {**(metadata or {}), "host": self._host, "pid": pid, "limit": limit or self.limit}
         try:
             text = json.dumps(record, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError, RecursionError) as exc:
             raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
-        if not metadata:
+        if plain:
             self._plain = (pid, text)
         return text

@@ -52,7 +52,10 @@ class WaitingRoom:
     def _redis_keys(self, key: str) -> Keys:
         raise NotImplementedError
 
-    def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
+    def _metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
+        raise NotImplementedError
+
+    def _limit(self, limit: int | None) -> int:
         raise NotImplementedError
 
     def _slot(
@@ -66,6 +69,7 @@ class WaitingRoom:
         waiter: str,
         payload: bytes,
         *,
+        limit: int | None = None,
         arrival: float | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -86,6 +90,8 @@ class WaitingRoom:
             waiter (str): the waiter's id, unique among the key's waiters (a Celery task id);
                 must not start with ``~`` or ``!``.
             payload (bytes): what ``on_handoff`` gets to start the waiter again (opaque).
+            limit (int | None): as for :meth:`acquire`; the room hands slots out by the
+                limit its last parked waiter gave (or by a live limit, when one is set).
             arrival (float | None): epoch seconds when the waiter first asked; None: now.
             lease (float | None): lease of a slot taken now; None: the semaphore's.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
@@ -110,6 +116,7 @@ class WaitingRoom:
         result = self._park(
             key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
             claim_only=False, deadline_ms=0 if deadline is None else round(deadline * 1000),
+            limit=limit,
         )  # fmt: skip
         assert not isinstance(result, NotWaiting)
         return result
@@ -119,6 +126,7 @@ class WaitingRoom:
         key: str,
         waiter: str,
         *,
+        limit: int | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         room_ttl: float = DEFAULT_ROOM_TTL,
@@ -129,6 +137,7 @@ class WaitingRoom:
         Args:
             key (str): the semaphore's key.
             waiter (str): the waiter's id.
+            limit (int | None): as for :meth:`park`.
             lease (float | None): lease of the slot taken; None: the semaphore's.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
             room_ttl (float): as for :meth:`park`.
@@ -151,7 +160,7 @@ class WaitingRoom:
             check.check_key(delivery, "delivery")
         result = self._park(
             key, waiter, b"", None, lease, metadata, 0, room_ttl,
-            claim_only=True, deadline_ms=0, delivery=delivery,
+            claim_only=True, deadline_ms=0, delivery=delivery, limit=limit,
         )  # fmt: skip
         assert not isinstance(result, RoomFull)
         return result
@@ -170,6 +179,7 @@ class WaitingRoom:
         claim_only: bool,
         deadline_ms: int,
         delivery: str = "",
+        limit: int | None = None,
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check.check_key(waiter, "waiter")
@@ -184,13 +194,14 @@ class WaitingRoom:
         )
         check.check_retries(max_queued, "max_queued")
         ttl_ms = check.lease_ms(room_ttl, "room_ttl")
-        info = self._metadata(metadata)
+        limit = self._limit(limit)
+        info = self._metadata(metadata, limit)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         sent_at = time.monotonic()
-        with acquire_span(key, self.limit) as record, backend_errors(key, self.limit):
+        with acquire_span(key, limit) as record, backend_errors(key, limit):
             result, handed = self._scripts.park(
-                keys, self.limit, ms, token, info, waiter, arrival_ms, payload,
+                keys, limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
                 self.handoffs.grace_ms, delivery,
             )  # fmt: skip
@@ -203,7 +214,15 @@ class WaitingRoom:
         return result
 
     def _wait_for_slot(
-        self, keys: Keys, key: str, token: str, lease: float, info: str, full: Full, wait: float
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        info: str,
+        full: Full,
+        wait: float,
+        limit: int,
     ) -> Slot | None:
         """After ``full``, block for up to ``wait`` seconds until a release wakes this caller
         (BLPOP on the key's wake list, pushed by release.lua when the room does not take the
@@ -218,16 +237,16 @@ class WaitingRoom:
         give_up = time.monotonic() + wait
         try:
             while (remaining := give_up - time.monotonic()) > 0:
-                with backend_errors(key, self.limit):
+                with backend_errors(key, limit):
                     # Registered before asking again: a release in between pushes a wake.
                     now_ms = self._scripts.block(keys, token, math.ceil(remaining * 1000))
                     sent_at = time.monotonic()
-                    reply = self._scripts.acquire(keys, self.limit, ms, token, info)
+                    reply = self._scripts.acquire(keys, limit, ms, token, info)
                     if isinstance(reply, Admitted):
                         return self._slot(keys, key, token, lease, reply, sent_at)
                     lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
                     self.client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None
         finally:
-            with contextlib.suppress(SemaphoreBackendError), backend_errors(key, self.limit):
+            with contextlib.suppress(SemaphoreBackendError), backend_errors(key, limit):
                 self.client.zrem(keys.blocked, token)

@@ -25,10 +25,12 @@ class Handoff:
 
 @dataclass(frozen=True)
 class Parked:
-    """park.lua parked the waiter: ``position`` older waiters are ahead of it."""
+    """park.lua parked the waiter: ``position`` older waiters are ahead of it; ``limit`` is
+    the key's limit that applied (a live one, when set)."""
 
     position: int
     now_ms: int
+    limit: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,20 +50,23 @@ class NotWaiting:
 
 @dataclass(frozen=True)
 class Admitted:
-    """acquire.lua took a slot (or found the token already holding one)."""
+    """acquire.lua took a slot (or found the token already holding one) under ``limit``, the
+    key's limit that applied (a live one, when set)."""
 
     expires_at_ms: int
     now_ms: int
+    limit: int = 0
 
 
 @dataclass(frozen=True)
 class Full:
     """acquire.lua found every slot held by ``holders`` live holders, the first of whose
-    leases lapses at ``first_expiry_ms`` (epoch ms)."""
+    leases lapses at ``first_expiry_ms`` (epoch ms); ``limit`` is the limit that applied."""
 
     holders: int
     now_ms: int
     first_expiry_ms: int
+    limit: int = 0
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
@@ -80,8 +85,8 @@ def _text(value: Any) -> str:
 def parse_acquire(reply: Any) -> Admitted | Full:
     """acquire.lua's reply as :class:`Admitted` or :class:`Full`."""
     if int(reply[0]) == 1:
-        return Admitted(int(reply[1]), int(reply[2]))
-    return Full(int(reply[1]), int(reply[2]), int(reply[3]))
+        return Admitted(int(reply[1]), int(reply[2]), int(reply[3]))
+    return Full(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
 
 
 def parse_extend(reply: Any) -> list[int | None]:
@@ -96,17 +101,23 @@ def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
 
 def parse_park(reply: Any) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
     """park.lua's reply: what became of the waiter, and the hand-offs."""
-    status, value, now_ms = int(reply[0]), int(reply[1]), int(reply[2])
+    status, value, now_ms, limit = (int(v) for v in reply[:4])
     result: Admitted | Parked | RoomFull | NotWaiting
     if status == 1:
-        result = Admitted(value, now_ms)
+        result = Admitted(value, now_ms, limit)
     elif status == 0:
-        result = Parked(value, now_ms)
+        result = Parked(value, now_ms, limit)
     elif status == -1:
         result = RoomFull(value)
     else:
         result = NotWaiting(again=value == 1)
-    return result, _handoffs(reply, 3)
+    return result, _handoffs(reply, 4)
+
+
+def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:
+    """set_limit.lua's reply: the live limit before (None: none), the server's time, and
+    the hand-offs."""
+    return int(reply[0]) or None, int(reply[1]), _handoffs(reply, 2)
 
 
 def parse_waiting(reply: Any) -> tuple[int, int, list[tuple[str, int]]]:

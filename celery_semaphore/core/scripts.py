@@ -38,6 +38,7 @@ from .replies import (
     parse_holders,
     parse_park,
     parse_release,
+    parse_set_limit,
     parse_sweep,
     parse_waiting,
 )
@@ -52,6 +53,9 @@ class Keys(NamedTuple):
     """Sorted set: holder token (or ``~<waiter>`` reservation) -> lease expiry, ms."""
     holders: str
     """Hash: holder token -> ``<acquired_at_ms>|<metadata JSON>``."""
+    limits: str
+    """Hash: ``limit``, ``set_at`` (ms) and ``by`` of a live limit (set_limit.lua), which
+    wins over the callers' limit while it exists."""
     room: str
     """Sorted set: parked waiter id -> arrival, ms (the waiting room's order)."""
     parked: str
@@ -70,15 +74,15 @@ def _lua(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-_ROOM = ("park", "release", "sweep", "cancel")
+_ROOM = ("park", "release", "sweep", "cancel", "set_limit")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
-_ROOM_KEYS, _PAIR = slice(0, 7), slice(0, 2)
+_ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 _KEYS = {
-    "acquire": _PAIR, "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": slice(0, 8), "release": _ROOM_KEYS,
-    "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS,
-    "block": slice(5, 6),
-    "waiting": slice(2, 3),
+    "acquire": slice(0, 3), "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
+    "force_release_all": _PAIR, "park": slice(0, 9), "release": _ROOM_KEYS,
+    "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS, "set_limit": _ROOM_KEYS,
+    "block": slice(6, 7),
+    "waiting": slice(3, 4),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
 _SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
@@ -96,7 +100,7 @@ def redis_keys(prefix: str, key: str) -> Keys:
     (see :func:`check_cluster_key`); on any other client they work as usual.
     """
     slots = f"{prefix}:{{{key}}}"
-    names = ("holders", "room", "parked", "deadlines", "blocked", "wake", "claims")
+    names = ("holders", "limits", "room", "parked", "deadlines", "blocked", "wake", "claims")
     return Keys(slots, *(f"{slots}:{name}" for name in names))
 
 
@@ -185,6 +189,15 @@ def release_call(keys: Keys, token: str, claim_ms: int) -> Call[tuple[bool, list
     """Remove ``token``: whether it was still a live holder until now, and the hand-offs
     of the slot it freed (to the oldest parked waiter)."""
     return _of("release", keys, (token, claim_ms), parse_release)
+
+
+def set_limit_call(
+    keys: Keys, limit: int | None, by: str, claim_ms: int
+) -> Call[tuple[int | None, int, list[Handoff]]]:
+    """Set ``limit`` as the key's live limit (None: clear it): the live limit before it,
+    the server's time, and the hand-offs of the capacity a raise freed."""
+    args = ("" if limit is None else limit, by, claim_ms)
+    return _of("set_limit", keys, args, parse_set_limit)
 
 
 def count_call(keys: Keys) -> Call[int]:
@@ -276,6 +289,12 @@ class Scripts:
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""
         return self.run(_of("cancel", keys, (waiter, claim_ms), parse_release))
+
+    def set_limit(
+        self, keys: Keys, limit: int | None, by: str, claim_ms: int
+    ) -> tuple[int | None, int, list[Handoff]]:
+        """Set or clear the key's live limit (see :func:`set_limit_call`)."""
+        return self.run(set_limit_call(keys, limit, by, claim_ms))
 
     def count(self, keys: Keys) -> int:
         """How many holders are live by the server's clock."""

@@ -130,13 +130,17 @@ class Semaphore(WaitingRoom):
         except SemaphoreBackendError:
             logger.warning("could not give back a late slot of %r; it lapses", key)
 
-    def _metadata(self, metadata: Mapping[str, Any] | None) -> str:
-        return self._record.encode(metadata)
+    def _metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
+        return self._record.encode(metadata, limit)
+
+    def _limit(self, limit: int | None) -> int:
+        return self.limit if limit is None else check.check_limit(limit)
 
     def acquire(
         self,
         key: str,
         *,
+        limit: int | None = None,
         lease: float | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
@@ -147,6 +151,9 @@ class Semaphore(WaitingRoom):
 
         Args:
             key (str): the semaphore's key; any non-empty str.
+            limit (int | None): this call's limit for ``key`` (a limit computed per key, say);
+                None: the semaphore's. A live limit set on the key (:meth:`set_limit`) wins
+                over either.
             lease (float | None): seconds the slot lives without an extend; None uses the
                 semaphore's lease.
             retries (int): further attempts when every slot is held. 0 (the default) fails
@@ -172,16 +179,17 @@ class Semaphore(WaitingRoom):
         key, seconds, ms, attempts, delay, wait = acquire_args(
             key, lease, self.lease, retries, retry_delay, wait
         )
-        info = self._metadata(metadata)
+        limit = self._limit(limit)
+        info = self._metadata(metadata, limit)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
-        with acquire_span(key, self.limit) as record:
+        with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     time.sleep(delay)
                 sent_at = time.monotonic()
-                with backend_errors(key, self.limit):
-                    reply = self._scripts.acquire(keys, self.limit, ms, token, info)
+                with backend_errors(key, limit):
+                    reply = self._scripts.acquire(keys, limit, ms, token, info)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -190,7 +198,7 @@ class Semaphore(WaitingRoom):
                     # network): the slot cannot be trusted to be ours, so give it back.
                     self._give_back(keys, key, token)
             if wait and isinstance(reply, Full):
-                slot = self._wait_for_slot(keys, key, token, seconds, info, reply, wait)
+                slot = self._wait_for_slot(keys, key, token, seconds, info, reply, wait, limit)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -210,6 +218,7 @@ class Semaphore(WaitingRoom):
         self,
         key: str,
         *,
+        limit: int | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -221,6 +230,7 @@ class Semaphore(WaitingRoom):
 
         Args:
             key (str): as for :meth:`acquire`.
+            limit (int | None): as for :meth:`acquire`.
             retries (int): as for :meth:`acquire`.
             retry_delay (float): as for :meth:`acquire`.
             lease (float | None): as for :meth:`acquire`.
@@ -249,11 +259,13 @@ class Semaphore(WaitingRoom):
         interval = check.heartbeat_interval(heartbeat, float(seconds))
         check.check_callback(on_renew_error, "on_renew_error")
         slot = self.acquire(
-            key, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
-        )
+            key, limit=limit, lease=lease, retries=retries, retry_delay=retry_delay,
+            metadata=metadata,
+        )  # fmt: skip
         if slot is None:
+            limit = self._limit(limit)
             raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {self.limit} slots held", key, self.limit
+                f"semaphore {key!r} has all {limit} slots held", key, limit
             )
         with guard(slot, interval, on_renew_error):
             yield slot
@@ -263,6 +275,7 @@ class Semaphore(WaitingRoom):
         key: str,
         fn: Callable[[Slot], T],
         *,
+        limit: int | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -276,6 +289,7 @@ class Semaphore(WaitingRoom):
         """
         with self.hold(
             key,
+            limit=limit,
             retries=retries,
             retry_delay=retry_delay,
             lease=lease,
@@ -296,9 +310,18 @@ class Semaphore(WaitingRoom):
         with backend_errors(key, self.limit):
             return self._scripts.count(self._redis_keys(key))
 
-    def available(self, key: str) -> int:
-        """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
-        return max(0, self.limit - self.count(key))
+    def available(self, key: str, limit: int | None = None) -> int:
+        """The key's limit (its live limit if one is set, else ``limit``, else the
+        semaphore's) minus its live holders, never below 0 (two round trips). Errors as
+        :meth:`count`."""
+        live = self.admin.live_limit(key)
+        effective = live.limit if live is not None else self._limit(limit)
+        return max(0, effective - self.count(key))
+
+    def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
+        """Set the live limit of ``key`` (None: clear it); see :meth:`SemaphoreAdmin.set_limit`.
+        Slots a raise frees go to parked waiters through this semaphore's ``on_handoff``."""
+        return self.admin.set_limit(key, limit, by)
 
     def holders(self, key: str) -> list[Holder]:
         """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""

@@ -31,10 +31,11 @@ from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .current import UNBOUNDED
+from .limits import LimitSpec
 from .policy import Policy
 from .room import publisher_for
 from .runner import Runner
-from .settings import app_settings, client_for, task_policy
+from .settings import app_settings, client_for
 
 CoroutineFunction = Callable[..., Coroutine[Any, Any, Any]]
 
@@ -52,7 +53,8 @@ class CoroutineRunner:
         # Per event loop, per app (None: no app): a loop that is collected takes its
         # semaphores, and their clients, with it.
         self._made: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, dict[Celery | None, tuple[AsyncSemaphore, Policy]]
+            asyncio.AbstractEventLoop,
+            dict[Celery | None, tuple[AsyncSemaphore, Policy, LimitSpec]],
         ] = weakref.WeakKeyDictionary()
 
     def wrap(self, fn: CoroutineFunction) -> CoroutineFunction:
@@ -65,8 +67,9 @@ class CoroutineRunner:
         run_bounded.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
         return run_bounded
 
-    def resolve(self, app: Celery | None) -> tuple[AsyncSemaphore, Policy]:
-        """The running loop's semaphore and the effective policy for calls under ``app``.
+    def resolve(self, app: Celery | None) -> tuple[AsyncSemaphore, Policy, LimitSpec]:
+        """The running loop's semaphore, the effective policy and the limit option for calls
+        under ``app``.
 
         Raises:
             SemaphoreValidationError: as :meth:`Runner.resolve`.
@@ -76,17 +79,17 @@ class CoroutineRunner:
         found = made.get(app)
         if found is None:
             runner = self.runner
-            policy = task_policy(app, runner.options)
+            policy, limits = runner.policy_and_limits(app)
             semaphore = AsyncSemaphore(
                 self._client(app),
-                runner.limit,
+                limits.default,
                 policy.lease,
                 DEFAULT_PREFIX if app is None else app_settings(app).prefix,
                 claim_timeout=policy.claim_timeout,
                 on_handoff=None if app is None else publisher_for(app),
                 handoff_grace=policy.handoff_grace,
             )
-            found = made[app] = (semaphore, policy)
+            found = made[app] = (semaphore, policy, limits)
         return found
 
     def _client(self, app: Celery | None) -> AsyncClient:
@@ -115,16 +118,18 @@ class CoroutineRunner:
             return await fn(*args, **kwargs)
         runner = self.runner
         named = runner.app is not None or runner.redis is not None
-        semaphore, policy = self.resolve(runner.app if named else get_current_app())
+        semaphore, policy, limits = self.resolve(runner.app if named else get_current_app())
         key = runner.key_for(args, kwargs)
+        limit = limits.for_call(key, args, kwargs)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0
         interval = check.heartbeat_interval(policy.heartbeat, policy.lease)
         slot = await semaphore.acquire(
-            key, retries=0 if wait else runner.retries, retry_delay=runner.retry_delay, wait=wait
-        )
+            key, limit=limit, retries=0 if wait else runner.retries,
+            retry_delay=runner.retry_delay, wait=wait,
+        )  # fmt: skip
         if slot is None:
             raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {runner.limit} slots held", key, runner.limit
+                f"semaphore {key!r} has all {limit} slots held", key, limit
             )
         async with guard(slot, interval, interrupt=policy.interrupt):
             return await fn(*args, **kwargs)

@@ -16,7 +16,7 @@ Usage::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from celery import Celery, Task
@@ -30,7 +30,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def bounded(
     semaphore: str | Callable[..., str],
-    limit: int,
+    limit: int | Callable[..., int] | Mapping[str, int] | None = None,
     *,
     app: Celery | None = None,
     redis: Any = None,
@@ -59,7 +59,10 @@ def bounded(
     Args:
         semaphore (str | Callable[..., str]): the key, a ``str.format`` template over the
             function's arguments, or a callable taking them.
-        limit (int): slots per key.
+        limit (int | Callable[..., int] | Mapping[str, int] | None): slots per key; or a
+            callable of the function's arguments returning the limit of the run's key; or a
+            mapping from key to limit, with ``"*"`` for every other key. None: the limit
+            ``app.conf.semaphores`` of ``app`` (required then) declares for ``semaphore``.
         app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the
             current app. A task always uses its own app.
         redis (redis.Redis | str | None): a client or URL to use instead of the app's

@@ -101,7 +101,7 @@ def publisher_for(app: Celery) -> Publisher:
 
 
 def claim_or_end(
-    task: Task, semaphore: Semaphore, key: str, metadata: dict[str, Any]
+    task: Task, semaphore: Semaphore, key: str, limit: int, metadata: dict[str, Any]
 ) -> Slot | None:
     """Claim the slot a hand-off reserved for the running task, or end the run.
 
@@ -118,7 +118,9 @@ def claim_or_end(
             whose task already ran or runs elsewhere).
     """
     delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
-    result = semaphore.claim(key, task.request.id, metadata=metadata, delivery=delivery)
+    result = semaphore.claim(
+        key, task.request.id, limit=limit, metadata=metadata, delivery=delivery
+    )
     if isinstance(result, Slot):
         return result
     if isinstance(result, NotWaiting):
@@ -128,7 +130,9 @@ def claim_or_end(
     raise Ignore()
 
 
-def give_up_or_end(task: Task, semaphore: Semaphore, policy: Policy, key: str) -> NoReturn:
+def give_up_or_end(
+    task: Task, semaphore: Semaphore, policy: Policy, key: str, limit: int
+) -> NoReturn:
     """End a run whose ``shed_timeout`` passed while it was parked: take it out of the room
     and fail it, unless a hand-off got to it first (then this delivery ends quietly).
 
@@ -141,10 +145,10 @@ def give_up_or_end(task: Task, semaphore: Semaphore, policy: Policy, key: str) -
     headers = task.request.headers or {}
     waited = time.time() - float(headers.get(FIRST_SHED_HEADER) or time.time())
     raise SemaphoreNotAcquiredError(
-        f"semaphore {key!r} (limit {semaphore.limit}): parked for {waited:.1f}s, past "
+        f"semaphore {key!r} (limit {limit}): parked for {waited:.1f}s, past "
         f"shed_timeout={policy.shed_timeout}; task {task.request.id} gives up",
         key,
-        semaphore.limit,
+        limit,
     )
 
 
@@ -153,6 +157,7 @@ def park_or_take(
     semaphore: Semaphore,
     policy: Policy,
     key: str,
+    limit: int,
     metadata: dict[str, Any],
     template: str,
     asked: float | None = None,
@@ -187,6 +192,7 @@ def park_or_take(
         key,
         request.id,
         payload_of(task, headers),
+        limit=limit,
         arrival=arrival,
         metadata=metadata,
         max_queued=policy.max_queued or 0,
@@ -196,12 +202,12 @@ def park_or_take(
         return result
     if isinstance(result, RoomFull):
         raise SemaphoreNotAcquiredError(
-            f"semaphore {key!r} (limit {semaphore.limit}): all slots held and "
+            f"semaphore {key!r} (limit {limit}): all slots held and "
             f"{result.queued} runs already parked (max_queued={policy.max_queued})",
             key,
-            semaphore.limit,
+            limit,
         )
-    _parked(task, key, semaphore.limit, template, result)
+    _parked(task, key, result.limit or limit, template, result)
 
 
 def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> NoReturn:

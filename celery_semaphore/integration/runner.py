@@ -33,15 +33,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from celery import Celery, Task
 from celery._state import get_current_app, get_current_task
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
-from ..core.interrupt import Interrupter
-from ..core.semaphore import Semaphore, guard
+from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import (
     SemaphoreBackendError,
@@ -49,8 +48,10 @@ from ..errors import (
     SemaphoreNotAcquiredError,
     SemaphoreValidationError,
 )
-from .current import CURRENT, UNBOUNDED
+from .body import run_body
+from .current import UNBOUNDED
 from .keys import KeyTemplate
+from .limits import LimitSpec
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
 from .room import (
     claim_or_end,
@@ -60,18 +61,22 @@ from .room import (
     park_or_take,
     publisher_for,
 )
-from .settings import app_settings, client_for, task_policy
+from .settings import app_settings, client_for, declared_for, task_policy
 from .shedding import first_asked, shed
 from .signals import (
-    renew_failed_reporter,
-    report_lease_lost,
-    semaphore_acquired,
     semaphore_refused,
-    semaphore_released,
-    send_event,
 )
 
 logger = logging.getLogger(__name__)
+
+
+class Bound(NamedTuple):
+    """What a :class:`Runner` resolved for one app: the semaphore, the effective policy and
+    the limit option (the task's own, else its ``app.conf.semaphores`` declaration's)."""
+
+    semaphore: Semaphore
+    policy: Policy
+    limits: LimitSpec
 
 
 class Runner:
@@ -80,10 +85,13 @@ class Runner:
     Args:
         fn (Callable[..., Any]): the body, used to check a key template against.
         semaphore (str | Callable[..., str]): the key option (see :class:`KeyTemplate`).
-        limit (int): slots per key.
+        limit (int | Callable[..., int] | Mapping[str, int] | None): slots per key, or how
+            to compute them per run (see :class:`~.limits.LimitSpec`); None: the limit that
+            ``app.conf.semaphores`` declares for ``semaphore``.
         options (Mapping[str, Any]): task-level policy options (names as in
             :class:`~celery_semaphore.integration.policy.Policy`); None values fall through
-            to the app's settings.
+            to the semaphore's declaration in ``app.conf.semaphores``, then to the app's
+            settings.
         app (Celery | None): the app whose settings apply when the body runs outside a task.
         redis (redis.Redis | str | None): the Redis to use instead of the app's
             ``semaphore_url``.
@@ -112,35 +120,75 @@ class Runner:
         if semaphore is None:
             raise SemaphoreValidationError("semaphore option is required (the key to bound by)")
         self.template = KeyTemplate(semaphore, fn)
-        self.limit = check.check_limit(limit)
+        self.limits = None if limit is None else LimitSpec(limit)
         self.options = {k: v for k, v in options.items() if v is not None}
         Policy().with_options(self.options)  # checks each given option now
         if app is not None and not isinstance(app, Celery):
             raise SemaphoreValidationError(f"app must be a Celery app or None, got {app!r}")
         self.app = app
+        if app is not None or self.limits is None:
+            self.policy_and_limits(app, settings=False)  # a missing limit fails now
         self.redis = redis
         self.retries = check.check_retries(retries)
         self.retry_delay = check.check_delay(retry_delay)
         self._lock = threading.Lock()
         # Weakly keyed by app: an app that is collected takes its Semaphore with it, and a
         # new app at the same address is never handed the old one.
-        self._resolved: weakref.WeakKeyDictionary[Celery, tuple[Semaphore, Policy]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._unbound: tuple[Semaphore, Policy] | None = None
+        self._resolved: weakref.WeakKeyDictionary[Celery, Bound] = weakref.WeakKeyDictionary()
+        self._unbound: Bound | None = None
 
     def __repr__(self) -> str:
-        return f"<Runner {self.template.source!r} limit={self.limit} options={self.options}>"
+        limit = "declared" if self.limits is None else self.limits.source
+        return f"<Runner {self.template.source!r} limit={limit} options={self.options}>"
 
-    def resolve(self, app: Celery | None) -> tuple[Semaphore, Policy]:
-        """The semaphore and the effective policy for runs under ``app`` (cached).
+    def options_of(self, app: Celery | None) -> dict[str, Any]:
+        """The policy options of runs under ``app``: this task's, over those its semaphore's
+        ``app.conf.semaphores`` declaration gives.
+
+        Raises:
+            SemaphoreValidationError: an app setting is invalid.
+        """
+        declared = declared_for(app, self.template.source)
+        return {**{k: v for k, v in declared.items() if k in POLICY_FIELDS}, **self.options}
+
+    def policy_and_limits(
+        self, app: Celery | None, settings: bool = True
+    ) -> tuple[Policy, LimitSpec]:
+        """The effective policy and the limit option of runs under ``app``, without making a
+        semaphore (the asyncio twin makes its own). With ``settings`` False, only
+        ``app.conf.semaphores`` is read (binding a task checks its limit so, before the
+        app's other settings, which a worker checks when it starts), and the policy is the
+        task's own options over the defaults.
+
+        Raises:
+            SemaphoreValidationError: as :meth:`resolve`.
+        """
+        limits = self.limits
+        declarations = declared_for(app, self.template.source, settings)
+        if limits is None:
+            declared = declarations.get("limit")
+            if declared is None:
+                raise SemaphoreValidationError(
+                    f"semaphore {self.template.source!r}: limit is required: give the task "
+                    "limit=..., or declare the semaphore in app.conf.semaphores (with "
+                    "@bounded, also give app=, so that the declaration can be found)"
+                )
+            limits = LimitSpec(declared)
+        if not settings:
+            return Policy().with_options(self.options), limits
+        return task_policy(app, self.options_of(app)), limits
+
+    def resolve(self, app: Celery | None) -> Bound:
+        """The semaphore, the effective policy and the limit option for runs under ``app``
+        (cached).
 
         With no app (a plain call of a function given ``redis=``), the built-in defaults
         stand in for the app's settings.
 
         Raises:
-            SemaphoreValidationError: an app setting is invalid, or conflicts with this
-                task's options (say an app-wide heartbeat above half the task's lease).
+            SemaphoreValidationError: an app setting is invalid, conflicts with this task's
+                options (say an app-wide heartbeat above half the task's lease), or the task
+                gives no limit and ``app.conf.semaphores`` declares none for it.
         """
         found = self._unbound if app is None else self._resolved.get(app)
         if found is not None:
@@ -148,19 +196,19 @@ class Runner:
         with self._lock:
             found = self._unbound if app is None else self._resolved.get(app)
             if found is None:
-                policy = task_policy(app, self.options)
+                policy, limits = self.policy_and_limits(app)
                 prefix = DEFAULT_PREFIX if app is None else app_settings(app).prefix
                 client = self.redis if self.redis is not None else client_for(app)
                 semaphore = Semaphore(
                     client,
-                    self.limit,
+                    limits.default,
                     policy.lease,
                     prefix,
                     claim_timeout=policy.claim_timeout,
                     on_handoff=None if app is None else publisher_for(app),
                     handoff_grace=policy.handoff_grace,
                 )
-                found = (semaphore, policy)
+                found = Bound(semaphore, policy, limits)
                 if app is None:
                     self._unbound = found
                 else:
@@ -209,134 +257,109 @@ class Runner:
 
     def _call_plain(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         app = self.app if self.app is not None or self.redis is not None else get_current_app()
-        semaphore, policy = self.resolve(app)
+        bound = self.resolve(app)
         key = self.key_for(args, kwargs)
+        limit = bound.limits.for_call(key, args, kwargs)
         started = time.monotonic()
-        slot = semaphore.acquire(key, retries=self.retries, retry_delay=self.retry_delay)
+        slot = bound.semaphore.acquire(
+            key, limit=limit, retries=self.retries, retry_delay=self.retry_delay
+        )
         if slot is None:
-            raise self._refused(None, _full_error(key, self.limit))
-        return self._run(None, slot, policy, time.monotonic() - started, fn, args, kwargs)
+            raise self._refused(None, _full_error(key, limit))
+        return run_body(
+            None,
+            slot,
+            bound.policy,
+            time.monotonic() - started,
+            self.template.source,
+            fn,
+            args,
+            kwargs,
+        )
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        semaphore, policy = self.resolve(task.app)
+        semaphore, policy, _ = bound = self.resolve(task.app)
         key = self.key_for(args, kwargs)
+        limit = bound.limits.for_call(key, args, kwargs)
         budget = policy.wait_budget()
         started = time.monotonic()
-        slot = semaphore.acquire(key, wait=budget, metadata=_task_metadata(task))
+        slot = semaphore.acquire(key, limit=limit, wait=budget, metadata=_task_metadata(task))
         if slot is None:
             raise self._refused(
                 task,
                 SemaphoreNotAcquiredError(
-                    f"semaphore {key!r} had all {self.limit} slots held for {budget:g}s "
+                    f"semaphore {key!r} had all {limit} slots held for {budget:g}s "
                     f"(task {task.name} run outside a worker waits instead of being shed)",
                     key,
-                    self.limit,
+                    limit,
                 ),
             )
-        return self._run(task, slot, policy, time.monotonic() - started, fn, args, kwargs)
+        waited = time.monotonic() - started
+        return run_body(task, slot, policy, waited, self.template.source, fn, args, kwargs)
 
     def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         key = self.key_for(args, kwargs)
         started = time.monotonic()
         metadata = _task_metadata(task)
+        limit = None
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
-            semaphore, policy = self.resolve(task.app)
+            semaphore, policy, _ = bound = self.resolve(task.app)
+            limit = bound.limits.for_call(key, args, kwargs)
             if is_give_up(task.request):
                 try:
-                    give_up_or_end(task, semaphore, policy, key)
+                    give_up_or_end(task, semaphore, policy, key, limit)
                 except SemaphoreNotAcquiredError as exc:
                     raise self._refused(task, exc) from None
             slot = (
-                claim_or_end(task, semaphore, key, metadata) if is_handoff(task.request) else None
+                claim_or_end(task, semaphore, key, limit, metadata)
+                if is_handoff(task.request)
+                else None
             )
             if slot is None:
-                slot = self._ask(task, semaphore, policy, key, metadata)
+                slot = self._ask(task, semaphore, policy, key, limit, metadata)
         except SemaphoreBackendError as exc:
-            policy = task_policy(task.app, self.options)
+            policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
                 raise
-            self._shed(task, policy, key, f"Redis unreachable: {exc}")
+            self._shed(task, policy, key, limit, f"Redis unreachable: {exc}")
         if slot is None:
             if policy.on_full == "raise":
-                raise self._refused(task, _full_error(key, self.limit))
-            self._shed(task, policy, key, "all slots held")
+                raise self._refused(task, _full_error(key, limit))
+            self._shed(task, policy, key, limit, "all slots held")
         waited = time.monotonic() - started
         first = first_asked(task.request)
         if first is not None:  # parked or shed before: the wait counts from the first ask
             waited = max(waited, time.time() - first)
         try:
-            return self._run(task, slot, policy, waited, fn, args, kwargs)
+            return run_body(task, slot, policy, waited, self.template.source, fn, args, kwargs)
         except SemaphoreLeaseLostError:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
-            self._shed(task, policy, key, "slot lost while running")
+            self._shed(task, policy, key, slot.limit, "slot lost while running")
 
     def _ask(
-        self, task: Task, semaphore: Semaphore, policy: Policy, key: str, metadata: Any
+        self,
+        task: Task,
+        semaphore: Semaphore,
+        policy: Policy,
+        key: str,
+        limit: int,
+        metadata: Any,
     ) -> Slot | None:
         """Ask for a slot as ``on_full`` says: a slot, or None when all are held (the caller
         sheds or raises). Parking ends the run (``Ignore``)."""
+        template = self.template.source
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, key, metadata, self.template.source)
+            return park_or_take(task, semaphore, policy, key, limit, metadata, template)
         if policy.on_full == "wait":
             asked = time.time()
-            slot = semaphore.acquire(key, metadata=metadata, wait=policy.wait_timeout)
+            slot = semaphore.acquire(key, limit=limit, metadata=metadata, wait=policy.wait_timeout)
             if slot is None:
-                slot = park_or_take(
-                    task, semaphore, policy, key, metadata, self.template.source, asked
-                )
+                slot = park_or_take(task, semaphore, policy, key, limit, metadata, template, asked)
             return slot
-        return semaphore.acquire(key, metadata=metadata)
-
-    # -- running the body --------------------------------------------------------------
-
-    def _run(
-        self,
-        task: Task | None,
-        slot: Slot,
-        policy: Policy,
-        waited: float,
-        fn: Callable[..., Any],
-        args: Any,
-        kwargs: Any,
-    ) -> Any:
-        """Run the body holding ``slot``; report the moments of its life (see signals)."""
-        interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
-        interrupter = Interrupter(slot) if policy.interrupt else None
-        template = self.template.source
-        semaphore_acquired.send(
-            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, waited=waited
-        )
-        send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
-        started = time.monotonic()
-        try:
-            with guard(slot, interval, renew_failed_reporter(task, slot, template)):
-                token = CURRENT.set(slot)
-                try:
-                    if interrupter is None:
-                        return fn(*args, **kwargs)
-                    with interrupter:
-                        return fn(*args, **kwargs)
-                finally:
-                    CURRENT.reset(token)
-        except SemaphoreLeaseLostError:
-            if not slot.lost.is_set():
-                raise  # another semaphore's loss, inside the body: not ours to restate
-            raise slot.lease_lost_error() from None
-        finally:
-            semaphore_released.send(
-                sender=task,
-                key=slot.key,
-                limit=slot.limit,
-                template=template,
-                slot=slot,
-                held=time.monotonic() - started,
-                lost=slot.lost.is_set(),
-            )
-            if slot.lost.is_set():
-                report_lease_lost(task, slot, template)
+        return semaphore.acquire(key, limit=limit, metadata=metadata)
 
     def _refused(
         self, task: Task | None, error: SemaphoreNotAcquiredError
@@ -351,11 +374,14 @@ class Runner:
         )
         return error
 
-    def _shed(self, task: Task, policy: Policy, key: str, reason: str) -> NoReturn:
+    def _shed(
+        self, task: Task, policy: Policy, key: str, limit: int | None, reason: str
+    ) -> NoReturn:
         """Shed the running task (see :func:`.shedding.shed`), or fail it when its budget is
-        spent."""
+        spent. ``limit`` is None when it could not be computed (Redis was unreachable
+        first)."""
         try:
-            shed(task, policy, key, self.limit, self.template.source, reason)
+            shed(task, policy, key, limit, self.template.source, reason)
         except SemaphoreNotAcquiredError as exc:
             raise self._refused(task, exc) from None
 
@@ -382,7 +408,7 @@ def refusal_of(task: Any) -> SemaphoreValidationError | None:
     return error if isinstance(error, SemaphoreValidationError) else None
 
 
-def _full_error(key: str, limit: int) -> SemaphoreNotAcquiredError:
+def _full_error(key: str, limit: int | None) -> SemaphoreNotAcquiredError:
     return SemaphoreNotAcquiredError(f"semaphore {key!r} has all {limit} slots held", key, limit)
 
 

@@ -9,7 +9,8 @@ task option              app setting                  default    meaning
 ======================== ============================ ========== ==========================
 (none)                   ``semaphore_url``            see below  Redis holding the slots
 (none)                   ``semaphore_prefix``         semaphore  key namespace
-``limit``                (none: required per task)               slots per key
+(none)                   ``semaphores``               {}         semaphores declared by name
+``limit``                (declared, else required)               slots per key (or per run)
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
 ``on_full``              ``semaphore_on_full``        "queue"    "queue" (park), "wait" (then
@@ -35,7 +36,7 @@ otherwise it must be set.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -44,6 +45,7 @@ from celery import Celery
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..errors import SemaphoreValidationError
+from .limits import declared_semaphores
 from .policy import POLICY_FIELDS, Policy
 from .store import Store, resolve_store
 
@@ -56,11 +58,15 @@ class AppSettings:
         store (Store): the Redis holding the slots (see :func:`resolve_store`).
         prefix (str): key namespace.
         policy (Policy): app-wide defaults for the task options.
+        declared (Mapping[str, Mapping[str, Any]]): ``app.conf.semaphores``: the options
+            (``limit`` and any policy option) of each semaphore declared by name, which the
+            tasks that name it as their ``semaphore`` inherit.
     """
 
     store: Store
     prefix: str
     policy: Policy
+    declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -93,7 +99,8 @@ def app_settings(app: Celery) -> AppSettings:
         policy = Policy().with_options(options)
     except SemaphoreValidationError as exc:
         raise SemaphoreValidationError(f"app.conf.semaphore_{exc}", None, None) from None
-    settings = AppSettings(store=store, prefix=prefix, policy=policy)
+    declared = declared_semaphores(conf.get("semaphores"))
+    settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared)
     app._semaphore_settings = settings
     return settings
 
@@ -113,6 +120,22 @@ def client_for(app: Celery) -> redis.Redis:
     if client is None:
         client = app.__dict__["_semaphore_client"] = settings.store.connect()
     return client
+
+
+def declared_for(app: Celery | None, name: str, settings: bool = True) -> Mapping[str, Any]:
+    """The options ``app.conf.semaphores`` declares for the semaphore ``name`` (a task's
+    ``semaphore`` option as written); empty when it declares none, or with no app. With
+    ``settings`` False, ``app.conf.semaphores`` is read on its own, not with (and without
+    checking) the app's other ``semaphore_*`` settings.
+
+    Raises:
+        SemaphoreValidationError: an app setting is invalid.
+    """
+    if app is None:
+        return {}
+    if not settings:
+        return declared_semaphores(app.conf.get("semaphores")).get(name, {})
+    return app_settings(app).declared.get(name, {})
 
 
 def task_policy(app: Celery | None, options: Mapping[str, Any]) -> Policy:

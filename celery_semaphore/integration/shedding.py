@@ -87,7 +87,9 @@ def first_asked(request: Any) -> float | None:
     return float(value) if value else None
 
 
-def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason: str) -> NoReturn:
+def shed(
+    task: Task, policy: Policy, key: str, limit: int | None, template: str, reason: str
+) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 
     The RETRY state is stored *before* the message is published, and the run then ends with
@@ -127,7 +129,7 @@ def shed(task: Task, policy: Policy, key: str, limit: int, template: str, reason
     mark_retry(task)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
     logger.info(
-        "%ssemaphore %r (limit %d): shed (%s), runs again in %.2fs",
+        "%ssemaphore %r (limit %s): shed (%s), runs again in %.2fs",
         task_label(task),
         key,
         limit,

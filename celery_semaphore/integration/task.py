@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, NoReturn
 
 from celery import Celery, Task
@@ -36,7 +36,11 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         semaphore (str | Callable[..., str]): the key; a ``str.format`` template over the
             task's arguments (``"tenant:{tenant_id}"``) or a callable taking the task's
             arguments. Required.
-        limit (int): how many runs may hold a slot of one key at once. Required.
+        limit (int | Callable[..., int] | Mapping[str, int]): how many runs may hold a slot
+            of one key at once; or a callable of the task's arguments that returns the run's
+            key's limit; or a mapping from key to limit, with ``"*"`` for every other key.
+            Leave it out when ``app.conf.semaphores`` declares the semaphore (then its
+            declared options apply too, under the task's own).
         lease, heartbeat, on_full, wait_timeout, claim_timeout, handoff_grace, max_queued,
         on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown, shed_max_retries,
         shed_timeout, interrupt: see
@@ -49,7 +53,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
     abstract = True
     semaphore: ClassVar[str | Callable[..., str] | None] = None
-    limit: ClassVar[int | None] = None
+    limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
     lease: ClassVar[float | None] = None
     heartbeat: ClassVar[float | bool | None] = None
     on_full: ClassVar[str | None] = None

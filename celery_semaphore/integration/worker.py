@@ -313,7 +313,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             found = runner_of(task)
             if found is None:
                 continue
-            policy = task_policy(app, found[0].options)
+            policy = task_policy(app, found[0].options_of(app))
             # "wait" parks too, once its wait is over.
             self.queues = self.queues or policy.on_full in ("queue", "wait")
             if visibility is not None and policy.shed_max_countdown > visibility / 2:
@@ -321,8 +321,6 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                     f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
                     f"must be at most half the Redis broker's visibility_timeout "
                     f"({visibility:g}s), or held-back messages are delivered twice",
-                    None,
-                    found[0].limit,
                 )
             try:
                 found[0].resolve(app)

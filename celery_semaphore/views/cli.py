@@ -4,6 +4,7 @@ Installed through Celery's ``celery.commands`` entry point, so it is a subcomman
 ``celery`` program and gets the app from ``-A``::
 
     celery -A proj semaphore status [KEY...] [--json]
+    celery -A proj semaphore set-limit KEY LIMIT | set-limit KEY --clear
     celery -A proj semaphore release-all KEY [--yes]
     celery -A proj semaphore watch [KEY...] [--interval 1.0]
     celery -A proj semaphore flower [flower options]
@@ -21,7 +22,9 @@ import click
 from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
+from ..core.room import HandoffRoute
 from ..errors import SemaphoreError
+from ..integration.room import publisher_for
 from ..integration.settings import app_settings, client_for
 from .inspection import SemaphoreView, views
 
@@ -37,13 +40,24 @@ def _app(ctx: click.Context) -> Celery:
 def _views(app: Celery, keys: tuple[str, ...]) -> list[SemaphoreView]:
     try:
         settings = app_settings(app)
-        return views(client_for(app), keys or None, settings.prefix)
+        # Declared keys are listed even when idle; a template ("tenant:{id}") names no key.
+        declared = {name: options["limit"] for name, options in settings.declared.items()
+                    if isinstance(options.get("limit"), int) and "{" not in name}  # fmt: skip
+        return views(client_for(app), keys or None, settings.prefix, declared)
     except SemaphoreError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
 def _seconds(value: float) -> str:
     return f"{value:.1f}s"
+
+
+def _live(sem: SemaphoreView) -> str:
+    """What status says of a key's live limit: its value, who set it and when."""
+    if sem.live is None:
+        return ""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sem.live.set_at))
+    return f" (live limit {sem.live.limit}, set by {sem.live.by} at {when})"
 
 
 def render(semaphores: list[SemaphoreView]) -> str:
@@ -53,12 +67,13 @@ def render(semaphores: list[SemaphoreView]) -> str:
     lines = []
     for sem in semaphores:
         if not sem.holders and not sem.waiting:
-            lines.append(f"{sem.key}  no slot held")
+            limit = f", limit {sem.limit}" if sem.limit else ""
+            lines.append(f"{sem.key}  no slot held{limit}{_live(sem)}")
             continue
         queued = ""
         if sem.oldest_wait is not None:
             queued = f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})"
-        lines.append(f"{sem.key}  {sem.in_use}/{sem.limit or '?'} in use{queued}")
+        lines.append(f"{sem.key}  {sem.in_use}/{sem.limit or '?'} in use{queued}{_live(sem)}")
         rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
         for holder in sem.holders:
             meta = holder.metadata
@@ -98,6 +113,35 @@ def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool) -> None:
         click.echo(json.dumps([sem.as_dict() for sem in found], indent=2, sort_keys=True))
     else:
         click.echo(render(found))
+
+
+@semaphore.command(name="set-limit")
+@click.argument("key")
+@click.argument("limit", type=click.IntRange(min=1, max=2**31 - 1), required=False)
+@click.option("--clear", is_flag=True, help="Drop the live limit: the code's limit applies again.")
+@click.pass_context
+def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bool) -> None:
+    """Set KEY's live limit to LIMIT, in Redis, for every worker at once, with no deploy.
+
+    It wins over the limit in the code (or app.conf.semaphores) until --clear. The next
+    acquire uses it. Lowering it evicts nobody: running tasks keep their slots and new ones
+    wait until the key is under the new limit. Raising it starts parked runs at once. The
+    change is logged, and status shows who set it and when.
+    """
+    if (limit is None) == (not clear):
+        raise click.UsageError("give a LIMIT, or --clear (not both)")
+    app = _app(ctx)
+    try:
+        settings = app_settings(app)
+        route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
+                             settings.policy.handoff_grace)  # fmt: skip
+        admin = SemaphoreAdmin(client_for(app), settings.prefix, route)
+        previous = admin.set_limit(key, limit)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    was = "none" if previous is None else previous
+    now = "cleared" if limit is None else f"set to {limit}"
+    click.echo(f"Live limit of {key!r} {now} (was {was}).")
 
 
 @semaphore.command(name="release-all")

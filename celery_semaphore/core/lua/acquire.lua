@@ -2,15 +2,17 @@
 --
 -- KEYS[1]  slots    sorted set: member = holder token, score = lease expiry (ms, Redis TIME)
 -- KEYS[2]  holders  hash: holder token -> "<acquired_at_ms>|<metadata JSON>"
--- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1)
+-- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any
+-- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless a
+--                     live limit is set, which wins
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
 -- ARGV[3]  token      unique per acquisition
 -- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
 --
--- Returns {1, expires_at_ms, now_ms} when the token holds a slot, or
---         {0, live_holders, now_ms, first_expiry_ms}  when every slot is held by others
---         (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a slot
---         knows when one frees itself).
+-- Returns {1, expires_at_ms, now_ms, limit} when the token holds a slot, or
+--         {0, live_holders, now_ms, first_expiry_ms, limit}  when every slot is held by
+--         others (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a
+--         slot knows when one frees itself); limit is the one that applied.
 --
 -- Expired holders are pruned here when the key is full, so a crashed holder's slot comes
 -- back on the next acquire with no sweeper. A token that already holds a live slot is
@@ -18,7 +20,7 @@
 -- after a lost reply cannot leak a slot. Every reply element is an integer (RESP2/RESP3 safe).
 local slots = KEYS[1]
 local holders = KEYS[2]
-local limit = tonumber(ARGV[1])
+local limit = tonumber(redis.call('HGET', KEYS[3], 'limit')) or tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
 local metadata = ARGV[4]
@@ -30,7 +32,7 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local mine = tonumber(redis.call('ZSCORE', slots, token))
 if mine and mine > now_ms then
-  return {1, mine, now_ms}
+  return {1, mine, now_ms, limit}
 end
 
 -- Lapsed members are pruned only when they stand in the way: a key with a free slot is
@@ -45,7 +47,7 @@ if live >= limit then
   end
   if live >= limit then
     local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-    return {0, live, now_ms, tonumber(first[2])}
+    return {0, live, now_ms, tonumber(first[2]), limit}
   end
 end
 
@@ -58,4 +60,4 @@ if redis.call('PTTL', slots) < lease_ms then
   redis.call('PEXPIRE', slots, lease_ms)
   redis.call('PEXPIRE', holders, lease_ms)
 end
-return {1, expires_at_ms, now_ms}
+return {1, expires_at_ms, now_ms, limit}

@@ -1,13 +1,13 @@
 -- cancel: take a waiter out of the room (its task was revoked or expired, or it gave up),
 -- and hand its reservation, if it had one, to the next waiter.
 --
--- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
+-- KEYS[1..8]  slots, holders, limits, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  waiter    the waiter's id
 -- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
 --
 -- Returns {found, hand-offs...}: found is 1 when the waiter was parked or reserved.
-local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local blocked, wake = KEYS[6], KEYS[7]
+local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local deadlines, blocked, wake = KEYS[6], KEYS[7], KEYS[8]
 local waiter, claim_ms = ARGV[1], tonumber(ARGV[2])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -17,7 +17,7 @@ local found = redis.call('ZREM', room, waiter) + redis.call('HDEL', parked, wait
 redis.call('ZREM', deadlines, waiter)
 redis.call('HDEL', holders, '~' .. waiter)
 local reply = {found > 0 and 1 or 0}
-local limit = tonumber(redis.call('HGET', parked, '!limit'))
+local limit = room_limit(limits, parked)
 if limit then
   room_prune(slots, holders, room, parked, now)
   local out = {}

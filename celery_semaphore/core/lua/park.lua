@@ -1,8 +1,9 @@
 -- park: take a slot for a waiter in arrival order, or park it in the waiting room; or, in
 -- claim mode, take the slot reserved for it by a hand-off.
 --
--- KEYS[1..8]  slots, holders, room, parked, deadlines, blocked, wake, claims (see room.lua)
--- ARGV[1]  limit        the key's limit (integer >= 1)
+-- KEYS[1..9]  slots, holders, limits, room, parked, deadlines, blocked, wake, claims (see
+--             room.lua)
+-- ARGV[1]  limit        the key's limit (integer >= 1); a live limit, when set, wins
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
 -- ARGV[3]  token        unique per acquisition
 -- ARGV[4]  metadata     JSON text describing the holder
@@ -21,22 +22,23 @@
 -- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
 --                       recorded with the claim
 --
--- Returns {1, expires_at_ms, now_ms, hand-offs...}   the waiter holds a slot (token)
---         {0, position, now_ms, hand-offs...}        parked; position 0 is the next served
---         {-1, queued, now_ms}                        the room is full (max_queued)
---         {-2, again, now_ms}                         claim mode: nothing reserved or parked
+-- Returns {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
+--         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
+--         {-1, queued, now_ms, limit}                        the room is full (max_queued)
+--         {-2, again, now_ms, limit}                         claim mode: nothing reserved or parked
 --                                                     for this waiter; again is 1 when this
 --                                                     very delivery claimed a slot before (the
 --                                                     broker delivered it again: its run was
 --                                                     lost), 0 for another copy (a duplicate)
--- hand-offs are {waiter, payload} pairs for slots freed here and reserved for older waiters;
--- the caller publishes them.
+-- limit is the one that applied; hand-offs are {waiter, payload} pairs for slots freed here
+-- and reserved for older waiters; the caller publishes them.
 --
 -- The waiter joins the room before any free slot is handed out, so it is served in arrival
 -- order with everyone else: a free slot goes to it only if no older waiter is parked.
-local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8]
-local limit = tonumber(ARGV[1])
+local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local given = tonumber(ARGV[1])
+local limit = live_limit(limits, given)
 local lease_ms = tonumber(ARGV[2])
 local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
@@ -73,18 +75,18 @@ local function take(member)
 end
 
 local mine = redis.call('ZSCORE', slots, token)
-if mine then return {1, tonumber(mine), now} end
+if mine then return {1, tonumber(mine), now, limit} end
 if redis.call('ZSCORE', slots, '~' .. waiter) then
-  return {1, take('~' .. waiter), now}
+  return {1, take('~' .. waiter), now, limit}
 end
 
 local known = arrival_of(parked, waiter)
 if mode == 'claim' and not known then
   local again = delivery ~= '' and redis.call('HGET', claims, waiter) == delivery
-  return {-2, again and 1 or 0, now}
+  return {-2, again and 1 or 0, now, limit}
 end
 if not known and max_queued > 0 and redis.call('ZCARD', room) >= max_queued then
-  return {-1, redis.call('ZCARD', room), now}
+  return {-1, redis.call('ZCARD', room), now, limit}
 end
 if known then
   arrival = known
@@ -93,17 +95,18 @@ if known then
     payload = payload_of(entry)
   end
 end
-redis.call('HSET', parked, waiter, arrival .. '|' .. payload, '!limit', limit)
+-- The caller's own limit: release and sweep fall back on it once a live limit is cleared.
+redis.call('HSET', parked, waiter, arrival .. '|' .. payload, '!limit', given)
 redis.call('ZADD', room, arrival, waiter)
 if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
 local out = {}
 room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
-local reply = {0, 0, now}
+local reply = {0, 0, now, limit}
 local others = {}
 for i = 1, #out, 2 do
   if out[i] == waiter then
-    reply = {1, take('~' .. waiter), now}
+    reply = {1, take('~' .. waiter), now, limit}
   else
     others[#others + 1] = out[i]
     others[#others + 1] = out[i + 1]
@@ -119,7 +122,7 @@ if reply[1] == 0 and grace_ms > 0 then
     if string.sub(member, 1, 1) == '~' then
       local passed = string.sub(member, 2)
       room_requeue(room, parked, arrival_of(parked, passed) or now, passed)
-      reply = {1, take(member), now}
+      reply = {1, take(member), now, limit}
       break
     end
   end

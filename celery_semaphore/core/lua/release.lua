@@ -1,6 +1,6 @@
 -- release: give one slot back, and hand it to the oldest parked waiter in the same step.
 --
--- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
+-- KEYS[1..8]  slots, holders, limits, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  token     the holder's token
 -- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1), or
 --                    0 when the caller cannot publish hand-offs: the slot is left free, and
@@ -10,10 +10,11 @@
 -- (present, expiry in the future), 0 when it had lapsed or been taken away (the bound did
 -- not hold for the whole body); hand-offs are {waiter, payload} pairs the caller publishes.
 -- The holder is removed either way, and a semaphore with no holder and no room is deleted.
--- The limit comes from the room ("!limit", written by park.lua): no room, no hand-off.
+-- The limit comes from the room (a live limit, else "!limit", written by park.lua): no room,
+-- no hand-off.
 -- A freed slot that no parked waiter took wakes one caller blocked on the wake list.
-local slots, holders, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local blocked, wake = KEYS[6], KEYS[7]
+local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local blocked, wake = KEYS[7], KEYS[8]
 local token, claim_ms = ARGV[1], tonumber(ARGV[2])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -26,7 +27,7 @@ if score then
   redis.call('ZREM', slots, token)
   redis.call('HDEL', holders, token)
 end
-local limit = tonumber(redis.call('HGET', parked, '!limit'))
+local limit = room_limit(limits, parked)
 if limit and claim_ms > 0 then
   room_prune(slots, holders, room, parked, now)
   local out = {}

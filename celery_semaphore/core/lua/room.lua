@@ -4,8 +4,11 @@
 -- Keys of one semaphore (one hash tag, so one cluster slot):
 --   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>"
 --   holders  hash: token -> "<acquired_at_ms>|<metadata JSON>"
+--   limits   hash: "limit" -> a live limit an operator set, "set_at" -> when (ms), "by" -> who;
+--            it overrides the callers' limit while it exists (set_limit.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
---   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the key's limit
+--   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the limit the last
+--            parking caller gave (a live limit, when set, overrides it)
 --   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
 --            time budget are in it (sweep.lua sends them their give-up)
 --   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
@@ -23,6 +26,18 @@
 local function room_now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The limit that applies: a live limit if one is set, else `given` (a number or nil).
+local function live_limit(limits, given)
+  return tonumber(redis.call('HGET', limits, 'limit')) or given
+end
+
+-- The limit a release or sweep hands slots out by, or nil when the key has no room.
+local function room_limit(limits, parked)
+  local given = tonumber(redis.call('HGET', parked, '!limit'))
+  if not given then return nil end
+  return live_limit(limits, given)
 end
 
 local function arrival_of(parked, waiter)

@@ -1,6 +1,6 @@
 -- sweep: the waiting room's safety net, run on a timer by every worker of the app.
 --
--- KEYS[1..7]  slots, holders, room, parked, deadlines, blocked, wake (see room.lua)
+-- KEYS[1..8]  slots, holders, limits, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
 --
 -- Returns {alive, hand-offs, give-ups}: alive is 0 once the room is gone (nothing parked);
@@ -16,13 +16,13 @@
 -- caller to publish as a give-up (the run then cancels itself and fails). It stays parked
 -- until that run cancels it, and its deadline moves claim_ms ahead, so a give-up whose
 -- message was lost is sent again, and a hand-off that comes first still starts it.
-local slots, holders, room, parked, deadlines = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local blocked, wake = KEYS[6], KEYS[7]
+local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local deadlines, blocked, wake = KEYS[6], KEYS[7], KEYS[8]
 local claim_ms = tonumber(ARGV[1])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
-local limit = tonumber(redis.call('HGET', parked, '!limit'))
+local limit = room_limit(limits, parked)
 if not limit then
   redis.call('DEL', deadlines)
   return {0, {}, {}}

@@ -1,0 +1,88 @@
+"""Run a bounded task's body holding its slot: renewal, ``interrupt``, :func:`current_slot`,
+and the signals and task events of the slot's life.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery import Task
+
+from ..core import validation as check
+from ..core.interrupt import Interrupter
+from ..core.semaphore import guard
+from ..core.slot import Slot
+from ..errors import SemaphoreLeaseLostError
+from .current import CURRENT
+from .policy import Policy
+from .signals import (
+    renew_failed_reporter,
+    report_lease_lost,
+    semaphore_acquired,
+    semaphore_released,
+    send_event,
+)
+
+
+def run_body(
+    task: Task | None,
+    slot: Slot,
+    policy: Policy,
+    waited: float,
+    template: str,
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """Call ``fn(*args, **kwargs)`` holding ``slot``, renewed as ``policy`` says, and release
+    it on every path out; report the moments of its life (see :mod:`.signals`).
+
+    Args:
+        task (Task | None): the running task (None for a plain call).
+        slot (Slot): the slot just taken.
+        policy (Policy): the heartbeat and ``interrupt`` to run under.
+        waited (float): seconds the run waited for its slot, for the signals.
+        template (str): the ``semaphore`` option as written, for the signals.
+
+    Returns:
+        Any: what the body returned.
+
+    Raises:
+        SemaphoreLeaseLostError: the slot was lost while the body ran, even if it returned.
+        Exception: whatever the body raised.
+    """
+    interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
+    interrupter = Interrupter(slot) if policy.interrupt else None
+    semaphore_acquired.send(
+        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, waited=waited
+    )
+    send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
+    started = time.monotonic()
+    try:
+        with guard(slot, interval, renew_failed_reporter(task, slot, template)):
+            token = CURRENT.set(slot)
+            try:
+                if interrupter is None:
+                    return fn(*args, **kwargs)
+                with interrupter:
+                    return fn(*args, **kwargs)
+            finally:
+                CURRENT.reset(token)
+    except SemaphoreLeaseLostError:
+        if not slot.lost.is_set():
+            raise  # another semaphore's loss, inside the body: not ours to restate
+        raise slot.lease_lost_error() from None
+    finally:
+        semaphore_released.send(
+            sender=task,
+            key=slot.key,
+            limit=slot.limit,
+            template=template,
+            slot=slot,
+            held=time.monotonic() - started,
+            lost=slot.lost.is_set(),
+        )
+        if slot.lost.is_set():
+            report_lease_lost(task, slot, template)
