@@ -23,6 +23,7 @@ from celery_semaphore import (
     Semaphore,
     SemaphoreLeaseLostError,
     SemaphoreNotAcquiredError,
+    SemaphoreValidationError,
     bounded,
 )
 from celery_semaphore.testing import RedisServer, unbounded
@@ -167,3 +168,11 @@ def test_a_bounded_coroutine_whose_slot_is_lost_raises(redis_server: RedisServer
     with pytest.raises(SemaphoreLeaseLostError):
         run(long_call)
     assert cancelled == [True]
+
+
+@pytest.mark.parametrize("on_full", ["queue", "retry"])
+def test_a_coroutine_refuses_an_on_full_that_needs_a_task_message(on_full: str) -> None:
+    with pytest.raises(SemaphoreValidationError, match=f"on_full='{on_full}' needs a Celery task"):
+
+        @bounded("k", 1, redis="redis://127.0.0.1:1/0", on_full=on_full)
+        async def call() -> None: ...

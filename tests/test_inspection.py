@@ -235,7 +235,7 @@ def test_a_worker_will_not_start_with_a_setting_that_breaks_a_task(
     # The app-wide heartbeat is above half of csem.long_body's 1 s lease.
     app = make_app(redis_server.url, semaphore_heartbeat=5.0)
     with (
-        pytest.raises(SemaphoreValidationError, match="heartbeat"),
+        pytest.raises(SemaphoreValidationError, match=r"task 'csem\.long_body': heartbeat"),
         start_worker(app, pool="solo", perform_ping_check=False),
     ):
         pass

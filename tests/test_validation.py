@@ -147,3 +147,16 @@ def test_metadata_cannot_overwrite_host_pid_or_limit(redis_server: RedisServer) 
     assert holder.metadata["limit"] == 2
     assert holder.metadata["job"] == 1
     slot.release()
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/abc", "rediss://127.0.0.1/0x1"])
+def test_a_url_whose_path_is_not_a_database_number_is_refused(url: str) -> None:
+    """redis-py would quietly use database 0 for such a path."""
+    with pytest.raises(SemaphoreValidationError, match="database number"):
+        Semaphore(url, limit=1)
+    assert (
+        Semaphore("redis://127.0.0.1:6379/3", limit=1).client.connection_pool.connection_kwargs[
+            "db"
+        ]
+        == 3
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from typing import Any, TypeAlias, cast
-from urllib.parse import parse_qs, parse_qsl, unquote, urlencode
+from urllib.parse import parse_qs, parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -179,12 +179,31 @@ def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
         return cast(redis.Redis, _cluster_client(url, options))
     if url.startswith(SENTINEL_SCHEME):
         return _sentinel_client(url, options)
+    _check_database(url)
     try:
         return client_from_options(redis.Redis.from_url, _normalise_query(url), **options)
     except ValueError as exc:  # redis-py's word for a URL it cannot parse
         if isinstance(exc, SemaphoreValidationError):
             raise
         raise SemaphoreValidationError(f"cannot use Redis URL {url!r}: {exc}") from None
+
+
+def _check_database(url: str) -> None:
+    """Refuse a ``redis://``/``rediss://`` path that names no database: redis-py ignores a
+    path that is not a number and uses database 0, so two apps that mistype theirs would
+    silently share slots.
+
+    Raises:
+        SemaphoreValidationError: the path is neither empty nor a database number.
+    """
+    parsed = urlsplit(url)
+    if parsed.scheme not in ("redis", "rediss"):
+        return
+    path = parsed.path.strip("/")
+    if path and not path.isdigit():
+        raise SemaphoreValidationError(
+            f"cannot use Redis URL {url!r}: the path must be a database number, got {path!r}"
+        )
 
 
 def default_options() -> dict[str, Any]:

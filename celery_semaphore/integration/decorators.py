@@ -52,7 +52,8 @@ def bounded(
     and tasks count against one limit. It fails fast, or retries as ``retries`` says, or,
     when ``on_full`` (the option or the app's setting) is ``"wait"``, waits up to
     ``wait_timeout`` seconds for a release to wake it; then it raises
-    :class:`SemaphoreNotAcquiredError`. ``lease``, ``heartbeat`` and ``interrupt`` apply
+    :class:`SemaphoreNotAcquiredError` (an explicit ``on_full="queue"`` or ``"retry"``,
+    which need a task's message, is refused). ``lease``, ``heartbeat`` and ``interrupt`` apply
     (``interrupt`` cancels the call's task when its slot is lost); a lost slot raises
     :class:`SemaphoreLeaseLostError`. Such calls send no signals or task events.
 
@@ -90,6 +91,12 @@ def bounded(
             )
         runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay)
         if inspect.iscoroutinefunction(fn):
+            if options.get("on_full") in ("queue", "retry"):
+                # Parking and shedding re-publish a task's message; a coroutine has none.
+                raise SemaphoreValidationError(
+                    f"on_full={options['on_full']!r} needs a Celery task; on a coroutine "
+                    "function use 'wait' (with wait_timeout), 'raise', or retries="
+                )
             return CoroutineRunner(runner).wrap(fn)  # type: ignore[return-value]
         wrapped: F = runner.wrap(fn)  # type: ignore[assignment]
         return wrapped

@@ -313,7 +313,15 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             found = runner_of(task)
             if found is None:
                 continue
-            policy = task_policy(app, found[0].options_of(app))
+            try:
+                policy = task_policy(app, found[0].options_of(app))
+            except SemaphoreValidationError as exc:
+                raise SemaphoreValidationError(
+                    f"task {task.name!r}: {exc} (its options over the app's semaphore_* "
+                    "settings)",
+                    exc.key,
+                    exc.limit,
+                ) from None
             # "wait" parks too, once its wait is over.
             self.queues = self.queues or policy.on_full in ("queue", "wait")
             if visibility is not None and policy.shed_max_countdown > visibility / 2:
