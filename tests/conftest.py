@@ -11,6 +11,7 @@ import redis
 from celery import Celery
 
 from celery_semaphore import Semaphore
+from celery_semaphore.integration import room
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
 from .celery_apps import make_app
@@ -47,7 +48,9 @@ def shared_redis() -> Iterator[RedisServer]:
     """One server for tests that only need a clean dataset."""
     with RedisServer() as server:
         yield server
-        # Celery AsyncResults talk to the backend in __del__: collect them while it is up.
+        # Celery AsyncResults talk to the backend in __del__: collect them while it is up,
+        # the hand-off publisher's too.
+        room._PUBLISHED.clear()
         gc.collect()
 
 

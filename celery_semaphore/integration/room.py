@@ -19,6 +19,7 @@ run, and ``AsyncResult.get()`` would wait for ever.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import time
@@ -50,6 +51,10 @@ from .stats import bump
 logger = logging.getLogger(__name__)
 
 _PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
+"""The AsyncResults of this process's latest hand-off publishes (see :func:`publisher_for`)."""
+# Dropped at exit while Celery's modules still stand: collected during interpreter teardown,
+# each would print a TypeError from its __del__.
+atexit.register(_PUBLISHED.clear)
 
 
 def is_handoff(request: Any) -> bool:
