@@ -61,14 +61,16 @@ class Acquirer:
         self.background = Background()
         self._record = HolderRecord(limit)
 
-    def metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
-        """The holder record an acquire stores: ``metadata`` with ``host``, ``pid`` and
-        ``limit`` (None: the semaphore's), as JSON.
+    def metadata(
+        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
+    ) -> str:
+        """The holder record an acquire stores: ``metadata`` with ``host``, ``pid``, ``limit``
+        (None: the semaphore's) and a weight above 1, as JSON.
 
         Raises:
             SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
         """
-        return self._record.encode(metadata, limit)
+        return self._record.encode(metadata, limit, weight)
 
     async def run(self, key: str, call: Call[T]) -> T:
         """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""
@@ -76,16 +78,17 @@ class Acquirer:
             return await self.scripts.run(call)
 
     async def take(
-        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int
+        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int, weight: int = 1
     ) -> Admitted | Full:
-        """One acquire round trip under ``limit`` that a cancelled caller cannot leak: the
-        call runs on as a task of its own, and whatever slot it took is given back once its
-        answer is in.
+        """One acquire round trip of ``weight`` units under ``limit`` that a cancelled caller
+        cannot leak: the call runs on as a task of its own, and whatever slot it took is
+        given back once its answer is in.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        attempt = self.background.spawn(self.run(key, acquire_call(keys, limit, ms, token, info)))
+        call = acquire_call(keys, limit, ms, token, info, weight)
+        attempt = self.background.spawn(self.run(key, call))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
@@ -107,19 +110,26 @@ class Acquirer:
         the slot lapses with its lease."""
         try:
             _, handed = await self.run(
-                key, release_call(keys, token, self.handoffs.release_claim_ms)
+                key, release_call(keys, token, self.handoffs.release_claim_ms, None)
             )
             await deliver(self.handoffs, key, handed)
         except SemaphoreBackendError:
             logger.warning("could not give back a slot of %r that nobody holds; it lapses", key)
 
     def slot(
-        self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted, sent_at: float
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        weight: int = 1,
     ) -> AsyncSlot:
         """The slot ``admitted`` describes, kept in :attr:`held` until it is released."""
         slot = AsyncSlot(
             self.scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
-            self.handoffs, self._forget,
+            self.handoffs, self._forget, weight,
         )  # fmt: skip
         self.held[token] = slot
         return slot
@@ -137,6 +147,7 @@ class Acquirer:
         full: Full,
         wait: float,
         limit: int,
+        weight: int = 1,
     ) -> AsyncSlot | None:
         """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
         take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
@@ -159,9 +170,9 @@ class Acquirer:
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = await self.take(keys, key, token, ms, info, limit)
+                reply = await self.take(keys, key, token, ms, info, limit, weight)
                 if isinstance(reply, Admitted):
-                    slot = self.slot(keys, key, token, lease, reply, sent_at)
+                    slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot
                 lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
                 with backend_errors(key, self.limit):

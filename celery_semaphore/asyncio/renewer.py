@@ -73,7 +73,7 @@ class _Flight:
         group: Sequence[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]], timeout: float
     ) -> list[int | None]:
         first = group[0][0].slot
-        call = extend_call([(keys, token, ms) for _, _, keys, token, ms in group])
+        call = extend_call([(keys, token, ms, e.slot.weight) for e, _, keys, token, ms in group])
         with backend_errors(first.key, first.limit):
             try:
                 return await asyncio.wait_for(group[0][1].run(call), timeout)

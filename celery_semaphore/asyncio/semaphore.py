@@ -134,6 +134,7 @@ class AsyncSemaphore:
         key: str,
         *,
         limit: int | None = None,
+        weight: int = 1,
         lease: float | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
@@ -149,6 +150,8 @@ class AsyncSemaphore:
             key (str): the semaphore's key; any non-empty str.
             limit (int | None): this call's limit for ``key``; None: the semaphore's. A live
                 limit set on the key wins over either (as for :meth:`Semaphore.acquire`).
+            weight (int): how many units of the limit the slot takes (as for
+                :meth:`Semaphore.acquire`). Default 1.
             lease (float | None): seconds the slot lives without an extend; None uses the
                 semaphore's lease.
             retries (int): further attempts when every slot is held. 0 (the default) fails
@@ -174,8 +177,9 @@ class AsyncSemaphore:
             key, lease, self.lease, retries, retry_delay, wait
         )
         limit = self.limit if limit is None else check.check_limit(limit)
+        weight = check.check_weight(weight, limit)
         acquirer = self._acquirer
-        info = acquirer.metadata(metadata, limit)
+        info = acquirer.metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         with acquire_span(key, limit) as record:
@@ -183,16 +187,18 @@ class AsyncSemaphore:
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, info, limit)
+                reply = await acquirer.take(keys, key, token, ms, info, limit, weight)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
-                        return acquirer.slot(keys, key, token, seconds, reply, sent_at)
+                        return acquirer.slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
-                slot = await acquirer.wait(keys, key, token, seconds, info, reply, wait, limit)
+                slot = await acquirer.wait(
+                    keys, key, token, seconds, info, reply, wait, limit, weight
+                )
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -204,6 +210,8 @@ class AsyncSemaphore:
         self,
         key: str,
         *,
+        limit: int | None = None,
+        weight: int = 1,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -217,6 +225,8 @@ class AsyncSemaphore:
 
         Args:
             key (str): as for :meth:`acquire`.
+            limit (int | None): as for :meth:`acquire`.
+            weight (int): as for :meth:`acquire`.
             retries (int): as for :meth:`acquire`.
             retry_delay (float): as for :meth:`acquire`.
             lease (float | None): as for :meth:`acquire`.
@@ -251,12 +261,13 @@ class AsyncSemaphore:
         if not isinstance(interrupt, bool):
             raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
         slot = await self.acquire(
-            key, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata,
-            wait=wait,
+            key, limit=limit, weight=weight, lease=lease, retries=retries,
+            retry_delay=retry_delay, metadata=metadata, wait=wait,
         )  # fmt: skip
         if slot is None:
+            limit = self.limit if limit is None else limit
             raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {self.limit} slots held", key, self.limit
+                f"semaphore {key!r} has all {limit} slots held", key, limit
             )
         async with guard(slot, interval, on_renew_error, interrupt):
             yield slot
@@ -266,6 +277,8 @@ class AsyncSemaphore:
         key: str,
         fn: Callable[[AsyncSlot], Awaitable[T]],
         *,
+        limit: int | None = None,
+        weight: int = 1,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -280,7 +293,8 @@ class AsyncSemaphore:
         Arguments, renewal and errors are those of :meth:`hold`.
         """
         async with self.hold(
-            key, retries=retries, retry_delay=retry_delay, lease=lease, heartbeat=heartbeat,
+            key, limit=limit, weight=weight, retries=retries, retry_delay=retry_delay,
+            lease=lease, heartbeat=heartbeat,
             on_renew_error=on_renew_error, metadata=metadata, wait=wait, interrupt=interrupt,
         ) as slot:  # fmt: skip
             return await fn(slot)

@@ -42,6 +42,7 @@ class AsyncSlot(LeaseRecord):
     Attributes:
         key (str): the semaphore's key.
         limit (int): the limit the slot was taken under.
+        weight (int): how many units of the limit it takes (1 unless acquired with a weight).
         token (str): unique to this acquisition; proves ownership to Redis.
         lease (float): seconds the slot lives without an extend (updated by ``extend``).
         lost (asyncio.Event): set the moment the slot is known to be gone. A body can
@@ -66,8 +67,9 @@ class AsyncSlot(LeaseRecord):
         sent_at: float,
         handoffs: HandoffRoute,
         on_release: Callable[[AsyncSlot], object],
+        weight: int = 1,
     ) -> None:
-        super().__init__(key, limit, token, lease, admitted, sent_at)
+        super().__init__(key, limit, token, lease, admitted, sent_at, weight)
         self.lost = asyncio.Event()
         self._scripts = scripts
         self._keys = keys
@@ -150,7 +152,9 @@ class AsyncSlot(LeaseRecord):
             return False
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
-            [expires_at_ms] = await self._scripts.run(extend_call([(self._keys, self.token, ms)]))
+            [expires_at_ms] = await self._scripts.run(
+                extend_call([(self._keys, self.token, ms, self.weight)])
+            )
         if self.renewed(sent_at, seconds, expires_at_ms):
             return True
         if not self.released:  # not given back meanwhile
@@ -181,7 +185,7 @@ class AsyncSlot(LeaseRecord):
     async def _give_back(self) -> bool:
         with backend_errors(self.key, self.limit):
             owned, handed = await self._scripts.run(
-                release_call(self._keys, self.token, self._handoffs.release_claim_ms)
+                release_call(self._keys, self.token, self._handoffs.release_claim_ms, self.weight)
             )
         self._on_release(self)
         if not owned:

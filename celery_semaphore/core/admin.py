@@ -236,7 +236,7 @@ class SemaphoreAdmin:
         check.check_key(token, "token")
         with backend_errors(key, limit):
             live, handed = self._scripts.release(
-                self.keys_of(key), token, self.handoffs.release_claim_ms
+                self.keys_of(key), token, self.handoffs.release_claim_ms, None
             )
         self.handoffs.deliver(key, handed)
         if live:

@@ -71,7 +71,9 @@ class _Batch:
             for rows in groups.values():
                 first = rows[0][0].slot
                 with backend_errors(first.key, first.limit):
-                    expiries = rows[0][1].extend([(k, token, ms) for _, _, k, token, ms in rows])
+                    expiries = rows[0][1].extend(
+                        [(k, token, ms, e.slot.weight) for e, _, k, token, ms in rows]
+                    )
                 for (entry, *_), expiry in zip(rows, expiries, strict=True):
                     self.answers[id(entry)] = expiry
         except BaseException as exc:  # reported to each slot's on_renew_error, then retried

@@ -27,12 +27,21 @@ class LeaseRecord:
         lease (float): seconds the slot lives without an extend.
         admitted (Admitted): the acquire's answer (expiry and server time, ms).
         sent_at (float): ``time.monotonic()`` when that acquire was sent.
+        weight (int): how many units of the limit the slot takes.
     """
 
     def __init__(
-        self, key: str, limit: int, token: str, lease: float, admitted: Admitted, sent_at: float
+        self,
+        key: str,
+        limit: int,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        weight: int = 1,
     ) -> None:
         self.key = key
+        self.weight = weight
         # The limit that applied, as the script answered it (a live limit wins over the
         # caller's; see set_limit.lua).
         self.limit = admitted.limit or limit

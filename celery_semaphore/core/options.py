@@ -76,9 +76,11 @@ class HolderRecord:
         self._host = socket.gethostname()
         self._plain = (0, "")  # (pid, JSON) of a plain acquire's record
 
-    def encode(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
+    def encode(
+        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
+    ) -> str:
         """The JSON record for an acquire with ``metadata`` under ``limit`` (None: the
-        semaphore's).
+        semaphore's), of ``weight`` units (recorded when above 1).
 
         Raises:
             SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
@@ -88,11 +90,13 @@ class HolderRecord:
                 f"metadata must be a mapping or None, got {type(metadata).__name__}"
             )
         pid = os.getpid()
-        plain = not metadata and limit in (None, self.limit)
+        plain = not metadata and limit in (None, self.limit) and weight == 1
         if plain and self._plain[0] == pid:
             return self._plain[1]
         # host, pid and limit are facts about the holder: the caller's metadata cannot change them.
         record = {**(metadata or {}), "host": self._host, "pid": pid, "limit": limit or self.limit}
+        if weight != 1:
+            record["weight"] = weight
         try:
             text = json.dumps(record, separators=(",", ":"), sort_keys=True)
         except (TypeError, ValueError, RecursionError) as exc:

@@ -52,14 +52,23 @@ class WaitingRoom:
     def _redis_keys(self, key: str) -> Keys:
         raise NotImplementedError
 
-    def _metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
+    def _metadata(
+        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
+    ) -> str:
         raise NotImplementedError
 
     def _limit(self, limit: int | None) -> int:
         raise NotImplementedError
 
     def _slot(
-        self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted, sent_at: float
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        weight: int = 1,
     ) -> Slot:
         raise NotImplementedError
 
@@ -70,6 +79,7 @@ class WaitingRoom:
         payload: bytes,
         *,
         limit: int | None = None,
+        weight: int = 1,
         arrival: float | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -92,6 +102,9 @@ class WaitingRoom:
             payload (bytes): what ``on_handoff`` gets to start the waiter again (opaque).
             limit (int | None): as for :meth:`acquire`; the room hands slots out by the
                 limit its last parked waiter gave (or by a live limit, when one is set).
+            weight (int): as for :meth:`acquire`. The room serves waiters in strict order:
+                a heavy waiter at its head waits for room enough, and lighter ones behind
+                it are not served first.
             arrival (float | None): epoch seconds when the waiter first asked; None: now.
             lease (float | None): lease of a slot taken now; None: the semaphore's.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
@@ -116,7 +129,7 @@ class WaitingRoom:
         result = self._park(
             key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
             claim_only=False, deadline_ms=0 if deadline is None else round(deadline * 1000),
-            limit=limit,
+            limit=limit, weight=weight,
         )  # fmt: skip
         assert not isinstance(result, NotWaiting)
         return result
@@ -127,6 +140,7 @@ class WaitingRoom:
         waiter: str,
         *,
         limit: int | None = None,
+        weight: int = 1,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
         room_ttl: float = DEFAULT_ROOM_TTL,
@@ -138,6 +152,7 @@ class WaitingRoom:
             key (str): the semaphore's key.
             waiter (str): the waiter's id.
             limit (int | None): as for :meth:`park`.
+            weight (int): as for :meth:`park`: the weight the waiter parked with.
             lease (float | None): lease of the slot taken; None: the semaphore's.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
             room_ttl (float): as for :meth:`park`.
@@ -160,7 +175,7 @@ class WaitingRoom:
             check.check_key(delivery, "delivery")
         result = self._park(
             key, waiter, b"", None, lease, metadata, 0, room_ttl,
-            claim_only=True, deadline_ms=0, delivery=delivery, limit=limit,
+            claim_only=True, deadline_ms=0, delivery=delivery, limit=limit, weight=weight,
         )  # fmt: skip
         assert not isinstance(result, RoomFull)
         return result
@@ -180,11 +195,14 @@ class WaitingRoom:
         deadline_ms: int,
         delivery: str = "",
         limit: int | None = None,
+        weight: int = 1,
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check.check_key(waiter, "waiter")
-        if waiter[0] in "~!":
-            raise SemaphoreValidationError(f"waiter must not start with ~ or !, got {waiter!r}")
+        if waiter[0] in "~!" or "#" in waiter:
+            raise SemaphoreValidationError(
+                f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
+            )
         if not isinstance(payload, bytes):
             raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
         seconds = self.lease if lease is None else lease
@@ -195,7 +213,8 @@ class WaitingRoom:
         check.check_retries(max_queued, "max_queued")
         ttl_ms = check.lease_ms(room_ttl, "room_ttl")
         limit = self._limit(limit)
-        info = self._metadata(metadata, limit)
+        weight = check.check_weight(weight, limit)
+        info = self._metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         sent_at = time.monotonic()
@@ -203,14 +222,14 @@ class WaitingRoom:
             result, handed = self._scripts.park(
                 keys, limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
-                self.handoffs.grace_ms, delivery,
+                self.handoffs.grace_ms, delivery, weight,
             )  # fmt: skip
             record(1, _OUTCOMES[type(result)])
         self.handoffs.deliver(key, handed)
         if isinstance(result, Parked):
             self.admin.index_room(key, ttl_ms)
         if isinstance(result, Admitted):
-            return self._slot(keys, key, token, seconds, result, sent_at)
+            return self._slot(keys, key, token, seconds, result, sent_at, weight)
         return result
 
     def _wait_for_slot(
@@ -223,6 +242,7 @@ class WaitingRoom:
         full: Full,
         wait: float,
         limit: int,
+        weight: int = 1,
     ) -> Slot | None:
         """After ``full``, block for up to ``wait`` seconds until a release wakes this caller
         (BLPOP on the key's wake list, pushed by release.lua when the room does not take the
@@ -241,9 +261,9 @@ class WaitingRoom:
                     # Registered before asking again: a release in between pushes a wake.
                     now_ms = self._scripts.block(keys, token, math.ceil(remaining * 1000))
                     sent_at = time.monotonic()
-                    reply = self._scripts.acquire(keys, limit, ms, token, info)
+                    reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
                     if isinstance(reply, Admitted):
-                        return self._slot(keys, key, token, lease, reply, sent_at)
+                        return self._slot(keys, key, token, lease, reply, sent_at, weight)
                     lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
                     self.client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None

@@ -166,10 +166,12 @@ def _of(
 
 
 def acquire_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
+    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
 ) -> Call[Admitted | Full]:
-    """Take a slot if fewer than ``limit`` live holders hold one."""
-    return _of("acquire", keys, (limit, lease_ms, token, metadata), parse_acquire)
+    """Take ``weight`` units of the key if its live holders leave that many of ``limit``."""
+    args = (limit, lease_ms, token, metadata) if weight == 1 else (
+        limit, lease_ms, token, metadata, weight)  # fmt: skip
+    return _of("acquire", keys, args, parse_acquire)
 
 
 def block_call(keys: Keys, token: str, for_ms: int) -> Call[int]:
@@ -177,18 +179,26 @@ def block_call(keys: Keys, token: str, for_ms: int) -> Call[int]:
     return _of("block", keys, (token, for_ms), int)
 
 
-def extend_call(renewals: Sequence[tuple[Keys, str, int]]) -> Call[list[int | None]]:
-    """Renew each ``(keys, token, lease_ms)`` in one call (all keys in one cluster hash
-    slot): each one's new expiry (epoch ms), or None when its slot is gone."""
-    keys = [name for k, _, _ in renewals for name in k[:2]]
-    args = [value for _, token, ms in renewals for value in (token, ms)]
+Renewal = tuple[Keys, str, int, int]
+"""What extend renews for one slot: its keys, token, new lease (ms) and weight."""
+
+
+def extend_call(renewals: Sequence[Renewal]) -> Call[list[int | None]]:
+    """Renew each ``(keys, token, lease_ms, weight)`` in one call (all keys in one cluster
+    hash slot): each one's new expiry (epoch ms), or None when its slot is gone."""
+    keys = [name for k, _, _, _ in renewals for name in k[:2]]
+    args = [value for _, token, ms, weight in renewals for value in (token, ms, weight)]
     return Call("extend", keys, args, parse_extend)
 
 
-def release_call(keys: Keys, token: str, claim_ms: int) -> Call[tuple[bool, list[Handoff]]]:
-    """Remove ``token``: whether it was still a live holder until now, and the hand-offs
-    of the slot it freed (to the oldest parked waiter)."""
-    return _of("release", keys, (token, claim_ms), parse_release)
+def release_call(
+    keys: Keys, token: str, claim_ms: int, weight: int | None = 1
+) -> Call[tuple[bool, list[Handoff]]]:
+    """Remove ``token`` (of ``weight`` units; None: as many as it has): whether it was still
+    a live holder until now, and the hand-offs of the units it freed (to the oldest parked
+    waiters)."""
+    return _of("release", keys, (token, claim_ms, "" if weight is None else weight),
+               parse_release)  # fmt: skip
 
 
 def set_limit_call(
@@ -231,24 +241,25 @@ class Scripts:
         return call.parse(self._scripts[call.script](keys=call.keys, args=call.args))
 
     def acquire(
-        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str
+        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Full:
-        """Take a slot if fewer than ``limit`` live holders hold one (one round trip)."""
-        return self.run(acquire_call(keys, limit, lease_ms, token, metadata))
+        """Take ``weight`` units if the live holders leave that many (one round trip)."""
+        return self.run(acquire_call(keys, limit, lease_ms, token, metadata, weight))
 
     def block(self, keys: Keys, token: str, for_ms: int) -> int:
         """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
         return self.run(block_call(keys, token, for_ms))
 
-    def extend(self, renewals: Sequence[tuple[Keys, str, int]]) -> list[int | None]:
-        """Renew each ``(keys, token, lease_ms)`` in one call (all keys in one cluster hash
-        slot): each one's new expiry (epoch ms), or None when its slot is gone."""
+    def extend(self, renewals: Sequence[Renewal]) -> list[int | None]:
+        """Renew each ``(keys, token, lease_ms, weight)`` in one call (see
+        :func:`extend_call`)."""
         return self.run(extend_call(renewals))
 
-    def release(self, keys: Keys, token: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
-        """Remove ``token``: whether it was still a live holder until now, and the hand-offs
-        of the slot it freed (to the oldest parked waiter)."""
-        return self.run(release_call(keys, token, claim_ms))
+    def release(
+        self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1
+    ) -> tuple[bool, list[Handoff]]:
+        """Remove ``token`` (see :func:`release_call`)."""
+        return self.run(release_call(keys, token, claim_ms, weight))
 
     def park(
         self,
@@ -267,12 +278,13 @@ class Scripts:
         deadline_ms: int,
         grace_ms: int,
         delivery: str = "",
+        weight: int = 1,
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
         args = (
             limit, lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
             payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
-            deadline_ms, grace_ms, delivery,
+            deadline_ms, grace_ms, delivery, weight,
         )  # fmt: skip
         return self.run(_of("park", keys, args, parse_park))
 

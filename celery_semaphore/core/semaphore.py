@@ -125,13 +125,15 @@ class Semaphore(WaitingRoom):
     def _give_back(self, keys: Keys, key: str, token: str) -> None:
         try:
             with backend_errors(key, self.limit):
-                _, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms)
+                _, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
             self.handoffs.deliver(key, handed)
         except SemaphoreBackendError:
             logger.warning("could not give back a late slot of %r; it lapses", key)
 
-    def _metadata(self, metadata: Mapping[str, Any] | None, limit: int | None = None) -> str:
-        return self._record.encode(metadata, limit)
+    def _metadata(
+        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
+    ) -> str:
+        return self._record.encode(metadata, limit, weight)
 
     def _limit(self, limit: int | None) -> int:
         return self.limit if limit is None else check.check_limit(limit)
@@ -141,6 +143,7 @@ class Semaphore(WaitingRoom):
         key: str,
         *,
         limit: int | None = None,
+        weight: int = 1,
         lease: float | None = None,
         retries: int = 0,
         retry_delay: float = 0.1,
@@ -154,6 +157,9 @@ class Semaphore(WaitingRoom):
             limit (int | None): this call's limit for ``key`` (a limit computed per key, say);
                 None: the semaphore's. A live limit set on the key (:meth:`set_limit`) wins
                 over either.
+            weight (int): how many units of the limit the slot takes, 1 to ``limit``
+                (default 1): the weights of a key's live holders never sum above its limit.
+                A slot that a weight does not fit is refused like a full key.
             lease (float | None): seconds the slot lives without an extend; None uses the
                 semaphore's lease.
             retries (int): further attempts when every slot is held. 0 (the default) fails
@@ -180,7 +186,8 @@ class Semaphore(WaitingRoom):
             key, lease, self.lease, retries, retry_delay, wait
         )
         limit = self._limit(limit)
-        info = self._metadata(metadata, limit)
+        weight = check.check_weight(weight, limit)
+        info = self._metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
         token = secrets.token_hex(16)
         with acquire_span(key, limit) as record:
@@ -189,16 +196,18 @@ class Semaphore(WaitingRoom):
                     time.sleep(delay)
                 sent_at = time.monotonic()
                 with backend_errors(key, limit):
-                    reply = self._scripts.acquire(keys, limit, ms, token, info)
+                    reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
-                        return self._slot(keys, key, token, seconds, reply, sent_at)
+                        return self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
                     self._give_back(keys, key, token)
             if wait and isinstance(reply, Full):
-                slot = self._wait_for_slot(keys, key, token, seconds, info, reply, wait, limit)
+                slot = self._wait_for_slot(
+                    keys, key, token, seconds, info, reply, wait, limit, weight
+                )
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -206,11 +215,18 @@ class Semaphore(WaitingRoom):
         return None
 
     def _slot(
-        self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted, sent_at: float
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        weight: int = 1,
     ) -> Slot:
         return Slot(
             self._scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
-            self.handoffs,
+            self.handoffs, weight,
         )  # fmt: skip
 
     @contextlib.contextmanager
@@ -219,6 +235,7 @@ class Semaphore(WaitingRoom):
         key: str,
         *,
         limit: int | None = None,
+        weight: int = 1,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -231,6 +248,7 @@ class Semaphore(WaitingRoom):
         Args:
             key (str): as for :meth:`acquire`.
             limit (int | None): as for :meth:`acquire`.
+            weight (int): as for :meth:`acquire`.
             retries (int): as for :meth:`acquire`.
             retry_delay (float): as for :meth:`acquire`.
             lease (float | None): as for :meth:`acquire`.
@@ -259,8 +277,8 @@ class Semaphore(WaitingRoom):
         interval = check.heartbeat_interval(heartbeat, float(seconds))
         check.check_callback(on_renew_error, "on_renew_error")
         slot = self.acquire(
-            key, limit=limit, lease=lease, retries=retries, retry_delay=retry_delay,
-            metadata=metadata,
+            key, limit=limit, weight=weight, lease=lease, retries=retries,
+            retry_delay=retry_delay, metadata=metadata,
         )  # fmt: skip
         if slot is None:
             limit = self._limit(limit)
@@ -276,6 +294,7 @@ class Semaphore(WaitingRoom):
         fn: Callable[[Slot], T],
         *,
         limit: int | None = None,
+        weight: int = 1,
         retries: int = 0,
         retry_delay: float = 0.1,
         lease: float | None = None,
@@ -290,6 +309,7 @@ class Semaphore(WaitingRoom):
         with self.hold(
             key,
             limit=limit,
+            weight=weight,
             retries=retries,
             retry_delay=retry_delay,
             lease=lease,

@@ -28,6 +28,7 @@ class Slot(LeaseRecord):
     Attributes:
         key (str): the semaphore's key.
         limit (int): the limit the slot was taken under.
+        weight (int): how many units of the limit it takes (1 unless acquired with a weight).
         token (str): unique to this acquisition; proves ownership to Redis.
         lease (float): seconds the slot lives without an extend (updated by ``extend``).
         lost (threading.Event): set the moment the slot is known to be gone. Long bodies can
@@ -52,8 +53,9 @@ class Slot(LeaseRecord):
         admitted: Admitted,
         sent_at: float,
         handoffs: HandoffRoute,
+        weight: int = 1,
     ) -> None:
-        super().__init__(key, limit, token, lease, admitted, sent_at)
+        super().__init__(key, limit, token, lease, admitted, sent_at, weight)
         self.lost = threading.Event()
         self._scripts = scripts
         self._keys = keys
@@ -118,7 +120,7 @@ class Slot(LeaseRecord):
         ms = check.lease_ms(seconds)
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
-            [expires_at_ms] = self._scripts.extend([(self._keys, self.token, ms)])
+            [expires_at_ms] = self._scripts.extend([(self._keys, self.token, ms, self.weight)])
         return self.renewed(sent_at, seconds, expires_at_ms)
 
     def renewal(self) -> tuple[Scripts, Keys, str, int]:
@@ -166,7 +168,7 @@ class Slot(LeaseRecord):
         if self._released is None:
             with backend_errors(self.key, self.limit):
                 self._released, handed = self._scripts.release(
-                    self._keys, self.token, self._handoffs.release_claim_ms
+                    self._keys, self.token, self._handoffs.release_claim_ms, self.weight
                 )
             self._handoffs.deliver(self.key, handed)
             if not self._released:

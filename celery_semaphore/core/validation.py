@@ -64,6 +64,16 @@ def check_limit(limit: object, name: str = "limit") -> int:
     return limit
 
 
+def check_weight(weight: object, limit: int, name: str = "weight") -> int:
+    """Return ``weight`` if it is an int from 1 to ``limit`` (bool excluded), else raise: a
+    run that takes more units than the limit could never be admitted."""
+    if not isinstance(weight, int) or isinstance(weight, bool) or not 1 <= weight <= limit:
+        raise SemaphoreValidationError(
+            f"{name} must be an int from 1 to the limit ({limit}), got {weight!r}", None, limit
+        )
+    return weight
+
+
 def lease_ms(lease: object, name: str = "lease") -> int:
     """Convert a lease in float seconds to whole milliseconds, the unit Redis scores use.
 

@@ -121,10 +121,11 @@ class CoroutineRunner:
         semaphore, policy, limits = self.resolve(runner.app if named else get_current_app())
         key = runner.key_for(args, kwargs)
         limit = limits.for_call(key, args, kwargs)
+        weight = runner.weights.for_call(key, limit, args, kwargs)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0
         interval = check.heartbeat_interval(policy.heartbeat, policy.lease)
         slot = await semaphore.acquire(
-            key, limit=limit, retries=0 if wait else runner.retries,
+            key, limit=limit, weight=weight, retries=0 if wait else runner.retries,
             retry_delay=runner.retry_delay, wait=wait,
         )  # fmt: skip
         if slot is None:

@@ -32,6 +32,7 @@ def bounded(
     semaphore: str | Callable[..., str],
     limit: int | Callable[..., int] | Mapping[str, int] | None = None,
     *,
+    weight: int | Callable[..., int] | None = None,
     app: Celery | None = None,
     redis: Any = None,
     retries: int = 0,
@@ -64,6 +65,8 @@ def bounded(
             callable of the function's arguments returning the limit of the run's key; or a
             mapping from key to limit, with ``"*"`` for every other key. None: the limit
             ``app.conf.semaphores`` of ``app`` (required then) declares for ``semaphore``.
+        weight (int | Callable[..., int] | None): units of the limit each call takes, or a
+            callable of the function's arguments returning them; None: 1.
         app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the
             current app. A task always uses its own app.
         redis (redis.Redis | str | None): a client or URL to use instead of the app's
@@ -89,7 +92,7 @@ def bounded(
                 "@bounded must go under @app.task (applied to the function first), "
                 f"not above it: got the task {getattr(fn, 'name', fn)!r}"
             )
-        runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay)
+        runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay, weight)
         if inspect.iscoroutinefunction(fn):
             if options.get("on_full") in ("queue", "retry"):
                 # Parking and shedding re-publish a task's message; a coroutine has none.

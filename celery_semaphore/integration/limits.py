@@ -96,8 +96,46 @@ class LimitSpec:
         return found
 
 
-DECLARED_OPTIONS = tuple(name for name in OPTION_NAMES if name != "semaphore")
-"""What a declaration in ``app.conf.semaphores`` may set: the limit and the policy options."""
+class WeightSpec:
+    """The ``weight`` option of a bounded task: how many units of its key's limit each run
+    takes; an int, or a callable of the task's own ``*args, **kwargs`` returning one.
+
+    Args:
+        spec (int | Callable[..., int] | None): the option's value; None: 1.
+
+    Raises:
+        SemaphoreValidationError: ``spec`` is neither, or an int below 1.
+    """
+
+    def __init__(self, spec: object) -> None:
+        self._call: Callable[..., Any] | None = None
+        self.fixed: int | None = None
+        if spec is None:
+            self.fixed = 1
+        elif callable(spec) and not isinstance(spec, type):
+            self._call = spec
+        else:
+            self.fixed = check.check_limit(spec, "weight")
+
+    def for_call(
+        self, key: str, limit: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> int:
+        """The weight of a run of ``key`` (limit ``limit``) with these arguments.
+
+        Raises:
+            SemaphoreValidationError: it is not an int from 1 to ``limit``; the message names
+                the key.
+        """
+        value = self.fixed if self._call is None else self._call(*args, **kwargs)
+        try:
+            return check.check_weight(value, limit)
+        except SemaphoreValidationError as exc:
+            raise SemaphoreValidationError(f"semaphore key {key!r}: {exc}", key, limit) from None
+
+
+DECLARED_OPTIONS = tuple(name for name in OPTION_NAMES if name not in ("semaphore", "weight"))
+"""What a declaration in ``app.conf.semaphores`` may set: the limit and the policy options
+(a weight belongs to a task, not to the semaphore it shares)."""
 
 
 def declared_semaphores(value: object) -> dict[str, dict[str, Any]]:

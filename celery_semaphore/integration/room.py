@@ -106,7 +106,7 @@ def publisher_for(app: Celery) -> Publisher:
 
 
 def claim_or_end(
-    task: Task, semaphore: Semaphore, key: str, limit: int, metadata: dict[str, Any]
+    task: Task, semaphore: Semaphore, key: str, limit: int, weight: int, metadata: dict[str, Any]
 ) -> Slot | None:
     """Claim the slot a hand-off reserved for the running task, or end the run.
 
@@ -124,7 +124,7 @@ def claim_or_end(
     """
     delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
     result = semaphore.claim(
-        key, task.request.id, limit=limit, metadata=metadata, delivery=delivery
+        key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
     )
     if isinstance(result, Slot):
         return result
@@ -163,6 +163,7 @@ def park_or_take(
     policy: Policy,
     key: str,
     limit: int,
+    weight: int,
     metadata: dict[str, Any],
     template: str,
     asked: float | None = None,
@@ -198,6 +199,7 @@ def park_or_take(
         request.id,
         payload_of(task, headers),
         limit=limit,
+        weight=weight,
         arrival=arrival,
         metadata=metadata,
         max_queued=policy.max_queued or 0,

@@ -51,7 +51,7 @@ from ..errors import (
 from .body import run_body
 from .current import UNBOUNDED
 from .keys import KeyTemplate
-from .limits import LimitSpec
+from .limits import LimitSpec, WeightSpec
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
 from .room import (
     claim_or_end,
@@ -61,7 +61,7 @@ from .room import (
     park_or_take,
     publisher_for,
 )
-from .settings import app_settings, client_for, declared_for, task_policy
+from .settings import app_settings, client_for, policy_and_limits, task_options, task_policy
 from .shedding import first_asked, shed
 from .signals import (
     semaphore_refused,
@@ -98,6 +98,9 @@ class Runner:
         retries (int): for a plain function call only: further attempts when all slots
             are held (0: fail fast).
         retry_delay (float): for a plain function call only: seconds between attempts.
+        weight (int | Callable[..., int] | None): units of the limit each run takes, or a
+            callable of the task's arguments returning them (see :class:`~.limits.WeightSpec`);
+            None: 1.
 
     Raises:
         SemaphoreValidationError: any option is invalid; the message names it.
@@ -113,6 +116,7 @@ class Runner:
         redis: Any = None,
         retries: int = 0,
         retry_delay: float = 0.1,
+        weight: object = None,
     ) -> None:
         unknown = sorted(set(options) - set(POLICY_FIELDS))
         if unknown:
@@ -121,6 +125,7 @@ class Runner:
             raise SemaphoreValidationError("semaphore option is required (the key to bound by)")
         self.template = KeyTemplate(semaphore, fn)
         self.limits = None if limit is None else LimitSpec(limit)
+        self.weights = WeightSpec(weight)
         self.options = {k: v for k, v in options.items() if v is not None}
         Policy().with_options(self.options)  # checks each given option now
         if app is not None and not isinstance(app, Celery):
@@ -142,41 +147,15 @@ class Runner:
         return f"<Runner {self.template.source!r} limit={limit} options={self.options}>"
 
     def options_of(self, app: Celery | None) -> dict[str, Any]:
-        """The policy options of runs under ``app``: this task's, over those its semaphore's
-        ``app.conf.semaphores`` declaration gives.
-
-        Raises:
-            SemaphoreValidationError: an app setting is invalid.
-        """
-        declared = declared_for(app, self.template.source)
-        return {**{k: v for k, v in declared.items() if k in POLICY_FIELDS}, **self.options}
+        """The policy options of runs under ``app`` (see :func:`.settings.task_options`)."""
+        return task_options(app, self.template.source, self.options)
 
     def policy_and_limits(
         self, app: Celery | None, settings: bool = True
     ) -> tuple[Policy, LimitSpec]:
-        """The effective policy and the limit option of runs under ``app``, without making a
-        semaphore (the asyncio twin makes its own). With ``settings`` False, only
-        ``app.conf.semaphores`` is read (binding a task checks its limit so, before the
-        app's other settings, which a worker checks when it starts), and the policy is the
-        task's own options over the defaults.
-
-        Raises:
-            SemaphoreValidationError: as :meth:`resolve`.
-        """
-        limits = self.limits
-        declarations = declared_for(app, self.template.source, settings)
-        if limits is None:
-            declared = declarations.get("limit")
-            if declared is None:
-                raise SemaphoreValidationError(
-                    f"semaphore {self.template.source!r}: limit is required: give the task "
-                    "limit=..., or declare the semaphore in app.conf.semaphores (with "
-                    "@bounded, also give app=, so that the declaration can be found)"
-                )
-            limits = LimitSpec(declared)
-        if not settings:
-            return Policy().with_options(self.options), limits
-        return task_policy(app, self.options_of(app)), limits
+        """The effective policy and limit option of runs under ``app``, without making a
+        semaphore (see :func:`.settings.policy_and_limits`)."""
+        return policy_and_limits(app, self.template.source, self.options, self.limits, settings)
 
     def resolve(self, app: Celery | None) -> Bound:
         """The semaphore, the effective policy and the limit option for runs under ``app``
@@ -260,9 +239,10 @@ class Runner:
         bound = self.resolve(app)
         key = self.key_for(args, kwargs)
         limit = bound.limits.for_call(key, args, kwargs)
+        weight = self.weights.for_call(key, limit, args, kwargs)
         started = time.monotonic()
         slot = bound.semaphore.acquire(
-            key, limit=limit, retries=self.retries, retry_delay=self.retry_delay
+            key, limit=limit, weight=weight, retries=self.retries, retry_delay=self.retry_delay
         )
         if slot is None:
             raise self._refused(None, _full_error(key, limit))
@@ -281,9 +261,12 @@ class Runner:
         semaphore, policy, _ = bound = self.resolve(task.app)
         key = self.key_for(args, kwargs)
         limit = bound.limits.for_call(key, args, kwargs)
+        weight = self.weights.for_call(key, limit, args, kwargs)
         budget = policy.wait_budget()
         started = time.monotonic()
-        slot = semaphore.acquire(key, limit=limit, wait=budget, metadata=_task_metadata(task))
+        slot = semaphore.acquire(
+            key, limit=limit, weight=weight, wait=budget, metadata=_task_metadata(task)
+        )
         if slot is None:
             raise self._refused(
                 task,
@@ -306,18 +289,19 @@ class Runner:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy, _ = bound = self.resolve(task.app)
             limit = bound.limits.for_call(key, args, kwargs)
+            weight = self.weights.for_call(key, limit, args, kwargs)
             if is_give_up(task.request):
                 try:
                     give_up_or_end(task, semaphore, policy, key, limit)
                 except SemaphoreNotAcquiredError as exc:
                     raise self._refused(task, exc) from None
             slot = (
-                claim_or_end(task, semaphore, key, limit, metadata)
+                claim_or_end(task, semaphore, key, limit, weight, metadata)
                 if is_handoff(task.request)
                 else None
             )
             if slot is None:
-                slot = self._ask(task, semaphore, policy, key, limit, metadata)
+                slot = self._ask(task, semaphore, policy, key, limit, weight, metadata)
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
@@ -345,21 +329,25 @@ class Runner:
         policy: Policy,
         key: str,
         limit: int,
+        weight: int,
         metadata: Any,
     ) -> Slot | None:
         """Ask for a slot as ``on_full`` says: a slot, or None when all are held (the caller
         sheds or raises). Parking ends the run (``Ignore``)."""
         template = self.template.source
+        ask = (key, limit, weight, metadata, template)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, key, limit, metadata, template)
+            return park_or_take(task, semaphore, policy, *ask)
         if policy.on_full == "wait":
             asked = time.time()
-            slot = semaphore.acquire(key, limit=limit, metadata=metadata, wait=policy.wait_timeout)
+            slot = semaphore.acquire(
+                key, limit=limit, weight=weight, metadata=metadata, wait=policy.wait_timeout
+            )
             if slot is None:
-                slot = park_or_take(task, semaphore, policy, key, limit, metadata, template, asked)
+                slot = park_or_take(task, semaphore, policy, *ask, asked)
             return slot
-        return semaphore.acquire(key, limit=limit, metadata=metadata)
+        return semaphore.acquire(key, limit=limit, weight=weight, metadata=metadata)
 
     def _refused(
         self, task: Task | None, error: SemaphoreNotAcquiredError

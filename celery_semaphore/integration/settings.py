@@ -45,7 +45,7 @@ from celery import Celery
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..errors import SemaphoreValidationError
-from .limits import declared_semaphores
+from .limits import LimitSpec, declared_semaphores
 from .policy import POLICY_FIELDS, Policy
 from .store import Store, resolve_store
 
@@ -147,3 +147,46 @@ def task_policy(app: Celery | None, options: Mapping[str, Any]) -> Policy:
     """
     defaults = Policy() if app is None else app_settings(app).policy
     return defaults.with_options(options)
+
+
+def task_options(app: Celery | None, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The policy options of a task whose ``semaphore`` option is ``name``: its own
+    ``options``, over those ``app.conf.semaphores`` declares for ``name``.
+
+    Raises:
+        SemaphoreValidationError: an app setting is invalid.
+    """
+    declared = declared_for(app, name)
+    return {**{k: v for k, v in declared.items() if k in POLICY_FIELDS}, **options}
+
+
+def policy_and_limits(
+    app: Celery | None,
+    name: str,
+    options: Mapping[str, Any],
+    limits: LimitSpec | None,
+    settings: bool = True,
+) -> tuple[Policy, LimitSpec]:
+    """The effective policy and the limit option of a task whose ``semaphore`` option is
+    ``name``, whose own policy options are ``options`` and limit option ``limits`` (None:
+    the one ``app.conf.semaphores`` declares). With ``settings`` False, only
+    ``app.conf.semaphores`` is read (binding a task checks its limit so, before the app's
+    other settings, which a worker checks when it starts), and the policy is ``options`` over
+    the defaults.
+
+    Raises:
+        SemaphoreValidationError: an app setting is invalid, conflicts with ``options``, or
+            ``limits`` is None and no declaration gives a limit.
+    """
+    if limits is None:
+        declared = declared_for(app, name, settings).get("limit")
+        if declared is None:
+            raise SemaphoreValidationError(
+                f"semaphore {name!r}: limit is required: give the task limit=..., or declare "
+                "the semaphore in app.conf.semaphores (with @bounded, also give app=, so "
+                "that the declaration can be found)"
+            )
+        limits = LimitSpec(declared)
+    if not settings:
+        return Policy().with_options(options), limits
+    return task_policy(app, task_options(app, name, options)), limits

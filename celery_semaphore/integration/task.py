@@ -41,6 +41,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             key's limit; or a mapping from key to limit, with ``"*"`` for every other key.
             Leave it out when ``app.conf.semaphores`` declares the semaphore (then its
             declared options apply too, under the task's own).
+        weight (int | Callable[..., int]): how many units of the limit each run takes (an
+            int from 1 to the limit, or a callable of the task's arguments returning one);
+            the weights of a key's runs never sum above its limit. Default 1.
         lease, heartbeat, on_full, wait_timeout, claim_timeout, handoff_grace, max_queued,
         on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown, shed_max_retries,
         shed_timeout, interrupt: see
@@ -54,6 +57,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     abstract = True
     semaphore: ClassVar[str | Callable[..., str] | None] = None
     limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
+    weight: ClassVar[int | Callable[..., int] | None] = None
     lease: ClassVar[float | None] = None
     heartbeat: ClassVar[float | bool | None] = None
     on_full: ClassVar[str | None] = None
@@ -93,7 +97,8 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             _check_unknown_options(cls)
             options = {name: getattr(cls, name) for name in POLICY_FIELDS}
-            wrapped: Any = Runner(fn, cls.semaphore, cls.limit, options, app=app).wrap(fn)
+            runner = Runner(fn, cls.semaphore, cls.limit, options, app=app, weight=cls.weight)
+            wrapped: Any = runner.wrap(fn)
         except SemaphoreValidationError as exc:
             error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)
             cls.run = staticmethod(refusing(fn, error)) if is_static else refusing(fn, error)

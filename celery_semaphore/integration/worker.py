@@ -317,8 +317,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 policy = task_policy(app, found[0].options_of(app))
             except SemaphoreValidationError as exc:
                 raise SemaphoreValidationError(
-                    f"task {task.name!r}: {exc} (its options over the app's semaphore_* "
-                    "settings)",
+                    f"task {task.name!r}: {exc} (its options over the app's semaphore_* settings)",
                     exc.key,
                     exc.limit,
                 ) from None

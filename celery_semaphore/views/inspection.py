@@ -54,8 +54,8 @@ class SemaphoreView:
 
     @property
     def in_use(self) -> int:
-        """How many slots are held."""
-        return len(self.holders)
+        """How many units of the limit are held: one per holder, or its weight."""
+        return sum(_weight(h) for h in self.holders)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: key, limit, live_limit (limit, set_at, by; or None),
@@ -72,6 +72,11 @@ class SemaphoreView:
             "holders": [dict(asdict(h), metadata=dict(h.metadata)) for h in self.holders],
             "waiting": [asdict(w) for w in self.waiting],
         }
+
+
+def _weight(holder: Holder) -> int:
+    weight = holder.metadata.get("weight", 1)
+    return weight if isinstance(weight, int) and weight > 0 else 1
 
 
 def view(

@@ -8,10 +8,12 @@
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
 -- ARGV[3]  token      unique per acquisition
 -- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
+-- ARGV[5]  weight     how many units of the limit the holder takes (integer >= 1): its
+--                     token, then "<token>#2".."<token>#<weight>" are members of the set
 --
 -- Returns {1, expires_at_ms, now_ms, limit} when the token holds a slot, or
---         {0, live_holders, now_ms, first_expiry_ms, limit}  when every slot is held by
---         others (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a
+--         {0, units_held, now_ms, first_expiry_ms, limit}  when too few units are free
+--         (every slot is held by others, for a weight of 1) (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a
 --         slot knows when one frees itself); limit is the one that applied.
 --
 -- Expired holders are pruned here when the key is full, so a crashed holder's slot comes
@@ -24,6 +26,7 @@ local limit = tonumber(redis.call('HGET', KEYS[3], 'limit')) or tonumber(ARGV[1]
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
 local metadata = ARGV[4]
+local weight = tonumber(ARGV[5]) or 1
 
 -- Scripts that write after TIME need effect replication on Redis < 7; a no-op later.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -38,14 +41,14 @@ end
 -- Lapsed members are pruned only when they stand in the way: a key with a free slot is
 -- admitted without the scan.
 local live = redis.call('ZCARD', slots)
-if live >= limit then
+if live + weight > limit then
   local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
     redis.call('HDEL', holders, unpack(expired))
     live = live - #expired
   end
-  if live >= limit then
+  if live + weight > limit then
     local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
     return {0, live, now_ms, tonumber(first[2]), limit}
   end
@@ -53,6 +56,7 @@ end
 
 local expires_at_ms = now_ms + lease_ms
 redis.call('ZADD', slots, expires_at_ms, token)
+for i = 2, weight do redis.call('ZADD', slots, expires_at_ms, token .. '#' .. i) end
 redis.call('HSET', holders, token, now_ms .. '|' .. metadata)
 -- Both keys outlive every live lease, so an abandoned semaphore disappears by itself.
 -- (PEXPIRE ... GT would say this in one call, but needs Redis 7.)

@@ -12,8 +12,10 @@ local waiter, claim_ms = ARGV[1], tonumber(ARGV[2])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
+local reserved = redis.call('ZSCORE', slots, '~' .. waiter)
+if reserved then units_remove(slots, '~' .. waiter, nil) end
 local found = redis.call('ZREM', room, waiter) + redis.call('HDEL', parked, waiter)
-  + redis.call('ZREM', slots, '~' .. waiter)
+  + (reserved and 1 or 0)
 redis.call('ZREM', deadlines, waiter)
 redis.call('HDEL', holders, '~' .. waiter)
 local reply = {found > 0 and 1 or 0}

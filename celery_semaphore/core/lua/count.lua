@@ -1,4 +1,5 @@
--- count: how many holders of one semaphore are live now (read only).
+-- count: how many units of one semaphore live holders use now (read only): one per holder,
+-- or its weight for a weighted one.
 --
 -- KEYS[1]  slots    sorted set (see acquire.lua)
 --

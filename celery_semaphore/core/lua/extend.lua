@@ -3,8 +3,9 @@
 --
 -- KEYS[2i-1]  slots    sorted set of the i-th holder's semaphore (see acquire.lua)
 -- KEYS[2i]    holders  hash of the same semaphore (see acquire.lua)
--- ARGV[2i-1]  token      the i-th holder's token
--- ARGV[2i]    lease_ms   its new lease, counted from now (integer >= 1)
+-- ARGV[3i-2]  token      the i-th holder's token
+-- ARGV[3i-1]  lease_ms   its new lease, counted from now (integer >= 1)
+-- ARGV[3i]    weight     its weight: the members "<token>#2".."<token>#<weight>" go with it
 --
 -- Returns {now_ms, expires_at_ms_1, expires_at_ms_2, ...}: each holder's new expiry, or 0
 -- when its slot is gone.
@@ -18,19 +19,22 @@ local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 local reply = {now_ms}
-for i = 1, #KEYS, 2 do
-  local slots, holders = KEYS[i], KEYS[i + 1]
-  local token, lease_ms = ARGV[i], tonumber(ARGV[i + 1])
+for i = 1, #KEYS / 2 do
+  local slots, holders = KEYS[2 * i - 1], KEYS[2 * i]
+  local token, lease_ms = ARGV[3 * i - 2], tonumber(ARGV[3 * i - 1])
+  local weight = tonumber(ARGV[3 * i]) or 1
   local score = redis.call('ZSCORE', slots, token)
   if not score or tonumber(score) <= now_ms then
     if score then
       redis.call('ZREM', slots, token)
+      for w = 2, weight do redis.call('ZREM', slots, token .. '#' .. w) end
       redis.call('HDEL', holders, token)
     end
     reply[#reply + 1] = 0
   else
     local expires_at_ms = now_ms + lease_ms
     redis.call('ZADD', slots, 'XX', expires_at_ms, token)
+    for w = 2, weight do redis.call('ZADD', slots, 'XX', expires_at_ms, token .. '#' .. w) end
     if redis.call('PTTL', slots) < lease_ms then
       redis.call('PEXPIRE', slots, lease_ms)
       redis.call('PEXPIRE', holders, lease_ms)

@@ -8,6 +8,9 @@
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local live = redis.call('ZCOUNT', KEYS[1], '(' .. now_ms, '+inf')
+local live = 0
+for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf')) do
+  if not string.find(member, '#', 1, true) then live = live + 1 end
+end
 redis.call('DEL', KEYS[1], KEYS[2])
 return live

@@ -13,8 +13,11 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local reply = {now_ms}
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf', 'WITHSCORES')
 for i = 1, #live, 2 do
-  reply[#reply + 1] = live[i]
-  reply[#reply + 1] = tonumber(live[i + 1])
-  reply[#reply + 1] = redis.call('HGET', KEYS[2], live[i]) or ''
+  -- "<token>#i" members are the further units of a weighted holder, not holders.
+  if not string.find(live[i], '#', 1, true) then
+    reply[#reply + 1] = live[i]
+    reply[#reply + 1] = tonumber(live[i + 1])
+    reply[#reply + 1] = redis.call('HGET', KEYS[2], live[i]) or ''
+  end
 end
 return reply

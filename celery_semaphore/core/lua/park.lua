@@ -21,6 +21,7 @@
 --                       by this waiter, which is here now (0: never)
 -- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
 --                       recorded with the claim
+-- ARGV[15] weight       how many units of the limit the waiter takes (integer >= 1)
 --
 -- Returns {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
@@ -44,15 +45,17 @@ local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
+local weight = tonumber(ARGV[15]) or 1
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
 local arrival = tonumber(ARGV[6]) or now
 room_prune(slots, holders, room, parked, now)
 
-local function take(member)
+-- Take a slot for the waiter, in place of `member` (a reservation of `units`), if any.
+local function take(member, units)
   if member then
-    redis.call('ZREM', slots, member)
+    units_remove(slots, member, units)
     redis.call('HDEL', holders, member)
   end
   if member == '~' .. waiter and delivery ~= '' then
@@ -65,7 +68,7 @@ local function take(member)
   redis.call('HDEL', parked, waiter)
   redis.call('ZREM', deadlines, waiter)
   local expires_at_ms = now + lease_ms
-  redis.call('ZADD', slots, expires_at_ms, token)
+  units_add(slots, token, weight, expires_at_ms)
   redis.call('HSET', holders, token, now .. '|' .. metadata)
   if redis.call('PTTL', slots) < lease_ms then
     redis.call('PEXPIRE', slots, lease_ms)
@@ -77,7 +80,7 @@ end
 local mine = redis.call('ZSCORE', slots, token)
 if mine then return {1, tonumber(mine), now, limit} end
 if redis.call('ZSCORE', slots, '~' .. waiter) then
-  return {1, take('~' .. waiter), now, limit}
+  return {1, take('~' .. waiter, nil), now, limit}
 end
 
 local known = arrival_of(parked, waiter)
@@ -96,7 +99,8 @@ if known then
   end
 end
 -- The caller's own limit: release and sweep fall back on it once a live limit is cleared.
-redis.call('HSET', parked, waiter, arrival .. '|' .. payload, '!limit', given)
+local tag = weight > 1 and ('#' .. weight) or ''
+redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given)
 redis.call('ZADD', room, arrival, waiter)
 if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
@@ -106,7 +110,7 @@ local reply = {0, 0, now, limit}
 local others = {}
 for i = 1, #out, 2 do
   if out[i] == waiter then
-    reply = {1, take('~' .. waiter), now, limit}
+    reply = {1, take('~' .. waiter, nil), now, limit}
   else
     others[#others + 1] = out[i]
     others[#others + 1] = out[i + 1]
@@ -119,11 +123,16 @@ if reply[1] == 0 and grace_ms > 0 then
   -- room, and its message, when it comes, finds it parked and waits for the next hand-off.
   local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', now + claim_ms - grace_ms)
   for _, member in ipairs(stale) do
-    if string.sub(member, 1, 1) == '~' then
+    if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true) then
       local passed = string.sub(member, 2)
-      room_requeue(room, parked, arrival_of(parked, passed) or now, passed)
-      reply = {1, take(member), now, limit}
-      break
+      local entry = redis.call('HGET', parked, passed)
+      local units = entry and weight_of(entry) or 1
+      -- Only a reservation that frees room enough for this waiter's weight.
+      if redis.call('ZCARD', slots) - units + weight <= limit then
+        room_requeue(room, parked, arrival_of(parked, passed) or now, passed)
+        reply = {1, take(member, units), now, limit}
+        break
+      end
     end
   end
 end

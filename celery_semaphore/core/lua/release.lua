@@ -5,6 +5,8 @@
 -- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1), or
 --                    0 when the caller cannot publish hand-offs: the slot is left free, and
 --                    the next sweep hands it out
+-- ARGV[3]  weight    the holder's weight, or "" when the caller does not know it (an
+--                    operator's force release): then every "<token>#i" member goes
 --
 -- Returns {owned, hand-offs...}: owned is 1 when the slot was still ours up to this moment
 -- (present, expiry in the future), 0 when it had lapsed or been taken away (the bound did
@@ -15,7 +17,7 @@
 -- A freed slot that no parked waiter took wakes one caller blocked on the wake list.
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local blocked, wake = KEYS[7], KEYS[8]
-local token, claim_ms = ARGV[1], tonumber(ARGV[2])
+local token, claim_ms, weight = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
@@ -24,7 +26,7 @@ local score = redis.call('ZSCORE', slots, token)
 local reply = {0}
 if score then
   if tonumber(score) > now then reply[1] = 1 end
-  redis.call('ZREM', slots, token)
+  units_remove(slots, token, weight)
   redis.call('HDEL', holders, token)
 end
 local limit = room_limit(limits, parked)

@@ -2,13 +2,16 @@
 -- (park, release, sweep, cancel). Not a script of its own.
 --
 -- Keys of one semaphore (one hash tag, so one cluster slot):
---   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>"
+--   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>". A
+--            holder of weight w > 1 has w members: its token, then "<token>#2".."<token>#w",
+--            all with the same expiry, so the set's size is the units in use
 --   holders  hash: token -> "<acquired_at_ms>|<metadata JSON>"
 --   limits   hash: "limit" -> a live limit an operator set, "set_at" -> when (ms), "by" -> who;
 --            it overrides the callers' limit while it exists (set_limit.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
---   parked   hash: waiter id -> "<arrival_ms>|<payload>", plus "!limit" -> the limit the last
---            parking caller gave (a live limit, when set, overrides it)
+--   parked   hash: waiter id -> "<arrival_ms>|<payload>" ("<arrival_ms>#<weight>|<payload>" for
+--            a weight above 1), plus "!limit" -> the limit the last parking caller gave (a
+--            live limit, when set, overrides it)
 --   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
 --            time budget are in it (sweep.lua sends them their give-up)
 --   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
@@ -43,12 +46,34 @@ end
 local function arrival_of(parked, waiter)
   local entry = redis.call('HGET', parked, waiter)
   if not entry then return nil end
-  return tonumber(string.match(entry, '^(%d+)|'))
+  return tonumber(string.match(entry, '^(%d+)'))
 end
 
--- The payload of a parked entry "<arrival_ms>|<payload>".
+-- The payload of a parked entry "<arrival_ms>[#<weight>]|<payload>".
 local function payload_of(entry)
-  return string.sub(entry, string.len(string.match(entry, '^%d+|')) + 1)
+  return string.sub(entry, string.len(string.match(entry, '^[%d#]+|')) + 1)
+end
+
+-- The weight of a parked entry: how many units its run takes.
+local function weight_of(entry)
+  return tonumber(string.match(entry, '^%d+#(%d+)|')) or 1
+end
+
+-- Add (or re-score) the `weight` members of holder `member`, expiring at `score`.
+local function units_add(slots, member, weight, score)
+  redis.call('ZADD', slots, score, member)
+  for i = 2, weight do redis.call('ZADD', slots, score, member .. '#' .. i) end
+end
+
+-- Remove the members of holder `member`: `weight` of them, or, when the weight is unknown
+-- (nil), as many as there are.
+local function units_remove(slots, member, weight)
+  redis.call('ZREM', slots, member)
+  local i = 2
+  while (weight == nil or i <= weight)
+      and redis.call('ZREM', slots, member .. '#' .. i) == 1 do
+    i = i + 1
+  end
 end
 
 -- Put a waiter back into the room. If the room had emptied (and so was deleted), this
@@ -69,7 +94,7 @@ local function room_prune(slots, holders, room, parked, now)
   redis.call('ZREMRANGEBYSCORE', slots, '-inf', now)
   redis.call('HDEL', holders, unpack(expired))
   for _, member in ipairs(expired) do
-    if string.sub(member, 1, 1) == '~' then
+    if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true) then
       local waiter = string.sub(member, 2)
       local arrival = arrival_of(parked, waiter)
       if arrival then room_requeue(room, parked, arrival, waiter) end
@@ -77,22 +102,26 @@ local function room_prune(slots, holders, room, parked, now)
   end
 end
 
--- Reserve free slots for the oldest waiters; append {waiter, payload} pairs to out.
+-- Reserve free slots for the oldest waiters, in strict order: a head whose weight does not
+-- fit waits, and nobody behind it is served first. Append {waiter, payload} pairs to out.
 local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
   if claim_ms <= 0 then return end
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end
     local waiter = head[1]
-    redis.call('ZREM', room, waiter)
     local entry = redis.call('HGET', parked, waiter)
     if entry then
-      redis.call('ZADD', slots, now + claim_ms, '~' .. waiter)
-      redis.call('HSET', holders, '~' .. waiter,
-        now .. "|" .. cjson.encode({reserved_for = waiter, limit = limit}))
+      local weight = weight_of(entry)
+      if redis.call('ZCARD', slots) + weight > limit then break end
+      units_add(slots, '~' .. waiter, weight, now + claim_ms)
+      local record = {reserved_for = waiter, limit = limit}
+      if weight > 1 then record.weight = weight end
+      redis.call('HSET', holders, '~' .. waiter, now .. "|" .. cjson.encode(record))
       out[#out + 1] = waiter
       out[#out + 1] = payload_of(entry)
     end
+    redis.call('ZREM', room, waiter)
   end
   if redis.call('PTTL', slots) < claim_ms then
     redis.call('PEXPIRE', slots, claim_ms)
