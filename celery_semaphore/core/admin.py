@@ -15,13 +15,15 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
+from ..errors import SemaphoreValidationError
 from . import validation as check
 from .room import DEFAULT_CLAIM_TIMEOUT, HandoffRoute, Waiter
 from .scripts import Keys, Scripts, backend_errors, check_cluster_key, redis_keys
@@ -139,6 +141,23 @@ class SemaphoreAdmin:
         if self._cluster:
             check_cluster_key(key)
         return redis_keys(self.prefix, key)
+
+    def keys_of_many(self, keys: Sequence[str]) -> list[Keys]:
+        """:meth:`keys_of` each of ``keys``, which one script call takes together; on a
+        cluster, they must all share one hash slot.
+
+        Raises:
+            SemaphoreValidationError: on a cluster, the keys land in different hash slots.
+        """
+        found = [self.keys_of(key) for key in keys]
+        if self._cluster and len({key_slot(k.slots.encode()) for k in found}) > 1:
+            raise SemaphoreValidationError(
+                f"keys {list(keys)!r} land in different Redis Cluster slots, so no script can "
+                "take them together: start every key with the same hash tag, say "
+                "'{llm}openai' and '{llm}tenant:acme'",
+                keys[0],
+            )
+        return found
 
     @property
     def room_index(self) -> str:

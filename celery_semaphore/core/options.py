@@ -62,6 +62,32 @@ def acquire_args(
     )
 
 
+def many_args(keys: object) -> list[tuple[str, int, int]]:
+    """The keys of ``acquire_many`` checked, as ``(key, limit, weight)`` triples.
+
+    Raises:
+        SemaphoreValidationError: ``keys`` is not a non-empty sequence of ``(key, limit)`` or
+            ``(key, limit, weight)`` tuples with valid values, or names a key twice.
+    """
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, (list, tuple)) or not keys:
+        raise SemaphoreValidationError(
+            f"keys must be a non-empty list of (key, limit) pairs, got {keys!r:.80}"
+        )
+    specs = []
+    for entry in keys:
+        if not isinstance(entry, tuple) or len(entry) not in (2, 3):
+            raise SemaphoreValidationError(
+                f"each of keys must be (key, limit) or (key, limit, weight), got {entry!r:.80}"
+            )
+        key = check.check_key(entry[0])
+        limit = check.check_limit(entry[1])
+        weight = check.check_weight(entry[2] if len(entry) == 3 else 1, limit)
+        specs.append((key, limit, weight))
+    if len({key for key, _, _ in specs}) < len(specs):
+        raise SemaphoreValidationError(f"keys name a key twice: {[k for k, _, _ in specs]!r}")
+    return specs
+
+
 class HolderRecord:
     """Encodes what an acquire stores about its holder: the caller's metadata plus ``host``,
     ``pid`` and ``limit``, as compact JSON. The record of a plain acquire (no metadata) is

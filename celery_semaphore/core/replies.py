@@ -89,6 +89,15 @@ def parse_acquire(reply: Any) -> Admitted | Full:
     return Full(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
 
 
+def parse_acquire_many(reply: Any) -> list[Admitted] | tuple[int, Full]:
+    """acquire_many.lua's reply: an :class:`Admitted` per key, or the (0-based) index of the
+    first key too full, with its :class:`Full`."""
+    if int(reply[0]) == 1:
+        expires, now = int(reply[1]), int(reply[2])
+        return [Admitted(expires, now, int(limit)) for limit in reply[3:]]
+    return int(reply[1]) - 1, Full(int(reply[2]), int(reply[3]), int(reply[4]), int(reply[5]))
+
+
 def parse_extend(reply: Any) -> list[int | None]:
     """extend.lua's reply: each renewal's new expiry (epoch ms), or None when it is gone."""
     return [int(expiry) or None for expiry in reply[1:]]

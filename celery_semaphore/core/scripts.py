@@ -34,6 +34,7 @@ from .replies import Parked as Parked
 from .replies import RoomFull as RoomFull
 from .replies import (
     parse_acquire,
+    parse_acquire_many,
     parse_extend,
     parse_holders,
     parse_park,
@@ -78,7 +79,8 @@ _ROOM = ("park", "release", "sweep", "cancel", "set_limit")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
 _ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 _KEYS = {
-    "acquire": slice(0, 3), "extend": _PAIR, "count": slice(0, 1), "holders": _PAIR,
+    "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
+    "count": slice(0, 1), "holders": _PAIR,
     "force_release_all": _PAIR, "park": slice(0, 9), "release": _ROOM_KEYS,
     "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS, "set_limit": _ROOM_KEYS,
     "block": slice(6, 7),
@@ -174,6 +176,18 @@ def acquire_call(
     return _of("acquire", keys, args, parse_acquire)
 
 
+def acquire_many_call(
+    groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
+) -> Call[list[Admitted] | tuple[int, Full]]:
+    """Take ``weight`` units of each ``(keys, limit, weight)``, all or none (the keys in one
+    cluster hash slot): an answer per key, or the index of the first key too full and its
+    answer."""
+    keys = [name for k, _, _ in groups for name in k[_KEYS["acquire_many"]]]
+    args: list[str | int] = [lease_ms, token, metadata]
+    args += [value for _, limit, weight in groups for value in (limit, weight)]
+    return Call("acquire_many", keys, args, parse_acquire_many)
+
+
 def block_call(keys: Keys, token: str, for_ms: int) -> Call[int]:
     """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
     return _of("block", keys, (token, for_ms), int)
@@ -245,6 +259,12 @@ class Scripts:
     ) -> Admitted | Full:
         """Take ``weight`` units if the live holders leave that many (one round trip)."""
         return self.run(acquire_call(keys, limit, lease_ms, token, metadata, weight))
+
+    def acquire_many(
+        self, groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
+    ) -> list[Admitted] | tuple[int, Full]:
+        """Take a slot of every key or none (one round trip; see :func:`acquire_many_call`)."""
+        return self.run(acquire_many_call(groups, lease_ms, token, metadata))
 
     def block(self, keys: Keys, token: str, for_ms: int) -> int:
         """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""

@@ -29,6 +29,7 @@ from ..errors import (
 from . import validation as check
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
+from .group import ManyKeys, SlotGroup
 from .heartbeat import renewer
 from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, semaphore_options
@@ -41,11 +42,12 @@ from .tracing import acquire_span
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+S = TypeVar("S", Slot, SlotGroup)
 
 DEFAULT_LEASE = 60.0
 
 
-class Semaphore(WaitingRoom):
+class Semaphore(WaitingRoom, ManyKeys):
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -362,8 +364,8 @@ class Semaphore(WaitingRoom):
 
 @contextlib.contextmanager
 def guard(
-    slot: Slot, interval: float | None, on_renew_error: RenewErrorCallback | None = None
-) -> Iterator[Slot]:
+    slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None
+) -> Iterator[S]:
     """Renew ``slot`` while the block runs, then release it and judge whether it held.
 
     The slot leaves the process's renewer (:mod:`celery_semaphore.core.heartbeat`) before
@@ -372,24 +374,28 @@ def guard(
     can starve the renewer), and the release's own answer is consulted.
 
     Args:
-        slot (Slot): a freshly acquired slot; released on every path out of the block.
+        slot (Slot | SlotGroup): a freshly acquired slot, or the slots of several keys
+            (each renewed, all released); released on every path out of the block.
         interval (float | None): seconds between renewals; None for no renewal.
         on_renew_error: see :meth:`Semaphore.hold`.
 
     Raises:
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
     """
+    members = slot.slots if isinstance(slot, SlotGroup) else (slot,)
     beat = None
     if interval is not None:
         beat = renewer()
-        beat.add(slot, interval, on_renew_error)
+        for member in members:
+            beat.add(member, interval, on_renew_error)
     failed = True
     try:
         yield slot
         failed = False
     finally:
         if beat is not None:
-            beat.remove(slot)
+            for member in members:
+                beat.remove(member)
         slot.check_deadline()
         try:
             slot.release()

@@ -1,0 +1,195 @@
+"""Slots of several semaphores held together: :class:`SlotGroup`, returned by
+:meth:`Semaphore.acquire_many`, which takes all of them in one script call or none.
+
+A run bounded at more than one level (the provider's 20 calls in flight, and 2 per tenant)
+holds one slot of each key, all under one token. The renewer renews them with the process's
+other slots (one round trip per tick per hash slot, so one for all of a group on a cluster,
+whose keys share a hash slot), and the loss of any is the loss of the group.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import SemaphoreLeaseLostError
+from .admin import SemaphoreAdmin
+from .options import acquire_args, many_args
+from .scripts import Admitted, Keys, Scripts, backend_errors
+from .slot import Slot
+from .tracing import acquire_span
+
+
+class SlotGroup:
+    """The slots of several keys, taken together by :meth:`Semaphore.acquire_many`.
+
+    Attributes:
+        slots (tuple[Slot, ...]): one slot per key, in the order the keys were given.
+        key (str): the keys, joined with ``+`` (for messages).
+        lost (threading.Event): set the moment any of the slots is known to be lost.
+
+    It offers what a body needs of a slot (``lost``, ``lease``, ``weight``, ``token``,
+    ``extend``, ``release``); ``limit`` is the first key's. A context manager releases every
+    slot on exit.
+    """
+
+    def __init__(self, slots: Sequence[Slot]) -> None:
+        self.slots = tuple(slots)
+        self.key = "+".join(s.key for s in self.slots)
+        self.lost = threading.Event()
+        for slot in self.slots:
+            slot.when_lost(lambda _: self.lost.set())
+
+    def __repr__(self) -> str:
+        return f"<SlotGroup {[s.key for s in self.slots]!r} {'lost' if self.lost.is_set() else ''}>"
+
+    @property
+    def keys(self) -> list[str]:
+        """The keys, in the order they were given."""
+        return [s.key for s in self.slots]
+
+    @property
+    def token(self) -> str:
+        """The token every slot of the group shares."""
+        return self.slots[0].token
+
+    @property
+    def limit(self) -> int:
+        """The first key's limit (see each slot's own ``limit``)."""
+        return self.slots[0].limit
+
+    @property
+    def lease(self) -> float:
+        """Seconds each slot lives without an extend."""
+        return self.slots[0].lease
+
+    @property
+    def weight(self) -> int:
+        """Units of each key's limit the group takes (the first key's, when they differ)."""
+        return self.slots[0].weight
+
+    def extend(self, lease: float | None = None) -> bool:
+        """Extend every slot (one round trip each): True when all were still held.
+
+        Raises:
+            SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
+            SemaphoreBackendError: a round trip failed.
+        """
+        return all([slot.extend(lease) for slot in self.slots])
+
+    def release(self) -> bool:
+        """Give every slot back (one round trip each; each hands off to its own key's
+        waiting room): True when every one was held up to now.
+
+        Raises:
+            SemaphoreBackendError: a round trip failed; the slots not released lapse with
+                their lease.
+        """
+        return all([slot.release() for slot in self.slots])
+
+    def check_deadline(self) -> None:
+        """Mark lost each slot whose deadline passed without a renewal."""
+        for slot in self.slots:
+            slot.check_deadline()
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports the group's loss: the first lost slot's."""
+        for slot in self.slots:
+            if slot.lost.is_set():
+                return slot.lease_lost_error()
+        return self.slots[0].lease_lost_error()
+
+    def __enter__(self) -> SlotGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+class ManyKeys:
+    """:meth:`acquire_many`, a method of :class:`~celery_semaphore.core.semaphore.Semaphore`
+    (the attributes and the two methods below are the semaphore's own)."""
+
+    lease: float
+    admin: SemaphoreAdmin
+    _scripts: Scripts
+
+    def _metadata(
+        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
+    ) -> str:
+        raise NotImplementedError
+
+    def _slot(
+        self,
+        keys: Keys,
+        key: str,
+        token: str,
+        lease: float,
+        admitted: Admitted,
+        sent_at: float,
+        weight: int = 1,
+    ) -> Slot:
+        raise NotImplementedError
+
+    def acquire_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        *,
+        lease: float | None = None,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SlotGroup | None:
+        """Take a slot of every key, all in one script call or none: a run bounded at
+        several levels at once (the provider's limit and a tenant's) never holds one slot
+        while it waits for another.
+
+        Args:
+            keys (Sequence[tuple[str, int] | tuple[str, int, int]]): ``(key, limit)`` or
+                ``(key, limit, weight)`` for each key, at least one, no key twice. On Redis
+                Cluster they must share a hash tag (``"{llm}openai"``,
+                ``"{llm}tenant:acme"``). A live limit set on a key wins over its limit.
+            lease, retries, retry_delay, metadata: as for :meth:`acquire`.
+
+        Returns:
+            SlotGroup | None: the slots, which the caller must release (one round trip per
+            key); None if every attempt found some key without room.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
+                cluster the keys share no hash slot (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        specs = many_args(keys)
+        _, seconds, ms, attempts, delay, _ = acquire_args(
+            specs[0][0], lease, self.lease, retries, retry_delay, 0.0
+        )
+        info = self._metadata(metadata, specs[0][1], specs[0][2])
+        all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
+        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
+        token = secrets.token_hex(16)
+        label = "+".join(key for key, _, _ in specs)
+        with acquire_span(label, specs[0][1]) as record:
+            for attempt in range(attempts):
+                if attempt:
+                    time.sleep(delay)
+                sent_at = time.monotonic()
+                with backend_errors(label, specs[0][1]):
+                    reply = self._scripts.acquire_many(groups, ms, token, info)
+                if isinstance(reply, list):
+                    slots = [
+                        self._slot(k, key, token, seconds, admitted, sent_at, weight)
+                        for k, (key, _, weight), admitted in zip(
+                            all_keys, specs, reply, strict=True
+                        )
+                    ]
+                    group = SlotGroup(slots)
+                    if time.monotonic() - sent_at < seconds:
+                        record(attempt + 1, "acquired")
+                        return group
+                    group.release()  # answered after a whole lease: not to be trusted
+            record(attempts, "full")
+        return None
