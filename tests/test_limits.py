@@ -5,6 +5,7 @@ waiting callers at once; lowered, it evicts nobody)."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 
-from celery_semaphore import Semaphore, SemaphoreValidationError
+from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core.scripts import Handoff, redis_keys
 from celery_semaphore.testing import RedisServer
@@ -180,3 +181,39 @@ def test_set_limit_and_status_from_the_command_line(redis_server: RedisServer) -
         assert run(*bad).exit_code == 2, bad
     assert redis.Redis.from_url(redis_server.url).keys("semaphore:*") == []
     app.close()
+
+
+def test_an_int_subclass_limit_is_sent_as_a_number(make_semaphore: Any) -> None:
+    class Plan(enum.IntEnum):
+        TEAM = 4
+
+    sem: Semaphore = make_semaphore(limit=Plan.TEAM)
+    first = sem.acquire("k", limit=Plan.TEAM, weight=Plan.TEAM)
+    assert first is not None
+    assert first.limit == 4
+    sem.set_limit("k", Plan.TEAM)
+    live = sem.admin.live_limit("k")
+    assert live is not None
+    assert live.limit == 4
+
+
+def test_the_room_follows_the_limit_its_latest_caller_gave(
+    make_semaphore: Any, client: redis.Redis
+) -> None:
+    """A limit computed per run may change: each park and claim brings the room's up to date,
+    so later hand-offs follow it (a lowered one evicts nobody)."""
+    sem: Semaphore = make_semaphore(limit=1, on_handoff=lambda key, handoffs: None)
+    parked = redis_keys(sem.prefix, "k").parked
+    held = [sem.acquire("k", limit=4) for _ in range(4)]
+    for n in range(1, 4):
+        sem.park("k", f"w{n}", b"", limit=4)
+    assert client.hget(parked, "!limit") == b"4"
+    assert held[0] is not None
+    held[0].release()  # hands the slot to w1
+    claimed = sem.claim("k", "w1", limit=2)  # w1's run computes 2 now
+    assert isinstance(claimed, Slot)
+    assert client.hget(parked, "!limit") == b"2"
+    assert held[1] is not None
+    held[1].release()
+    assert sem.count("k") == 3  # nobody evicted, and no hand-off while 3 of 2 are held
+    assert [w.waiter for w in sem.admin.room("k")] == ["w2", "w3"]

@@ -32,6 +32,8 @@ from .history import BODIES, History
 
 TENANT_LIMITS = {"a": 1, "b": 3}
 GATE = "test:limits:gate"
+FAIL = "test:limits:fail"
+"""While this key exists, ``lim.flaky`` runs with n == 1 compute no valid limit."""
 """While this key is missing, the first ``lim.live`` run keeps its slot."""
 
 
@@ -76,6 +78,17 @@ def data_app(redis_server: RedisServer) -> Iterator[Celery]:
     @app.task(base=SemaphoreTask, semaphore="bad:{n}", limit=lambda n: n, shared=False,
               name="lim.bad_callable")  # fmt: skip
     def bad_callable(n: int) -> int:
+        return n
+
+    def flaky_limit(n: int) -> int:
+        return 0 if n == 1 and recorder.exists(FAIL) else 1
+
+    @app.task(base=SemaphoreTask, semaphore="flaky", limit=flaky_limit, shared=False,
+              name="lim.flaky")  # fmt: skip
+    def flaky(n: int) -> int:
+        with history.run(recorder, BODIES, "flaky", mark_start=True, data={"n": n}):
+            while n == 0 and not recorder.exists(GATE):
+                time.sleep(0.02)
         return n
 
     @app.task(base=SemaphoreTask, semaphore="live", limit=1, shared=False, name="lim.live")
@@ -196,3 +209,41 @@ def test_a_task_with_no_limit_and_no_declaration_fails_when_bound(
         app.finalize()
     with pytest.raises(SemaphoreValidationError, match="also give app="):
         bounded("undeclared")(lambda: None)
+
+
+def test_a_handed_off_run_whose_limit_fails_leaves_the_room_and_passes_its_slot_on(
+    data_app: Celery, client: redis.Redis
+) -> None:
+    """The run fails, is not handed a slot again, and the next run gets it at once."""
+    sem = Semaphore(data_app.conf.semaphore_url, limit=1)
+    task = data_app.tasks["lim.flaky"]
+    with start_worker(data_app, pool="threads", concurrency=4, perform_ping_check=False):
+        first = task.delay(0)
+        assert wait_for(lambda: sem.count("flaky") == 1, timeout=30)
+        failing, last = task.delay(1), task.delay(2)
+        assert wait_for(lambda: len(sem.admin.room("flaky")) == 2, timeout=30)
+        client.set(FAIL, 1)
+        client.set(GATE, 1)  # the first ends: its slot goes to the failing run
+        assert last.get(timeout=20) == 2  # well before the 30 s claim timeout
+        with pytest.raises(SemaphoreValidationError, match="'flaky'"):
+            failing.get(timeout=20)
+        assert first.get(timeout=20) == 0
+        assert wait_for(lambda: sem.count("flaky") == 0 and not sem.admin.room("flaky"), 10)
+    History.load(client, BODIES).assert_ok({"flaky": 1}, tasks=[first.id, last.id])
+
+
+def test_a_heartbeat_is_judged_against_the_lease_that_applies(redis_server: RedisServer) -> None:
+    """A declared heartbeat under the app's lease, a task's heartbeat under a declared lease:
+    both fine when bound; a task's heartbeat above half a declared lease is refused."""
+    app = Celery("timing", broker=redis_server.url, set_as_current=False)
+    app.conf.semaphore_lease = 120.0
+    app.conf.semaphores = {"a": {"limit": 1, "heartbeat": 40.0}, "b": {"limit": 1, "lease": 120.0},
+                           "c": {"limit": 1, "lease": 10.0}}  # fmt: skip
+
+    def body() -> None: ...
+
+    app.task(base=SemaphoreTask, semaphore="a", shared=False, name="t.a")(body)
+    app.task(base=SemaphoreTask, semaphore="b", heartbeat=40.0, shared=False, name="t.b")(body)
+    app.finalize()
+    with pytest.raises(SemaphoreValidationError, match="heartbeat"):
+        app.task(base=SemaphoreTask, semaphore="c", heartbeat=40.0, shared=False, name="t.c")(body)

@@ -323,7 +323,7 @@ class SemaphoreAdmin:
         """
         keys = self.keys_of(check.check_key(key))
         if limit is not None:
-            check.check_limit(limit)
+            limit = check.check_limit(limit)
         who = setter() if by is None else check.check_key(by, "by")
         with backend_errors(key, limit):
             previous, _, handed = self._scripts.set_limit(

@@ -210,7 +210,7 @@ class WaitingRoom:
         arrival_ms = (
             None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
         )
-        check.check_retries(max_queued, "max_queued")
+        max_queued = check.check_retries(max_queued, "max_queued")
         ttl_ms = check.lease_ms(room_ttl, "room_ttl")
         limit = self._limit(limit)
         weight = check.check_weight(weight, limit)

@@ -56,12 +56,14 @@ MAX_KEY_BYTES = 4096
 
 
 def check_limit(limit: object, name: str = "limit") -> int:
-    """Return ``limit`` if it is an int from 1 to ``MAX_LIMIT`` (bool excluded), else raise."""
+    """Return ``limit`` as a plain int if it is an int from 1 to ``MAX_LIMIT`` (bool
+    excluded), else raise. An int subclass (an ``IntEnum``, say) becomes a plain int, which
+    redis-py sends as digits rather than as its ``repr``."""
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         raise SemaphoreValidationError(
             f"{name} must be an int from 1 to {MAX_LIMIT}, got {limit!r:.60}"
         )
-    return limit
+    return int(limit)
 
 
 def check_weight(weight: object, limit: int, name: str = "weight") -> int:
@@ -71,7 +73,7 @@ def check_weight(weight: object, limit: int, name: str = "weight") -> int:
         raise SemaphoreValidationError(
             f"{name} must be an int from 1 to the limit ({limit}), got {weight!r}", None, limit
         )
-    return weight
+    return int(weight)
 
 
 def lease_ms(lease: object, name: str = "lease") -> int:
@@ -92,10 +94,10 @@ def lease_ms(lease: object, name: str = "lease") -> int:
 
 
 def check_retries(retries: object, name: str = "retries") -> int:
-    """Return ``retries`` if it is an int >= 0 (bool excluded), else raise."""
+    """Return ``retries`` as a plain int if it is an int >= 0 (bool excluded), else raise."""
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise SemaphoreValidationError(f"{name} must be an int >= 0, got {retries!r}")
-    return retries
+    return int(retries)
 
 
 def check_delay(delay: object, name: str = "retry_delay") -> float:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core import validation as check
 from ..errors import SemaphoreValidationError
-from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
+from .policy import OPTION_NAMES, POLICY_FIELDS, check_options
 
 DEFAULT_ENTRY = "*"
 """The entry of a ``limit`` mapping that applies to every key the mapping does not name."""
@@ -174,7 +174,7 @@ def declared_semaphores(value: object) -> dict[str, dict[str, Any]]:
         try:
             if "limit" in given:
                 LimitSpec(given["limit"])
-            Policy().with_options({k: v for k, v in given.items() if k in POLICY_FIELDS})
+            check_options({k: v for k, v in given.items() if k in POLICY_FIELDS})
         except SemaphoreValidationError as exc:
             raise SemaphoreValidationError(f"{where}: {exc}") from None
         declared[str(name)] = given

@@ -118,6 +118,20 @@ class Policy:
 POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
 
 
+def check_options(options: Mapping[str, Any]) -> None:
+    """Check each of ``options`` (policy options, None values ignored) on its own, as a task
+    or a declaration gives them: a heartbeat is judged against the lease only when the same
+    options give one, since the lease may come from a declaration or an app setting (the
+    effective policy is checked whole when a worker starts or a run resolves it).
+
+    Raises:
+        SemaphoreValidationError: an option is invalid; the message names it.
+    """
+    given = {k: v for k, v in options.items() if v is not None}
+    given.setdefault("lease", check.MAX_SECONDS)
+    Policy().with_options(given)
+
+
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise SemaphoreValidationError(f"{name} must be one of {allowed!r}, got {value!r}")

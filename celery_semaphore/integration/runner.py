@@ -26,6 +26,7 @@ How a run goes:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -52,7 +53,7 @@ from .body import run_body
 from .current import UNBOUNDED
 from .keys import KeyTemplate
 from .limits import LimitSpec, WeightSpec
-from .policy import OPTION_NAMES, POLICY_FIELDS, Policy
+from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options
 from .room import (
     claim_or_end,
     give_up_or_end,
@@ -127,12 +128,11 @@ class Runner:
         self.limits = None if limit is None else LimitSpec(limit)
         self.weights = WeightSpec(weight)
         self.options = {k: v for k, v in options.items() if v is not None}
-        Policy().with_options(self.options)  # checks each given option now
+        check_options(self.options)  # each given option, now; together at bind, below
         if app is not None and not isinstance(app, Celery):
             raise SemaphoreValidationError(f"app must be a Celery app or None, got {app!r}")
         self.app = app
-        if app is not None or self.limits is None:
-            self.policy_and_limits(app, settings=False)  # a missing limit fails now
+        self.policy_and_limits(app, settings=False)  # a missing limit or a misfit fails now
         self.redis = redis
         self.retries = check.check_retries(retries)
         self.retry_delay = check.check_delay(retry_delay)
@@ -288,8 +288,7 @@ class Runner:
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy, _ = bound = self.resolve(task.app)
-            limit = bound.limits.for_call(key, args, kwargs)
-            weight = self.weights.for_call(key, limit, args, kwargs)
+            limit, weight = self._limit_and_weight(task, bound, key, args, kwargs)
             if is_give_up(task.request):
                 try:
                     give_up_or_end(task, semaphore, policy, key, limit)
@@ -321,6 +320,21 @@ class Runner:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
             self._shed(task, policy, key, slot.limit, "slot lost while running")
+
+    def _limit_and_weight(
+        self, task: Task, bound: Bound, key: str, args: Any, kwargs: Any
+    ) -> tuple[int, int]:
+        """This run's limit and weight. A run a hand-off started whose limit or weight cannot
+        be computed leaves the room first (its reservation goes to the next waiter), then
+        fails: it is not handed a slot again."""
+        try:
+            limit = bound.limits.for_call(key, args, kwargs)
+            return limit, self.weights.for_call(key, limit, args, kwargs)
+        except Exception:
+            if is_handoff(task.request):
+                with contextlib.suppress(SemaphoreBackendError):
+                    bound.semaphore.admin.cancel(key, task.request.id)
+            raise
 
     def _ask(
         self,

@@ -149,14 +149,17 @@ def task_policy(app: Celery | None, options: Mapping[str, Any]) -> Policy:
     return defaults.with_options(options)
 
 
-def task_options(app: Celery | None, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+def task_options(
+    app: Celery | None, name: str, options: Mapping[str, Any], settings: bool = True
+) -> dict[str, Any]:
     """The policy options of a task whose ``semaphore`` option is ``name``: its own
-    ``options``, over those ``app.conf.semaphores`` declares for ``name``.
+    ``options``, over those ``app.conf.semaphores`` declares for ``name`` (read on its own
+    with ``settings`` False; see :func:`declared_for`).
 
     Raises:
         SemaphoreValidationError: an app setting is invalid.
     """
-    declared = declared_for(app, name)
+    declared = declared_for(app, name, settings)
     return {**{k: v for k, v in declared.items() if k in POLICY_FIELDS}, **options}
 
 
@@ -169,10 +172,12 @@ def policy_and_limits(
 ) -> tuple[Policy, LimitSpec]:
     """The effective policy and the limit option of a task whose ``semaphore`` option is
     ``name``, whose own policy options are ``options`` and limit option ``limits`` (None:
-    the one ``app.conf.semaphores`` declares). With ``settings`` False, only
-    ``app.conf.semaphores`` is read (binding a task checks its limit so, before the app's
-    other settings, which a worker checks when it starts), and the policy is ``options`` over
-    the defaults.
+    the one ``app.conf.semaphores`` declares). With ``settings`` False, the app's settings
+    are not resolved (binding a task checks its options so, before the app's settings, which
+    a worker checks when it starts): ``app.conf.semaphores`` and the app's
+    ``semaphore_lease`` and ``semaphore_heartbeat`` are read as they stand, so that a
+    heartbeat is judged against the lease that will apply, and the policy returned holds
+    only the options so combined.
 
     Raises:
         SemaphoreValidationError: an app setting is invalid, conflicts with ``options``, or
@@ -188,5 +193,8 @@ def policy_and_limits(
             )
         limits = LimitSpec(declared)
     if not settings:
-        return Policy().with_options(options), limits
+        conf: Mapping[str, Any] = {} if app is None else app.conf
+        timing = {f: conf.get(f"semaphore_{f}") for f in ("lease", "heartbeat")}
+        combined = {**timing, **task_options(app, name, options, settings=False)}
+        return Policy().with_options(combined), limits
     return task_policy(app, task_options(app, name, options)), limits

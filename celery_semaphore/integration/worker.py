@@ -317,7 +317,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 policy = task_policy(app, found[0].options_of(app))
             except SemaphoreValidationError as exc:
                 raise SemaphoreValidationError(
-                    f"task {task.name!r}: {exc} (its options over the app's semaphore_* settings)",
+                    f"task {task.name!r}: {exc} (its options, over its semaphore's "
+                    "app.conf.semaphores declaration, over the app's semaphore_* settings)",
                     exc.key,
                     exc.limit,
                 ) from None

@@ -51,6 +51,9 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
 local arrival = tonumber(ARGV[6]) or now
 room_prune(slots, holders, room, parked, now)
+-- The room hands slots out by the limit its callers give now (one computed per run may
+-- change): every park and claim brings it up to date.
+if redis.call('HEXISTS', parked, '!limit') == 1 then redis.call('HSET', parked, '!limit', given) end
 
 -- Take a slot for the waiter, in place of `member` (a reservation of `units`), if any.
 local function take(member, units)
