@@ -15,10 +15,13 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import SemaphoreLeaseLostError
+from ..errors import SemaphoreLeaseLostError, SemaphoreValidationError
+from . import validation as check
 from .admin import SemaphoreAdmin
 from .options import acquire_args, many_args
-from .scripts import Admitted, Keys, Scripts, backend_errors
+from .parking import OUTCOMES
+from .room import DEFAULT_ROOM_TTL, HandoffRoute
+from .scripts import Admitted, Keys, NotWaiting, Parked, RoomFull, Scripts, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
@@ -115,6 +118,7 @@ class ManyKeys:
 
     lease: float
     admin: SemaphoreAdmin
+    handoffs: HandoffRoute
     _scripts: Scripts
 
     def _metadata(
@@ -193,3 +197,127 @@ class ManyKeys:
                     group.release()  # answered after a whole lease: not to be trusted
             record(attempts, "full")
         return None
+
+    def park_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        waiter: str,
+        payload: bytes,
+        *,
+        arrival: float | None = None,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        max_queued: int = 0,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        deadline: float | None = None,
+    ) -> SlotGroup | Parked | RoomFull:
+        """Take a slot of every key in arrival order, all in one script call, or park
+        ``waiter`` in the waiting room of the first key that cannot take it yet (too full,
+        or older waiters parked there). A hand-off from that room starts it again, and its
+        run then calls :meth:`claim_many`: it takes every key, or waits in the next key's
+        room, handing on the slot reserved for it. It waits in one room at a time, and never
+        holds one key's slot while it waits for another's.
+
+        Args:
+            keys: as for :meth:`acquire_many`.
+            waiter, payload, arrival, lease, metadata, max_queued, room_ttl, deadline: as for
+                :meth:`Semaphore.park` (``max_queued`` counts the room it would wait in).
+
+        Returns:
+            SlotGroup | Parked | RoomFull: the slots; or where the waiter stands
+            (``Parked.index`` is the 1-based key whose room it is in); or a refusal, that
+            room being full.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        deadline_ms = 0
+        if deadline is not None:
+            deadline_ms = round(check.check_epoch(deadline, "deadline") * 1000)
+        result = self._park_many(
+            keys, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
+            claim_only=False, deadline_ms=deadline_ms,
+        )  # fmt: skip
+        assert not isinstance(result, NotWaiting)
+        return result
+
+    def claim_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        waiter: str,
+        *,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        delivery: str = "",
+    ) -> SlotGroup | Parked | NotWaiting:
+        """Take every key with the slot a hand-off reserved for ``waiter`` on one of them,
+        or wait in the room of the first that cannot take it yet; see :meth:`park_many`
+        and, for the answers, :meth:`Semaphore.claim`.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        if delivery != "":
+            check.check_key(delivery, "delivery")
+        result = self._park_many(
+            keys, waiter, b"", None, lease, metadata, 0, room_ttl,
+            claim_only=True, deadline_ms=0, delivery=delivery,
+        )  # fmt: skip
+        assert not isinstance(result, RoomFull)
+        return result
+
+    def _park_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        waiter: str,
+        payload: bytes,
+        arrival: float | None,
+        lease: float | None,
+        metadata: Mapping[str, Any] | None,
+        max_queued: int,
+        room_ttl: float,
+        *,
+        claim_only: bool,
+        deadline_ms: int,
+        delivery: str = "",
+    ) -> SlotGroup | Parked | RoomFull | NotWaiting:
+        specs = many_args(keys)
+        check.check_key(waiter, "waiter")
+        if waiter[0] in "~!" or "#" in waiter:
+            raise SemaphoreValidationError(
+                f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
+            )
+        if not isinstance(payload, bytes):
+            raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+        seconds = self.lease if lease is None else lease
+        ms = check.lease_ms(seconds)
+        arrival_ms = (
+            None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+        )
+        max_queued = check.check_retries(max_queued, "max_queued")
+        ttl_ms = check.lease_ms(room_ttl, "room_ttl")
+        info = self._metadata(metadata, specs[0][1], specs[0][2])
+        all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
+        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
+        token = secrets.token_hex(16)
+        label = "+".join(key for key, _, _ in specs)
+        sent_at = time.monotonic()
+        with acquire_span(label, specs[0][1]) as record, backend_errors(label, specs[0][1]):
+            result, handed = self._scripts.park_many(
+                groups, ms, token, info, waiter, arrival_ms, payload, self.handoffs.claim_ms,
+                ttl_ms, max_queued, claim_only, deadline_ms, delivery,
+            )  # fmt: skip
+            record(1, OUTCOMES[type(result)])
+        self.handoffs.deliver(label, handed)
+        if isinstance(result, Parked):
+            self.admin.index_room(specs[result.index - 1][0], ttl_ms)
+        if isinstance(result, Admitted):
+            return SlotGroup(
+                [self._slot(k, key, token, seconds, Admitted(result.expires_at_ms,
+                            result.now_ms, limit), sent_at, weight)
+                 for k, (key, limit, weight) in zip(all_keys, specs, strict=True)]
+            )  # fmt: skip
+        return result

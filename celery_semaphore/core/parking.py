@@ -28,7 +28,7 @@ from .scripts import (
 from .slot import Slot
 from .tracing import acquire_span
 
-_OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
+OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
 """The ``semaphore.outcome`` of a park or claim's span (see :mod:`.tracing`)."""
 
 MAX_BLOCK = 2.0
@@ -224,7 +224,7 @@ class WaitingRoom:
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
                 self.handoffs.grace_ms, delivery, weight,
             )  # fmt: skip
-            record(1, _OUTCOMES[type(result)])
+            record(1, OUTCOMES[type(result)])
         self.handoffs.deliver(key, handed)
         if isinstance(result, Parked):
             self.admin.index_room(key, ttl_ms)

@@ -26,11 +26,13 @@ class Handoff:
 @dataclass(frozen=True)
 class Parked:
     """park.lua parked the waiter: ``position`` older waiters are ahead of it; ``limit`` is
-    the key's limit that applied (a live one, when set)."""
+    the key's limit that applied (a live one, when set). From park_many.lua, ``index`` is the
+    (1-based) key whose room it waits in, and ``limit`` that key's."""
 
     position: int
     now_ms: int
     limit: int = 0
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,24 @@ def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:
     """set_limit.lua's reply: the live limit before (None: none), the server's time, and
     the hand-offs."""
     return int(reply[0]) or None, int(reply[1]), _handoffs(reply, 2)
+
+
+def parse_park_many(
+    reply: Any,
+) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+    """park_many.lua's reply, read as park.lua's; a :class:`Parked` carries the index of the
+    key whose room the waiter is in (its ``limit`` is left 0)."""
+    status, value, now_ms, index = (int(v) for v in reply[:4])
+    result: Admitted | Parked | RoomFull | NotWaiting
+    if status == 1:
+        result = Admitted(value, now_ms)
+    elif status == 0:
+        result = Parked(value, now_ms, 0, index)
+    elif status == -1:
+        result = RoomFull(value)
+    else:
+        result = NotWaiting(again=value == 1)
+    return result, _handoffs(reply, 4)
 
 
 def parse_waiting(reply: Any) -> tuple[int, int, list[tuple[str, int]]]:

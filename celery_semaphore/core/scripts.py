@@ -38,6 +38,7 @@ from .replies import (
     parse_extend,
     parse_holders,
     parse_park,
+    parse_park_many,
     parse_release,
     parse_set_limit,
     parse_sweep,
@@ -75,13 +76,14 @@ def _lua(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-_ROOM = ("park", "release", "sweep", "cancel", "set_limit")
+_ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
 _ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 _KEYS = {
     "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
     "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": slice(0, 9), "release": _ROOM_KEYS,
+    "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
+    "release": _ROOM_KEYS,
     "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS, "set_limit": _ROOM_KEYS,
     "block": slice(6, 7),
     "waiting": slice(3, 4),
@@ -307,6 +309,34 @@ class Scripts:
             deadline_ms, grace_ms, delivery, weight,
         )  # fmt: skip
         return self.run(_of("park", keys, args, parse_park))
+
+    def park_many(
+        self,
+        groups: Sequence[tuple[Keys, int, int]],
+        lease_ms: int,
+        token: str,
+        metadata: str,
+        waiter: str,
+        arrival_ms: int | None,
+        payload: bytes,
+        claim_ms: int,
+        room_ttl_ms: int,
+        max_queued: int,
+        claim_only: bool,
+        deadline_ms: int,
+        delivery: str = "",
+    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+        """Take a slot of every ``(keys, limit, weight)`` in arrival order, or park in the
+        room of the first that cannot take it yet (see park_many.lua's contract). A
+        :class:`Parked` answer's ``index`` says which."""
+        keys = [name for k, _, _ in groups for name in k[_KEYS["park_many"]]]
+        args: list[str | int | bytes] = [
+            lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
+            payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
+            deadline_ms, delivery,
+        ]  # fmt: skip
+        args += [value for _, limit, weight in groups for value in (limit, weight)]
+        return self.run(Call("park_many", keys, args, parse_park_many))
 
     def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
         """The server's time (epoch ms), how many are parked, and the oldest ``rows`` parked
