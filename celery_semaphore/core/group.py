@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import SemaphoreLeaseLostError, SemaphoreValidationError
@@ -43,8 +43,28 @@ class SlotGroup:
         self.slots = tuple(slots)
         self.key = "+".join(s.key for s in self.slots)
         self.lost = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[SlotGroup], object]] = []
         for slot in self.slots:
-            slot.when_lost(lambda _: self.lost.set())
+            slot.when_lost(self._member_lost)
+
+    def _member_lost(self, _: Slot) -> None:
+        with self._lock:
+            if self.lost.is_set():
+                return
+            self.lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def when_lost(self, callback: Callable[[SlotGroup], object]) -> None:
+        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
+        (at once if one already is); see :meth:`Slot.when_lost`."""
+        with self._lock:
+            if not self.lost.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def __repr__(self) -> str:
         return f"<SlotGroup {[s.key for s in self.slots]!r} {'lost' if self.lost.is_set() else ''}>"

@@ -13,6 +13,7 @@ import ctypes
 import threading
 
 from ..errors import LeaseInterrupted
+from .group import SlotGroup
 from .slot import Slot
 
 
@@ -26,10 +27,10 @@ class Interrupter:
     """While entered, a loss of ``slot`` raises :class:`LeaseInterrupted` in this thread.
 
     Args:
-        slot (Slot): the slot to watch.
+        slot (Slot | SlotGroup): the slot to watch (or the slots of several keys).
     """
 
-    def __init__(self, slot: Slot) -> None:
+    def __init__(self, slot: Slot | SlotGroup) -> None:
         self._slot = slot
         self._lock = threading.Lock()
         self._thread_id: int | None = None
@@ -39,7 +40,7 @@ class Interrupter:
         self._slot.when_lost(self._fire)
         return self
 
-    def _fire(self, slot: Slot) -> None:
+    def _fire(self, slot: object) -> None:
         with self._lock:
             if self._thread_id is not None:
                 _raise_in(self._thread_id, LeaseInterrupted)

@@ -42,7 +42,7 @@ from .tracing import acquire_span
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-S = TypeVar("S", Slot, SlotGroup)
+S = TypeVar("S", bound=Slot | SlotGroup)
 
 DEFAULT_LEASE = 60.0
 

@@ -11,6 +11,7 @@ from typing import Any
 from celery import Task
 
 from ..core import validation as check
+from ..core.group import SlotGroup
 from ..core.interrupt import Interrupter
 from ..core.semaphore import guard
 from ..core.slot import Slot
@@ -28,7 +29,7 @@ from .signals import (
 
 def run_body(
     task: Task | None,
-    slot: Slot,
+    slot: Slot | SlotGroup,
     policy: Policy,
     waited: float,
     template: str,
@@ -41,7 +42,7 @@ def run_body(
 
     Args:
         task (Task | None): the running task (None for a plain call).
-        slot (Slot): the slot just taken.
+        slot (Slot | SlotGroup): the slot just taken (or the slots of several keys).
         policy (Policy): the heartbeat and ``interrupt`` to run under.
         waited (float): seconds the run waited for its slot, for the signals.
         template (str): the ``semaphore`` option as written, for the signals.

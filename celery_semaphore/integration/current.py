@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextvars
 import threading
 
+from ..core.group import SlotGroup
 from ..core.slot import Slot
 
-CURRENT: contextvars.ContextVar[Slot | None] = contextvars.ContextVar(
+CURRENT: contextvars.ContextVar[Slot | SlotGroup | None] = contextvars.ContextVar(
     "celery_semaphore_current_slot", default=None
 )
 """The slot of the bounded body running in this context (set by the runner)."""
@@ -37,8 +38,9 @@ UNBOUNDED = _Switch()
 """On while :func:`celery_semaphore.testing.unbounded` is entered: bodies run with no slot."""
 
 
-def current_slot() -> Slot | None:
-    """The slot held by the bounded task (or function) running in this thread, or None.
+def current_slot() -> Slot | SlotGroup | None:
+    """The slot held by the bounded task (or function) running in this thread, or None; for
+    a task that holds several keys, their :class:`~celery_semaphore.core.group.SlotGroup`.
 
     Long bodies can watch ``current_slot().lost`` to stop early when the slot is gone.
     """

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import inspect
 import string
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core import validation as check
 from ..errors import SemaphoreValidationError
+from .limits import LimitSpec
 
 
 class KeyTemplate:
@@ -103,3 +104,43 @@ def _fields(template: str) -> list[str]:
             )
         names.append(root)
     return names
+
+
+class KeySet:
+    """The ``semaphore`` option as a list: several keys a run holds all at once, each with
+    its own limit, ``[("openai", 20), ("tenant:{tenant_id}", 2)]``.
+
+    Each key is a fixed key, a template or a callable, as for :class:`KeyTemplate`; each
+    limit is a number, a callable or a mapping, as for
+    :class:`~celery_semaphore.integration.limits.LimitSpec`.
+
+    Args:
+        spec (Sequence[tuple[str | Callable[..., str], object]]): the option's value.
+        fn (Callable[..., Any]): the function whose signature the templates are checked
+            against.
+
+    Raises:
+        SemaphoreValidationError: ``spec`` is empty or not a list of ``(key, limit)`` pairs,
+            or a key or limit in it is invalid (the message names it).
+    """
+
+    def __init__(self, spec: Sequence[Any], fn: Callable[..., Any]) -> None:
+        if not spec or not all(isinstance(e, tuple) and len(e) == 2 for e in spec):
+            raise SemaphoreValidationError(
+                "semaphore as a list takes (key, limit) pairs, at least one, e.g. "
+                f"[('openai', 20), ('tenant:{{tenant_id}}', 2)]; got {spec!r:.80}"
+            )
+        self.entries = [(KeyTemplate(key, fn), LimitSpec(limit)) for key, limit in spec]
+
+    @property
+    def source(self) -> str:
+        """The keys as written, joined with ``+`` (for views and log lines)."""
+        return "+".join(template.source for template, _ in self.entries)
+
+    def render_each(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[str]:
+        """Each key for one call (see :meth:`KeyTemplate.render`)."""
+        return [template.render(args, kwargs) for template, _ in self.entries]
+
+    def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        """The keys for one call, joined with ``+`` (a label, for log lines)."""
+        return "+".join(self.render_each(args, kwargs))

@@ -31,6 +31,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 from kombu.serialization import dumps, loads
 
+from ..core.group import SlotGroup
 from ..core.room import Publisher
 from ..core.scripts import Handoff, NotWaiting, Parked, RoomFull
 from ..core.semaphore import Semaphore
@@ -106,12 +107,21 @@ def publisher_for(app: Celery) -> Publisher:
 
 
 def claim_or_end(
-    task: Task, semaphore: Semaphore, key: str, limit: int, weight: int, metadata: dict[str, Any]
-) -> Slot | None:
+    task: Task,
+    semaphore: Semaphore,
+    key: str,
+    limit: int,
+    weight: int,
+    metadata: dict[str, Any],
+    many: Sequence[tuple[str, int, int]] | None = None,
+) -> Slot | SlotGroup | None:
     """Claim the slot a hand-off reserved for the running task, or end the run.
 
+    With ``many`` (``(key, limit, weight)`` of each of several keys), the run claims them
+    all (see :meth:`Semaphore.claim_many`).
+
     Returns:
-        Slot | None: the reserved slot; or None when this very message claimed the slot
+        Slot | SlotGroup | None: the reserved slot; or None when this very message claimed the slot
         before and the broker delivers it again (its run was lost after the claim, say a
         worker killed with ``acks_late``): it is a new run, and asks for a slot as any run
         does. Another copy of a hand-off (a stranded prefetch, a sweep's second publish)
@@ -123,10 +133,14 @@ def claim_or_end(
             whose task already ran or runs elsewhere).
     """
     delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
-    result = semaphore.claim(
-        key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
-    )
-    if isinstance(result, Slot):
+    result: Slot | SlotGroup | Parked | NotWaiting
+    if many:
+        result = semaphore.claim_many(many, task.request.id, metadata=metadata, delivery=delivery)
+    else:
+        result = semaphore.claim(
+            key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
+        )
+    if isinstance(result, (Slot, SlotGroup)):
         return result
     if isinstance(result, NotWaiting):
         if result.again:
@@ -136,7 +150,7 @@ def claim_or_end(
 
 
 def give_up_or_end(
-    task: Task, semaphore: Semaphore, policy: Policy, key: str, limit: int
+    task: Task, semaphore: Semaphore, policy: Policy, keys: Sequence[str], limit: int
 ) -> NoReturn:
     """End a run whose ``shed_timeout`` passed while it was parked: take it out of the room
     and fail it, unless a hand-off got to it first (then this delivery ends quietly).
@@ -145,7 +159,8 @@ def give_up_or_end(
         SemaphoreNotAcquiredError: the run was still parked; it is out of the room now.
         celery.exceptions.Ignore: it was no longer parked.
     """
-    if not semaphore.admin.cancel(key, task.request.id):
+    key = "+".join(keys)
+    if not any([semaphore.admin.cancel(k, task.request.id) for k in keys]):
         raise Ignore()
     headers = task.request.headers or {}
     waited = time.time() - float(headers.get(FIRST_SHED_HEADER) or time.time())
@@ -167,14 +182,17 @@ def park_or_take(
     metadata: dict[str, Any],
     template: str,
     asked: float | None = None,
-) -> Slot:
+    many: Sequence[tuple[str, int, int]] | None = None,
+) -> Slot | SlotGroup:
     """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
 
     ``asked`` is when this run first asked for a slot (epoch seconds; None: now), for a run
-    that waited in the worker before parking.
+    that waited in the worker before parking. With ``many`` (``(key, limit, weight)`` of each
+    of several keys), it takes every key or waits in the room of the first that cannot take
+    it yet (see :meth:`Semaphore.park_many`).
 
     Returns:
-        Slot: a slot, when no older run is parked and one was free.
+        Slot | SlotGroup: a slot (of each key), when no older run is parked and one was free.
 
     Raises:
         celery.exceptions.Ignore: the run is parked (its state is left as it was); a hand-off starts
@@ -194,18 +212,16 @@ def park_or_take(
     headers.update(
         {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
     )
-    result = semaphore.park(
-        key,
-        request.id,
-        payload_of(task, headers),
-        limit=limit,
-        weight=weight,
-        arrival=arrival,
-        metadata=metadata,
-        max_queued=policy.max_queued or 0,
-        deadline=None if policy.shed_timeout is None else arrival + policy.shed_timeout,
-    )
-    if isinstance(result, Slot):
+    payload = payload_of(task, headers)
+    deadline = None if policy.shed_timeout is None else arrival + policy.shed_timeout
+    options: dict[str, Any] = {"arrival": arrival, "metadata": metadata, "deadline": deadline,
+                               "max_queued": policy.max_queued or 0}  # fmt: skip
+    result: Slot | SlotGroup | Parked | RoomFull
+    if many:
+        result = semaphore.park_many(many, request.id, payload, **options)
+    else:
+        result = semaphore.park(key, request.id, payload, limit=limit, weight=weight, **options)
+    if isinstance(result, (Slot, SlotGroup)):
         return result
     if isinstance(result, RoomFull):
         raise SemaphoreNotAcquiredError(

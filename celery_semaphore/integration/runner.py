@@ -41,6 +41,7 @@ from celery._state import get_current_app, get_current_task
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
+from ..core.group import SlotGroup
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import (
@@ -49,9 +50,10 @@ from ..errors import (
     SemaphoreNotAcquiredError,
     SemaphoreValidationError,
 )
+from .asks import Ask, ask_for, take
 from .body import run_body
 from .current import UNBOUNDED
-from .keys import KeyTemplate
+from .keys import KeySet, KeyTemplate
 from .limits import LimitSpec, WeightSpec
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options
 from .room import (
@@ -124,8 +126,17 @@ class Runner:
             raise check.unknown_option(unknown[0], OPTION_NAMES)
         if semaphore is None:
             raise SemaphoreValidationError("semaphore option is required (the key to bound by)")
-        self.template = KeyTemplate(semaphore, fn)
-        self.limits = None if limit is None else LimitSpec(limit)
+        self.template: KeyTemplate | KeySet
+        if isinstance(semaphore, (list, tuple)):  # several keys, each with its own limit
+            if limit is not None:
+                raise SemaphoreValidationError(
+                    "semaphore lists each key's limit: [(key, limit), ...]; give no limit="
+                )
+            self.template = KeySet(semaphore, fn)
+            self.limits: LimitSpec | None = self.template.entries[0][1]
+        else:
+            self.template = KeyTemplate(semaphore, fn)
+            self.limits = None if limit is None else LimitSpec(limit)
         self.weights = WeightSpec(weight)
         self.options = {k: v for k, v in options.items() if v is not None}
         check_options(self.options)  # each given option, now; together at bind, below
@@ -229,52 +240,43 @@ class Runner:
         return self._call_in_worker(task, fn, args, kwargs)
 
     def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """The semaphore key for a call with these arguments (see :class:`KeyTemplate`)."""
+        """The semaphore key for a call with these arguments (see :class:`KeyTemplate`); the
+        keys joined with ``+`` for a task that holds several."""
         return self.template.render(args, kwargs)
+
+    def keys_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[str]:
+        """Every key a call with these arguments holds a slot of."""
+        if isinstance(self.template, KeySet):
+            return self.template.render_each(args, kwargs)
+        return [self.template.render(args, kwargs)]
 
     # -- the three modes ---------------------------------------------------------------
 
     def _call_plain(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         app = self.app if self.app is not None or self.redis is not None else get_current_app()
         bound = self.resolve(app)
-        key = self.key_for(args, kwargs)
-        limit = bound.limits.for_call(key, args, kwargs)
-        weight = self.weights.for_call(key, limit, args, kwargs)
+        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
         started = time.monotonic()
-        slot = bound.semaphore.acquire(
-            key, limit=limit, weight=weight, retries=self.retries, retry_delay=self.retry_delay
-        )
+        slot = take(bound.semaphore, ask, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
-            raise self._refused(None, _full_error(key, limit))
-        return run_body(
-            None,
-            slot,
-            bound.policy,
-            time.monotonic() - started,
-            self.template.source,
-            fn,
-            args,
-            kwargs,
-        )
+            raise self._refused(None, _full_error(ask.key, ask.limit))
+        waited = time.monotonic() - started
+        return run_body(None, slot, bound.policy, waited, self.template.source, fn, args, kwargs)
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         semaphore, policy, _ = bound = self.resolve(task.app)
-        key = self.key_for(args, kwargs)
-        limit = bound.limits.for_call(key, args, kwargs)
-        weight = self.weights.for_call(key, limit, args, kwargs)
+        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
         budget = policy.wait_budget()
         started = time.monotonic()
-        slot = semaphore.acquire(
-            key, limit=limit, weight=weight, wait=budget, metadata=_task_metadata(task)
-        )
+        slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task))
         if slot is None:
             raise self._refused(
                 task,
                 SemaphoreNotAcquiredError(
-                    f"semaphore {key!r} had all {limit} slots held for {budget:g}s "
+                    f"semaphore {ask.key!r} had all {ask.limit} slots held for {budget:g}s "
                     f"(task {task.name} run outside a worker waits instead of being shed)",
-                    key,
-                    limit,
+                    ask.key,
+                    ask.limit,
                 ),
             )
         waited = time.monotonic() - started
@@ -288,19 +290,20 @@ class Runner:
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy, _ = bound = self.resolve(task.app)
-            limit, weight = self._limit_and_weight(task, bound, key, args, kwargs)
+            ask = self._ask_for(task, bound, args, kwargs)
+            limit = ask.limit
             if is_give_up(task.request):
                 try:
-                    give_up_or_end(task, semaphore, policy, key, limit)
+                    give_up_or_end(task, semaphore, policy, ask.keys, limit)
                 except SemaphoreNotAcquiredError as exc:
                     raise self._refused(task, exc) from None
             slot = (
-                claim_or_end(task, semaphore, key, limit, weight, metadata)
+                claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
                 if is_handoff(task.request)
                 else None
             )
             if slot is None:
-                slot = self._ask(task, semaphore, policy, key, limit, weight, metadata)
+                slot = self._ask(task, semaphore, policy, ask, metadata)
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
@@ -321,47 +324,36 @@ class Runner:
                 raise
             self._shed(task, policy, key, slot.limit, "slot lost while running")
 
-    def _limit_and_weight(
-        self, task: Task, bound: Bound, key: str, args: Any, kwargs: Any
-    ) -> tuple[int, int]:
-        """This run's limit and weight. A run a hand-off started whose limit or weight cannot
-        be computed leaves the room first (its reservation goes to the next waiter), then
-        fails: it is not handed a slot again."""
+    def _ask_for(self, task: Task, bound: Bound, args: Any, kwargs: Any) -> Ask:
+        """This run's ask (see :func:`.asks.ask_for`). A run a hand-off started whose limit
+        or weight cannot be computed leaves the room first (its reservation goes to the next
+        waiter), then fails: it is not handed a slot again."""
         try:
-            limit = bound.limits.for_call(key, args, kwargs)
-            return limit, self.weights.for_call(key, limit, args, kwargs)
+            return ask_for(self.template, bound.limits, self.weights, args, kwargs)
         except Exception:
             if is_handoff(task.request):
                 with contextlib.suppress(SemaphoreBackendError):
-                    bound.semaphore.admin.cancel(key, task.request.id)
+                    for key in self.keys_for(args, kwargs):
+                        bound.semaphore.admin.cancel(key, task.request.id)
             raise
 
     def _ask(
-        self,
-        task: Task,
-        semaphore: Semaphore,
-        policy: Policy,
-        key: str,
-        limit: int,
-        weight: int,
-        metadata: Any,
-    ) -> Slot | None:
-        """Ask for a slot as ``on_full`` says: a slot, or None when all are held (the caller
-        sheds or raises). Parking ends the run (``Ignore``)."""
+        self, task: Task, semaphore: Semaphore, policy: Policy, ask: Ask, metadata: Any
+    ) -> Slot | SlotGroup | None:
+        """Ask for a slot as ``on_full`` says: a slot (of each key), or None when none is to
+        be had (the caller sheds or raises). Parking ends the run (``Ignore``)."""
         template = self.template.source
-        ask = (key, limit, weight, metadata, template)
+        park = (ask.key, ask.limit, ask.weight, metadata, template)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, *ask)
+            return park_or_take(task, semaphore, policy, *park, many=ask.many)
         if policy.on_full == "wait":
             asked = time.time()
-            slot = semaphore.acquire(
-                key, limit=limit, weight=weight, metadata=metadata, wait=policy.wait_timeout
-            )
+            slot = take(semaphore, ask, metadata=metadata, wait=policy.wait_timeout)
             if slot is None:
-                slot = park_or_take(task, semaphore, policy, *ask, asked)
+                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many)
             return slot
-        return semaphore.acquire(key, limit=limit, weight=weight, metadata=metadata)
+        return take(semaphore, ask, metadata=metadata)
 
     def _refused(
         self, task: Task | None, error: SemaphoreNotAcquiredError

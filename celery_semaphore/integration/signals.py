@@ -39,6 +39,7 @@ from typing import Any
 from celery import Task
 from celery.utils.dispatch import Signal
 
+from ..core.group import SlotGroup
 from ..core.slot import Slot
 from . import stats
 
@@ -85,7 +86,7 @@ def task_label(task: Task | None) -> str:
 
 
 def renew_failed_reporter(
-    task: Task | None, slot: Slot, template: str
+    task: Task | None, slot: Slot | SlotGroup, template: str
 ) -> Callable[[BaseException], None]:
     """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal."""
 
@@ -103,7 +104,7 @@ def renew_failed_reporter(
     return report
 
 
-def report_lease_lost(task: Task | None, slot: Slot, template: str) -> None:
+def report_lease_lost(task: Task | None, slot: Slot | SlotGroup, template: str) -> None:
     """Log, signal, send an event and count the loss of a run's slot."""
     reason = slot.lease_lost_error().message
     logger.error("%s%s", task_label(task), reason)

@@ -162,9 +162,11 @@ class DeadRunReleaser:
             return
         runner, takes_task = found
         try:
-            key = runner.key_for((task, *args) if takes_task else tuple(args), kwargs)
-            if runner.resolve(task.app)[0].admin.cancel(key, task_id):
-                logger.info("semaphore %r: revoked task %s left the waiting room", key, task_id)
+            keys = runner.keys_for((task, *args) if takes_task else tuple(args), kwargs)
+            admin = runner.resolve(task.app)[0].admin
+            for key in keys:
+                if admin.cancel(key, task_id):
+                    logger.info("semaphore %r: revoked task %s left the waiting room", key, task_id)
         except (SemaphoreError, TypeError) as exc:
             logger.warning("could not take task %s out of its waiting room: %s", task_id, exc)
 
@@ -207,10 +209,11 @@ class DeadRunReleaser:
             return 0
         runner, takes_task = found
         try:
-            key = runner.key_for((task, *args) if takes_task else tuple(args), kwargs)
+            keys = runner.keys_for((task, *args) if takes_task else tuple(args), kwargs)
             admin = runner.resolve(task.app)[0].admin
             holders = [
-                h
+                (key, h)
+                for key in keys
                 for h in admin.holders(key)
                 if h.metadata.get("task_id") == task_id and h.metadata.get("host") == _HOST
             ]
@@ -218,7 +221,7 @@ class DeadRunReleaser:
             logger.warning("could not find the slot of dead task %s: %s", task_id, exc)
             return 0
         released = 0
-        for holder in holders:
+        for key, holder in holders:
             release = _Release(self, admin, key, holder, task_id)
             if release.attempt():
                 released += 1

@@ -1,0 +1,92 @@
+"""What one run asks for: a key, its limit and the run's weight, or several such keys held
+all at once; and taking it from a :class:`Semaphore` outside the waiting room."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ..core.group import SlotGroup
+from ..core.semaphore import Semaphore
+from ..core.slot import Slot
+from .keys import KeySet, KeyTemplate
+from .limits import LimitSpec, WeightSpec
+
+POLL = 0.1
+"""Seconds between two tries of several keys outside a worker (no wake-up list spans keys)."""
+
+
+class Ask(NamedTuple):
+    """One run's ask: ``key`` (the keys joined with ``+`` when there are several, for log
+    lines), ``limit`` and ``weight`` (the first key's), and ``many``, the ``(key, limit,
+    weight)`` of each key when the run holds several, else None."""
+
+    key: str
+    limit: int
+    weight: int
+    many: list[tuple[str, int, int]] | None = None
+
+    @property
+    def keys(self) -> list[str]:
+        """Every key the run holds a slot of."""
+        return [key for key, _, _ in self.many] if self.many else [self.key]
+
+
+def ask_for(
+    template: KeyTemplate | KeySet,
+    limits: LimitSpec,
+    weights: WeightSpec,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> Ask:
+    """The ask of a run with these arguments: each key rendered, its limit and the run's
+    weight computed.
+
+    Raises:
+        SemaphoreValidationError: a key, limit or weight is invalid; the message names it.
+        Exception: whatever a key, limit or weight callable raised.
+    """
+    if isinstance(template, KeySet):
+        many = []
+        for key, (_, spec) in zip(template.render_each(args, kwargs), template.entries,
+                                  strict=True):  # fmt: skip
+            limit = spec.for_call(key, args, kwargs)
+            many.append((key, limit, weights.for_call(key, limit, args, kwargs)))
+        return Ask("+".join(k for k, _, _ in many), many[0][1], many[0][2], many)
+    key = template.render(args, kwargs)
+    limit = limits.for_call(key, args, kwargs)
+    return Ask(key, limit, weights.for_call(key, limit, args, kwargs))
+
+
+def take(
+    semaphore: Semaphore,
+    ask: Ask,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    wait: float = 0.0,
+    retries: int = 0,
+    retry_delay: float = 0.1,
+) -> Slot | SlotGroup | None:
+    """Take what ``ask`` asks for: a slot, or the slots of several keys at once (tried
+    every :data:`POLL` seconds while ``wait`` lasts, as no release wakes a waiter across
+    keys); None when it is not to be had.
+
+    Raises:
+        SemaphoreValidationError: an argument is invalid.
+        SemaphoreBackendError: Redis failed.
+    """
+    if ask.many:
+        if wait:
+            retries, retry_delay = max(retries, math.ceil(wait / POLL)), POLL
+        return semaphore.acquire_many(
+            ask.many, metadata=metadata, retries=retries, retry_delay=retry_delay
+        )
+    if wait:
+        return semaphore.acquire(
+            ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata, wait=wait
+        )
+    return semaphore.acquire(
+        ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata, retries=retries,
+        retry_delay=retry_delay,
+    )  # fmt: skip
