@@ -1,0 +1,162 @@
+"""Several keys per run on a real Redis: all taken in one call or none, never one held while
+waiting for another; the waiting room moves a run to the key that blocks it; Celery tasks
+bounded at two levels at once stay under both, judged from the bodies' own records; on Redis
+Cluster the keys must share a hash tag."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreTask,
+    SemaphoreValidationError,
+    current_slot,
+)
+from celery_semaphore.core.group import SlotGroup
+from celery_semaphore.core.scripts import Handoff, Parked
+from celery_semaphore.testing import RedisServer
+
+from . import history
+from .history import BODIES, History
+from .servers import ClusterServers
+
+TENANTS = ("a", "b", "c", "d")
+
+
+def test_all_keys_or_none_in_one_call(make_semaphore: Any, client: redis.Redis) -> None:
+    sem: Semaphore = make_semaphore(limit=1)
+    first = sem.acquire_many([("provider", 3), ("tenant:a", 1)])
+    assert isinstance(first, SlotGroup)
+    assert [s.limit for s in first.slots] == [3, 1]
+    commands = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert sem.acquire_many([("provider", 3), ("tenant:a", 1)]) is None
+    assert client.info("commandstats")["cmdstat_evalsha"]["calls"] == commands + 1
+    assert sem.count("provider") == 1  # the refused run took nothing
+    second = sem.acquire_many([("provider", 3), ("tenant:b", 1)])
+    assert second is not None
+    assert sem.count("provider") == 2
+    # A run shows under every key it holds.
+    assert [h.token for h in sem.holders("tenant:a")] == [first.token]
+    assert first.token in {h.token for h in sem.holders("provider")}
+    assert first.release()
+    assert second.release()
+    assert client.keys("semaphore:*") == []
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [[], [("a", 1), ("a", 2)], [("a", 0)], [("a",)], "a", [("a", 2, 3)], [("", 1)]],
+)
+def test_bad_key_lists_are_refused_before_anything_is_written(
+    make_semaphore: Any, client: redis.Redis, keys: Any
+) -> None:
+    sem: Semaphore = make_semaphore(limit=1)
+    with pytest.raises(SemaphoreValidationError):
+        sem.acquire_many(keys)
+    with pytest.raises(SemaphoreValidationError):
+        sem.park_many(keys, "w", b"")
+    assert client.dbsize() == 0
+
+
+def test_a_waiting_run_holds_no_slot_while_another_key_blocks_it(
+    redis_server: RedisServer,
+) -> None:
+    published: list[str] = []
+
+    def publish(key: str, handoffs: list[Handoff]) -> None:
+        published.extend(h.waiter for h in handoffs)
+
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=publish)  # type: ignore[arg-type]
+    a_keys, c_keys = [("provider", 2), ("tenant:a", 1)], [("provider", 2), ("tenant:c", 1)]
+    first = sem.park_many(a_keys, "r1", b"1")
+    assert isinstance(first, SlotGroup)
+    waiting = sem.park_many(a_keys, "r2", b"2")  # tenant:a is full
+    assert isinstance(waiting, Parked)
+    assert waiting.index == 2
+    assert sem.count("provider") == 1  # r2 holds no provider slot while it waits
+    other = sem.park_many([("provider", 2), ("tenant:b", 1)], "r3", b"3")
+    assert isinstance(other, SlotGroup)
+    blocked = sem.park_many(c_keys, "r4", b"4")  # the provider is full now
+    assert isinstance(blocked, Parked)
+    assert blocked.index == 1
+    assert first.release()  # provider -> r4, tenant:a -> r2
+    assert published == ["r4", "r2"]
+    # r2's claim finds the provider reserved for r4: it waits there, and gives back tenant:a.
+    moved = sem.claim_many(a_keys, "r2")
+    assert isinstance(moved, Parked)
+    assert moved.index == 1
+    assert sem.count("tenant:a") == 0
+    started = sem.claim_many(c_keys, "r4")
+    assert isinstance(started, SlotGroup)
+    assert started.release()  # provider -> r2 (at the head), which now takes both keys
+    assert published[-1] == "r2"
+    again = sem.claim_many(a_keys, "r2")
+    assert isinstance(again, SlotGroup)
+    assert again.release()
+    assert other.release()
+    assert [sem.count(k) for k in ("provider", "tenant:a", "tenant:b", "tenant:c")] == [0] * 4
+
+
+@pytest.mark.parametrize("on_full", ["queue", "retry"])
+def test_tasks_bounded_at_two_levels_stay_under_both(
+    redis_server: RedisServer, client: redis.Redis, app: Celery, on_full: str
+) -> None:
+    recorder = redis.Redis.from_url(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore=[("provider", 3), ("tenant:{tenant}", 1)],
+              on_full=on_full, shared=False, name="many.call")  # fmt: skip
+    def call(tenant: str, n: int) -> list[str]:
+        slot = current_slot()
+        assert isinstance(slot, SlotGroup)
+        with (
+            history.run(recorder, BODIES, "provider", data={"n": n}),
+            history.run(recorder, BODIES, f"tenant:{tenant}", data={"n": n}),
+        ):
+            time.sleep(0.05)
+        return slot.keys
+
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False):
+        results = [call.delay(t, n) for n in range(4) for t in TENANTS]
+        keys = [r.get(timeout=120) for r in results]
+    assert keys[0] == ["provider", "tenant:a"]
+    limits = {"provider": 3, **{f"tenant:{t}": 1 for t in TENANTS}}
+    runs = History.load(client, BODIES)
+    report = runs.of("provider").assert_ok({"provider": 3}, tasks=[r.id for r in results])
+    assert report.peaks["provider"] == 3  # four tenants keep the provider busy
+    for tenant in TENANTS:
+        runs.of(f"tenant:{tenant}").assert_ok({f"tenant:{tenant}": limits[f"tenant:{tenant}"]})
+    sem = Semaphore(redis_server.url, limit=1)
+    assert [sem.count(k) for k in limits] == [0] * len(limits)
+    # Outside a worker, the run waits for both keys, then runs.
+    assert call.apply(args=("a", 99)).get() == ["provider", "tenant:a"]
+    recorder.close()
+
+
+def test_a_task_gives_each_key_its_limit_in_the_list(app: Celery) -> None:
+    with pytest.raises(SemaphoreValidationError, match="give no limit="):
+
+        @app.task(base=SemaphoreTask, semaphore=[("a", 1)], limit=2, shared=False, name="m.x")
+        def x() -> None: ...
+
+        app.finalize()
+
+
+def test_on_a_cluster_the_keys_must_share_a_hash_tag(cluster: ClusterServers) -> None:
+    sem = Semaphore(cluster.url, limit=1)
+    with pytest.raises(SemaphoreValidationError, match="different Redis Cluster slots"):
+        sem.acquire_many([("openai", 20), ("tenant:acme", 2)])
+    group = sem.acquire_many([("{llm}openai", 20), ("{llm}tenant:acme", 2)])
+    assert group is not None
+    assert sem.count("{llm}openai") == 1
+    assert group.release()
+    parked = sem.park_many([("{llm}openai", 20), ("{llm}tenant:acme", 2)], "w", b"")
+    assert isinstance(parked, SlotGroup)
+    assert parked.release()
+    sem.client.close()
