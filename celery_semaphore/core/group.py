@@ -15,13 +15,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..errors import SemaphoreLeaseLostError, SemaphoreValidationError
+from ..errors import SemaphoreLeaseLostError
 from . import validation as check
-from .admin import SemaphoreAdmin
 from .options import acquire_args, many_args
-from .parking import OUTCOMES
-from .room import DEFAULT_ROOM_TTL, HandoffRoute
-from .scripts import Admitted, Keys, NotWaiting, Parked, RoomFull, Scripts, backend_errors
+from .parking import OUTCOMES, WaitingRoom, check_waiter
+from .room import DEFAULT_ROOM_TTL
+from .scripts import Admitted, NotWaiting, Parked, RoomFull, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
@@ -132,31 +131,10 @@ class SlotGroup:
         self.release()
 
 
-class ManyKeys:
-    """:meth:`acquire_many`, a method of :class:`~celery_semaphore.core.semaphore.Semaphore`
-    (the attributes and the two methods below are the semaphore's own)."""
-
-    lease: float
-    admin: SemaphoreAdmin
-    handoffs: HandoffRoute
-    _scripts: Scripts
-
-    def _metadata(
-        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
-    ) -> str:
-        raise NotImplementedError
-
-    def _slot(
-        self,
-        keys: Keys,
-        key: str,
-        token: str,
-        lease: float,
-        admitted: Admitted,
-        sent_at: float,
-        weight: int = 1,
-    ) -> Slot:
-        raise NotImplementedError
+class ManyKeys(WaitingRoom):
+    """:meth:`acquire_many`, :meth:`park_many` and :meth:`claim_many`, methods of
+    :class:`~celery_semaphore.core.semaphore.Semaphore` (its attributes and helpers are
+    declared on :class:`~celery_semaphore.core.parking.WaitingRoom`)."""
 
     def acquire_many(
         self,
@@ -305,13 +283,7 @@ class ManyKeys:
         delivery: str = "",
     ) -> SlotGroup | Parked | RoomFull | NotWaiting:
         specs = many_args(keys)
-        check.check_key(waiter, "waiter")
-        if waiter[0] in "~!" or "#" in waiter:
-            raise SemaphoreValidationError(
-                f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
-            )
-        if not isinstance(payload, bytes):
-            raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+        check_waiter(waiter, payload)
         seconds = self.lease if lease is None else lease
         ms = check.lease_ms(seconds)
         arrival_ms = (

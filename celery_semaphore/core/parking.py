@@ -35,6 +35,23 @@ MAX_BLOCK = 2.0
 """Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
 
 
+def check_waiter(waiter: object, payload: object) -> None:
+    """Refuse a waiter id the room cannot tell apart from its own marks, or a payload that is
+    not bytes.
+
+    Raises:
+        SemaphoreValidationError: ``waiter`` is empty, starts with ``~`` or ``!`` or holds a
+            ``#``, or ``payload`` is not bytes.
+    """
+    waiter = check.check_key(waiter, "waiter")
+    if waiter[0] in "~!" or "#" in waiter:
+        raise SemaphoreValidationError(
+            f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
+        )
+    if not isinstance(payload, bytes):
+        raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+
+
 class WaitingRoom:
     """The waiting-room methods of :class:`~celery_semaphore.core.semaphore.Semaphore`.
 
@@ -198,13 +215,7 @@ class WaitingRoom:
         weight: int = 1,
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
-        check.check_key(waiter, "waiter")
-        if waiter[0] in "~!" or "#" in waiter:
-            raise SemaphoreValidationError(
-                f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
-            )
-        if not isinstance(payload, bytes):
-            raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+        check_waiter(waiter, payload)
         seconds = self.lease if lease is None else lease
         ms = check.lease_ms(seconds)
         arrival_ms = (

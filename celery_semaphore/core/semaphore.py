@@ -33,7 +33,6 @@ from .group import ManyKeys, SlotGroup
 from .heartbeat import renewer
 from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, semaphore_options
-from .parking import WaitingRoom
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
 from .slot import Slot
@@ -47,7 +46,7 @@ S = TypeVar("S", bound=Slot | SlotGroup)
 DEFAULT_LEASE = 60.0
 
 
-class Semaphore(WaitingRoom, ManyKeys):
+class Semaphore(ManyKeys):
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
