@@ -160,3 +160,12 @@ def test_on_a_cluster_the_keys_must_share_a_hash_tag(cluster: ClusterServers) ->
     assert isinstance(parked, SlotGroup)
     assert parked.release()
     sem.client.close()
+
+
+def test_a_coroutine_function_takes_one_key() -> None:
+    from celery_semaphore import bounded
+
+    with pytest.raises(SemaphoreValidationError, match="on a coroutine function give one key"):
+
+        @bounded([("a", 1), ("b", 1)], redis="redis://127.0.0.1:1/0")
+        async def call() -> None: ...

@@ -16,7 +16,7 @@ Usage::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from celery import Celery, Task
@@ -29,7 +29,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def bounded(
-    semaphore: str | Callable[..., str],
+    semaphore: str | Callable[..., str] | Sequence[tuple[Any, Any]],
     limit: int | Callable[..., int] | Mapping[str, int] | None = None,
     *,
     weight: int | Callable[..., int] | None = None,
@@ -59,8 +59,10 @@ def bounded(
     :class:`SemaphoreLeaseLostError`. Such calls send no signals or task events.
 
     Args:
-        semaphore (str | Callable[..., str]): the key, a ``str.format`` template over the
-            function's arguments, or a callable taking them.
+        semaphore (str | Callable[..., str] | Sequence[tuple[Any, Any]]): the key, a
+            ``str.format`` template over the function's arguments, or a callable taking them;
+            or a list of ``(key, limit)`` pairs, every key held at once (then no ``limit``;
+            not on a coroutine function).
         limit (int | Callable[..., int] | Mapping[str, int] | None): slots per key; or a
             callable of the function's arguments returning the limit of the run's key; or a
             mapping from key to limit, with ``"*"`` for every other key. None: the limit
@@ -94,6 +96,11 @@ def bounded(
             )
         runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay, weight)
         if inspect.iscoroutinefunction(fn):
+            if isinstance(semaphore, (list, tuple)):
+                raise SemaphoreValidationError(
+                    "several keys at once are for Celery tasks and functions; on a coroutine "
+                    "function give one key"
+                )
             if options.get("on_full") in ("queue", "retry"):
                 # Parking and shedding re-publish a task's message; a coroutine has none.
                 raise SemaphoreValidationError(

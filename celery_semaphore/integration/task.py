@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn
 
 from celery import Celery, Task
@@ -33,9 +33,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     """A task whose every run holds a slot of the semaphore named by ``semaphore``.
 
     Class attributes (set them as ``@app.task(...)`` keywords or in a subclass):
-        semaphore (str | Callable[..., str]): the key; a ``str.format`` template over the
-            task's arguments (``"tenant:{tenant_id}"``) or a callable taking the task's
-            arguments. Required.
+        semaphore (str | Callable[..., str] | Sequence[tuple[Any, Any]]): the key; a
+            ``str.format`` template over the task's arguments (``"tenant:{tenant_id}"``) or a
+            callable taking the task's arguments; or a list of ``(key, limit)`` pairs, every
+            key held at once (then no ``limit``). Required.
         limit (int | Callable[..., int] | Mapping[str, int]): how many runs may hold a slot
             of one key at once; or a callable of the task's arguments that returns the run's
             key's limit; or a mapping from key to limit, with ``"*"`` for every other key.
@@ -55,7 +56,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     """
 
     abstract = True
-    semaphore: ClassVar[str | Callable[..., str] | None] = None
+    semaphore: ClassVar[str | Callable[..., str] | Sequence[tuple[Any, Any]] | None] = None
     limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
     weight: ClassVar[int | Callable[..., int] | None] = None
     lease: ClassVar[float | None] = None
