@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from celery_semaphore.core.scripts import Handoff
 
 from . import history
 from .history import BODIES
@@ -167,3 +169,19 @@ def unacked_task_ids(client: Any) -> list[str]:
         message = json.loads(raw)[0]
         ids.append(str((message.get("headers") or {}).get("id")))
     return sorted(ids)
+
+
+class Published:
+    """Records what a semaphore hands off, in order."""
+
+    def __init__(self) -> None:
+        self.handoffs: list[tuple[str, str, bytes]] = []
+        self.give_ups: list[str] = []
+
+    def __call__(self, key: str, handoffs: Sequence[Handoff]) -> None:
+        self.handoffs.extend((key, h.waiter, h.payload) for h in handoffs if not h.give_up)
+        self.give_ups.extend(h.waiter for h in handoffs if h.give_up)
+
+    @property
+    def waiters(self) -> list[str]:
+        return [waiter for _, waiter, _ in self.handoffs]

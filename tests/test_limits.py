@@ -15,13 +15,13 @@ from click.testing import CliRunner
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.asyncio import AsyncSemaphore
-from celery_semaphore.core.scripts import Handoff, redis_keys
+from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import render, semaphore
 from celery_semaphore.views.inspection import views
 
 from .celery_apps import make_app
-from .helpers import wait_for
+from .helpers import Published, wait_for
 
 
 def test_a_live_limit_wins_over_the_callers_and_lowering_it_evicts_nobody(
@@ -70,24 +70,20 @@ def test_a_per_call_limit_counts_against_the_same_slots(make_semaphore: Any) -> 
 def test_raising_a_live_limit_hands_freed_slots_to_parked_waiters_in_the_same_call(
     redis_server: RedisServer,
 ) -> None:
-    published: list[str] = []
-
-    def publish(key: str, handoffs: list[Handoff]) -> None:
-        published.extend(h.waiter for h in handoffs)
-
-    sem = Semaphore(redis_server.url, limit=1, on_handoff=publish)  # type: ignore[arg-type]
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
     holder = sem.acquire("k")
     for waiter in ("w1", "w2", "w3"):
         sem.park("k", waiter, waiter.encode())
-    assert published == []
+    assert published.waiters == []
     sem.set_limit("k", 3)
-    assert published == ["w1", "w2"]  # the oldest two, at once
+    assert published.waiters == ["w1", "w2"]  # the oldest two, at once
     assert sem.count("k") == 3  # the holder and two reservations
     assert [w.waiter for w in sem.admin.room("k")] == ["w3"]
     # A release hands out by the live limit too: the freed slot goes to w3.
     assert holder is not None
     assert holder.release()
-    assert published == ["w1", "w2", "w3"]
+    assert published.waiters == ["w1", "w2", "w3"]
 
 
 def test_raising_a_live_limit_wakes_a_caller_waiting_for_a_slot(make_semaphore: Any) -> None:

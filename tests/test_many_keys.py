@@ -20,10 +20,11 @@ from celery_semaphore import (
     current_slot,
 )
 from celery_semaphore.core.group import SlotGroup
-from celery_semaphore.core.scripts import Handoff, Parked
+from celery_semaphore.core.scripts import Parked
 from celery_semaphore.testing import RedisServer
 
 from . import history
+from .helpers import Published
 from .history import BODIES, History
 from .servers import ClusterServers
 
@@ -68,12 +69,8 @@ def test_bad_key_lists_are_refused_before_anything_is_written(
 def test_a_waiting_run_holds_no_slot_while_another_key_blocks_it(
     redis_server: RedisServer,
 ) -> None:
-    published: list[str] = []
-
-    def publish(key: str, handoffs: list[Handoff]) -> None:
-        published.extend(h.waiter for h in handoffs)
-
-    sem = Semaphore(redis_server.url, limit=1, on_handoff=publish)  # type: ignore[arg-type]
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
     a_keys, c_keys = [("provider", 2), ("tenant:a", 1)], [("provider", 2), ("tenant:c", 1)]
     first = sem.park_many(a_keys, "r1", b"1")
     assert isinstance(first, SlotGroup)
@@ -87,7 +84,7 @@ def test_a_waiting_run_holds_no_slot_while_another_key_blocks_it(
     assert isinstance(blocked, Parked)
     assert blocked.index == 1
     assert first.release()  # provider -> r4, tenant:a -> r2
-    assert published == ["r4", "r2"]
+    assert published.waiters == ["r4", "r2"]
     # r2's claim finds the provider reserved for r4: it waits there, and gives back tenant:a.
     moved = sem.claim_many(a_keys, "r2")
     assert isinstance(moved, Parked)
@@ -96,7 +93,7 @@ def test_a_waiting_run_holds_no_slot_while_another_key_blocks_it(
     started = sem.claim_many(c_keys, "r4")
     assert isinstance(started, SlotGroup)
     assert started.release()  # provider -> r2 (at the head), which now takes both keys
-    assert published[-1] == "r2"
+    assert published.waiters[-1] == "r2"
     again = sem.claim_many(a_keys, "r2")
     assert isinstance(again, SlotGroup)
     assert again.release()

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import redis
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
-from celery_semaphore.core.scripts import Handoff, NotWaiting, Parked, RoomFull, redis_keys
+from celery_semaphore.core.scripts import NotWaiting, Parked, RoomFull, redis_keys
 from celery_semaphore.testing import RedisServer
 
-from .helpers import wait_for
-
-
-class Published:
-    """Records what a semaphore hands off, in order."""
-
-    def __init__(self) -> None:
-        self.handoffs: list[tuple[str, str, bytes]] = []
-        self.give_ups: list[str] = []
-
-    def __call__(self, key: str, handoffs: Sequence[Handoff]) -> None:
-        self.handoffs.extend((key, h.waiter, h.payload) for h in handoffs if not h.give_up)
-        self.give_ups.extend(h.waiter for h in handoffs if h.give_up)
-
-    @property
-    def waiters(self) -> list[str]:
-        return [waiter for _, waiter, _ in self.handoffs]
+from .helpers import Published, wait_for
 
 
 @pytest.fixture

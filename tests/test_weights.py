@@ -16,12 +16,12 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreTask, SemaphoreValidationError, current_slot
-from celery_semaphore.core.scripts import Handoff, redis_keys
+from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.inspection import view
 
 from . import history
-from .helpers import run_in_threads
+from .helpers import Published, run_in_threads
 from .history import BODIES, History
 
 LIMIT = 8
@@ -88,26 +88,22 @@ def test_a_weighted_holders_units_come_and_go_together(
 def test_a_heavy_run_at_the_head_of_the_room_is_served_before_lighter_ones(
     redis_server: RedisServer,
 ) -> None:
-    published: list[str] = []
-
-    def publish(key: str, handoffs: list[Handoff]) -> None:
-        published.extend(h.waiter for h in handoffs)
-
-    sem = Semaphore(redis_server.url, limit=4, on_handoff=publish)  # type: ignore[arg-type]
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=4, on_handoff=published)
     held = [sem.acquire("k") for _ in range(4)]
     assert sem.park("k", "heavy", b"h", weight=3).position == 0  # type: ignore[union-attr]
     for n in range(3):
         sem.park("k", f"light-{n}", b"l")
     held[0].release()  # type: ignore[union-attr]
     held[1].release()  # type: ignore[union-attr]
-    assert published == []  # two units free: the heavy head waits, and nobody jumps it
+    assert published.waiters == []  # two units free: the heavy head waits, and nobody jumps it
     held[2].release()  # type: ignore[union-attr]
-    assert published == ["heavy"]
+    assert published.waiters == ["heavy"]
     claimed = sem.claim("k", "heavy", weight=3)
     assert getattr(claimed, "weight", None) == 3
     assert sem.count("k") == 4
     claimed.release()  # type: ignore[union-attr]
-    assert published == ["heavy", "light-0", "light-1", "light-2"]
+    assert published.waiters == ["heavy", "light-0", "light-1", "light-2"]
 
 
 @pytest.mark.parametrize("weight", [0, 6, -1, True, "2", 2.0])

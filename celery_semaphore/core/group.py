@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import SemaphoreLeaseLostError
 from . import validation as check
 from .options import acquire_args, many_args
-from .parking import OUTCOMES, WaitingRoom, check_waiter
+from .parking import OUTCOMES, WaitingRoom, check_waiter, park_args
 from .room import DEFAULT_ROOM_TTL
 from .scripts import Admitted, NotWaiting, Parked, RoomFull, backend_errors
 from .slot import Slot
@@ -284,13 +284,9 @@ class ManyKeys(WaitingRoom):
     ) -> SlotGroup | Parked | RoomFull | NotWaiting:
         specs = many_args(keys)
         check_waiter(waiter, payload)
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        arrival_ms = (
-            None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+        seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
+            lease, self.lease, arrival, max_queued, room_ttl
         )
-        max_queued = check.check_retries(max_queued, "max_queued")
-        ttl_ms = check.lease_ms(room_ttl, "room_ttl")
         info = self._metadata(metadata, specs[0][1], specs[0][2])
         all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
         groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]

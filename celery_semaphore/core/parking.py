@@ -9,7 +9,7 @@ import math
 import secrets
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import SemaphoreBackendError, SemaphoreValidationError
 from . import validation as check
@@ -50,6 +50,34 @@ def check_waiter(waiter: object, payload: object) -> None:
         )
     if not isinstance(payload, bytes):
         raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+
+
+class ParkArgs(NamedTuple):
+    """A park's timing arguments, checked (see :func:`park_args`)."""
+
+    seconds: float
+    ms: int
+    arrival_ms: int | None
+    max_queued: int
+    ttl_ms: int
+
+
+def park_args(
+    lease: float | None, default_lease: float, arrival: float | None, max_queued: int,
+    room_ttl: float,
+) -> ParkArgs:  # fmt: skip
+    """The lease (seconds and ms), arrival (epoch ms), room size and room TTL (ms) of a park
+    or claim, checked.
+
+    Raises:
+        SemaphoreValidationError: one of them is invalid; the message names it.
+    """
+    seconds = default_lease if lease is None else lease
+    arrival_ms = None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+    return ParkArgs(
+        float(seconds), check.lease_ms(seconds), arrival_ms,
+        check.check_retries(max_queued, "max_queued"), check.lease_ms(room_ttl, "room_ttl"),
+    )  # fmt: skip
 
 
 class WaitingRoom:
@@ -216,13 +244,9 @@ class WaitingRoom:
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check_waiter(waiter, payload)
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        arrival_ms = (
-            None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+        seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
+            lease, self.lease, arrival, max_queued, room_ttl
         )
-        max_queued = check.check_retries(max_queued, "max_queued")
-        ttl_ms = check.lease_ms(room_ttl, "room_ttl")
         limit = self._limit(limit)
         weight = check.check_weight(weight, limit)
         info = self._metadata(metadata, limit, weight)
