@@ -166,3 +166,51 @@ def test_a_coroutine_function_takes_one_key() -> None:
 
         @bounded([("a", 1), ("b", 1)], redis="redis://127.0.0.1:1/0")
         async def call() -> None: ...
+
+
+def test_weighted_runs_of_several_keys_never_sum_above_any_limit(
+    redis_server: RedisServer, client: redis.Redis, app: Celery
+) -> None:
+    """Each run takes ``w`` units of a shared pool and of its tenant's key at once; at no
+    moment do the weights in flight exceed either limit, by the bodies' own records."""
+    recorder = redis.Redis.from_url(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore=[("pool", 6), ("tenant:{tenant}", 3)],
+              weight=lambda tenant, n, w: w, shared=False, name="many.weighted")  # fmt: skip
+    def weighted(tenant: str, n: int, w: int) -> int:
+        with (
+            history.run(recorder, BODIES, "pool", weight=w),
+            history.run(recorder, BODIES, f"tenant:{tenant}", weight=w),
+        ):
+            time.sleep(0.03)
+        return w
+
+    plan = [(t, n, (n * 7 + i) % 3 + 1) for n in range(6) for i, t in enumerate(TENANTS)]
+    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False):
+        results = [weighted.delay(*args) for args in plan]
+        assert [r.get(timeout=120) for r in results] == [w for _, _, w in plan]
+    runs = History.load(client, BODIES)
+    report = runs.of("pool").assert_ok({"pool": 6}, tasks=[r.id for r in results])
+    assert report.peaks["pool"] >= 4  # the pool was shared, not run one at a time
+    for tenant in TENANTS:
+        runs.of(f"tenant:{tenant}").assert_ok({f"tenant:{tenant}": 3})
+    recorder.close()
+
+
+def test_live_limits_and_weights_on_a_cluster(cluster: ClusterServers) -> None:
+    sem = Semaphore(cluster.url, limit=4)
+    heavy = sem.acquire("{gpu}node-1", weight=3)
+    assert heavy is not None
+    assert sem.acquire("{gpu}node-1", weight=2) is None
+    sem.set_limit("{gpu}node-1", 5)
+    light = sem.acquire("{gpu}node-1", weight=2)
+    assert light is not None
+    assert light.limit == 5
+    assert sem.count("{gpu}node-1") == 5
+    live = sem.admin.live_limit("{gpu}node-1")
+    assert live is not None
+    assert live.limit == 5
+    assert heavy.release()
+    assert light.release()
+    assert sem.set_limit("{gpu}node-1", None) == 5
+    sem.client.close()
