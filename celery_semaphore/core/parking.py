@@ -125,6 +125,7 @@ class WaitingRoom:
         *,
         limit: int | None = None,
         weight: int = 1,
+        group: str = "",
         arrival: float | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -150,6 +151,13 @@ class WaitingRoom:
             weight (int): as for :meth:`acquire`. The room serves waiters in strict order:
                 a heavy waiter at its head waits for room enough, and lighter ones behind
                 it are not served first.
+            group (str): a fair-turn group (a tenant, say), or "" for none. A waiter of a
+                group parks at its group's next turn rather than at its arrival: one past
+                the group's last turn, and no earlier than the room's head. A group with a
+                long backlog then takes turns with one that just arrived, instead of
+                serving its whole backlog first. Give every waiter of a key a group, or
+                none: a waiter without one stands at its arrival time, behind every turn
+                handed out before it.
             arrival (float | None): epoch seconds when the waiter first asked; None: now.
             lease (float | None): lease of a slot taken now; None: the semaphore's.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
@@ -174,7 +182,7 @@ class WaitingRoom:
         result = self._park(
             key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
             claim_only=False, deadline_ms=0 if deadline is None else round(deadline * 1000),
-            limit=limit, weight=weight,
+            limit=limit, weight=weight, group=group,
         )  # fmt: skip
         assert not isinstance(result, NotWaiting)
         return result
@@ -241,9 +249,12 @@ class WaitingRoom:
         delivery: str = "",
         limit: int | None = None,
         weight: int = 1,
+        group: str = "",
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
         check_waiter(waiter, payload)
+        if group != "":
+            check.check_key(group, "group")
         seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
             lease, self.lease, arrival, max_queued, room_ttl
         )
@@ -257,7 +268,7 @@ class WaitingRoom:
             result, handed = self._scripts.park(
                 keys, limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
-                self.handoffs.grace_ms, delivery, weight,
+                self.handoffs.grace_ms, delivery, weight, group,
             )  # fmt: skip
             record(1, OUTCOMES[type(result)])
         self.handoffs.deliver(key, handed)

@@ -86,7 +86,7 @@ _KEYS = {
     "release": _ROOM_KEYS,
     "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS, "set_limit": _ROOM_KEYS,
     "block": slice(6, 7),
-    "waiting": slice(3, 4),
+    "waiting": slice(3, 5),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
 _SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
@@ -301,12 +301,13 @@ class Scripts:
         grace_ms: int,
         delivery: str = "",
         weight: int = 1,
+        group: str = "",
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
         args = (
             limit, lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
             payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
-            deadline_ms, grace_ms, delivery, weight,
+            deadline_ms, grace_ms, delivery, weight, group,
         )  # fmt: skip
         return self.run(_of("park", keys, args, parse_park))
 

@@ -19,13 +19,15 @@ POLL = 0.1
 
 class Ask(NamedTuple):
     """One run's ask: ``key`` (the keys joined with ``+`` when there are several, for log
-    lines), ``limit`` and ``weight`` (the first key's), and ``many``, the ``(key, limit,
-    weight)`` of each key when the run holds several, else None."""
+    lines), ``limit`` and ``weight`` (the first key's), ``many``, the ``(key, limit,
+    weight)`` of each key when the run holds several, else None, and ``group``, its
+    fair-turn group in the waiting room ("" for none)."""
 
     key: str
     limit: int
     weight: int
     many: list[tuple[str, int, int]] | None = None
+    group: str = ""
 
     @property
     def keys(self) -> list[str]:
@@ -39,6 +41,7 @@ def ask_for(
     weights: WeightSpec,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
+    fair: KeyTemplate | None = None,
 ) -> Ask:
     """The ask of a run with these arguments: each key rendered, its limit and the run's
     weight computed.
@@ -56,7 +59,8 @@ def ask_for(
         return Ask("+".join(k for k, _, _ in many), many[0][1], many[0][2], many)
     key = template.render(args, kwargs)
     limit = limits.for_call(key, args, kwargs)
-    return Ask(key, limit, weights.for_call(key, limit, args, kwargs))
+    group = "" if fair is None else fair.render(args, kwargs)
+    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, group)
 
 
 def take(

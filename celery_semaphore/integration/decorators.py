@@ -33,6 +33,7 @@ def bounded(
     limit: int | Callable[..., int] | Mapping[str, int] | None = None,
     *,
     weight: int | Callable[..., int] | None = None,
+    fair_by: str | Callable[..., str] | None = None,
     app: Celery | None = None,
     redis: Any = None,
     retries: int = 0,
@@ -69,6 +70,8 @@ def bounded(
             ``app.conf.semaphores`` of ``app`` (required then) declares for ``semaphore``.
         weight (int | Callable[..., int] | None): units of the limit each call takes, or a
             callable of the function's arguments returning them; None: 1.
+        fair_by (str | Callable[..., str] | None): as for
+            :class:`~celery_semaphore.SemaphoreTask`: the runs' fair-turn group.
         app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the
             current app. A task always uses its own app.
         redis (redis.Redis | str | None): a client or URL to use instead of the app's
@@ -94,7 +97,9 @@ def bounded(
                 "@bounded must go under @app.task (applied to the function first), "
                 f"not above it: got the task {getattr(fn, 'name', fn)!r}"
             )
-        runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay, weight)
+        runner = Runner(
+            fn, semaphore, limit, options, app, redis, retries, retry_delay, weight, fair_by
+        )
         if inspect.iscoroutinefunction(fn):
             if isinstance(semaphore, (list, tuple)):
                 raise SemaphoreValidationError(

@@ -133,7 +133,9 @@ class WeightSpec:
             raise SemaphoreValidationError(f"semaphore key {key!r}: {exc}", key, limit) from None
 
 
-DECLARED_OPTIONS = tuple(name for name in OPTION_NAMES if name not in ("semaphore", "weight"))
+DECLARED_OPTIONS = tuple(
+    name for name in OPTION_NAMES if name not in ("semaphore", "weight", "fair_by")
+)
 """What a declaration in ``app.conf.semaphores`` may set: the limit and the policy options
 (a weight belongs to a task, not to the semaphore it shares)."""
 

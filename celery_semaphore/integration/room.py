@@ -183,13 +183,15 @@ def park_or_take(
     template: str,
     asked: float | None = None,
     many: Sequence[tuple[str, int, int]] | None = None,
+    group: str = "",
 ) -> Slot | SlotGroup:
     """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
 
     ``asked`` is when this run first asked for a slot (epoch seconds; None: now), for a run
     that waited in the worker before parking. With ``many`` (``(key, limit, weight)`` of each
     of several keys), it takes every key or waits in the room of the first that cannot take
-    it yet (see :meth:`Semaphore.park_many`).
+    it yet (see :meth:`Semaphore.park_many`). ``group`` is its fair-turn group (see
+    :meth:`Semaphore.park`).
 
     Returns:
         Slot | SlotGroup: a slot (of each key), when no older run is parked and one was free.
@@ -220,7 +222,9 @@ def park_or_take(
     if many:
         result = semaphore.park_many(many, request.id, payload, **options)
     else:
-        result = semaphore.park(key, request.id, payload, limit=limit, weight=weight, **options)
+        result = semaphore.park(
+            key, request.id, payload, limit=limit, weight=weight, group=group, **options
+        )
     if isinstance(result, (Slot, SlotGroup)):
         return result
     if isinstance(result, RoomFull):

@@ -104,6 +104,9 @@ class Runner:
         weight (int | Callable[..., int] | None): units of the limit each run takes, or a
             callable of the task's arguments returning them (see :class:`~.limits.WeightSpec`);
             None: 1.
+        fair_by (str | Callable[..., str] | None): the fair-turn group of each run, a
+            template or callable as for ``semaphore``: runs waiting in the room take turns
+            across groups (see :meth:`Semaphore.park`); None: arrival order.
 
     Raises:
         SemaphoreValidationError: any option is invalid; the message names it.
@@ -120,6 +123,7 @@ class Runner:
         retries: int = 0,
         retry_delay: float = 0.1,
         weight: object = None,
+        fair_by: object = None,
     ) -> None:
         unknown = sorted(set(options) - set(POLICY_FIELDS))
         if unknown:
@@ -138,6 +142,9 @@ class Runner:
             self.template = KeyTemplate(semaphore, fn)
             self.limits = None if limit is None else LimitSpec(limit)
         self.weights = WeightSpec(weight)
+        if fair_by is not None and isinstance(self.template, KeySet):
+            raise SemaphoreValidationError("fair_by takes one key; give a single semaphore key")
+        self.fair = None if fair_by is None else KeyTemplate(fair_by, fn)
         self.options = {k: v for k, v in options.items() if v is not None}
         check_options(self.options)  # each given option, now; together at bind, below
         if app is not None and not isinstance(app, Celery):
@@ -329,7 +336,7 @@ class Runner:
         or weight cannot be computed leaves the room first (its reservation goes to the next
         waiter), then fails: it is not handed a slot again."""
         try:
-            return ask_for(self.template, bound.limits, self.weights, args, kwargs)
+            return ask_for(self.template, bound.limits, self.weights, args, kwargs, self.fair)
         except Exception:
             if is_handoff(task.request):
                 with contextlib.suppress(SemaphoreBackendError):
@@ -346,12 +353,12 @@ class Runner:
         park = (ask.key, ask.limit, ask.weight, metadata, template)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, *park, many=ask.many)
+            return park_or_take(task, semaphore, policy, *park, many=ask.many, group=ask.group)
         if policy.on_full == "wait":
             asked = time.time()
             slot = take(semaphore, ask, metadata=metadata, wait=policy.wait_timeout)
             if slot is None:
-                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many)
+                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many, ask.group)
             return slot
         return take(semaphore, ask, metadata=metadata)
 

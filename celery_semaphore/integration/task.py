@@ -45,6 +45,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         weight (int | Callable[..., int]): how many units of the limit each run takes (an
             int from 1 to the limit, or a callable of the task's arguments returning one);
             the weights of a key's runs never sum above its limit. Default 1.
+        fair_by (str | Callable[..., str]): a template (or callable) naming each run's group,
+            ``"tenant:{tenant_id}"``: runs waiting in the key's room take turns across
+            groups, so one tenant's burst does not hold back another's runs. Default: none,
+            arrival order.
         lease, heartbeat, on_full, wait_timeout, claim_timeout, handoff_grace, max_queued,
         on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown, shed_max_retries,
         shed_timeout, interrupt: see
@@ -59,6 +63,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     semaphore: ClassVar[str | Callable[..., str] | Sequence[tuple[Any, Any]] | None] = None
     limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
     weight: ClassVar[int | Callable[..., int] | None] = None
+    fair_by: ClassVar[str | Callable[..., str] | None] = None
     lease: ClassVar[float | None] = None
     heartbeat: ClassVar[float | bool | None] = None
     on_full: ClassVar[str | None] = None
@@ -98,7 +103,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             _check_unknown_options(cls)
             options = {name: getattr(cls, name) for name in POLICY_FIELDS}
-            runner = Runner(fn, cls.semaphore, cls.limit, options, app=app, weight=cls.weight)
+            runner = Runner(
+                fn, cls.semaphore, cls.limit, options, app=app, weight=cls.weight,
+                fair_by=cls.fair_by,
+            )  # fmt: skip
             wrapped: Any = runner.wrap(fn)
         except SemaphoreValidationError as exc:
             error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)

@@ -22,6 +22,10 @@
 -- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
 --                       recorded with the claim
 -- ARGV[15] weight       how many units of the limit the waiter takes (integer >= 1)
+-- ARGV[16] group        a fair-turn group ("" for none): a waiter of a group parks at its
+--                       turn, one past its group's last, and no earlier than the room's
+--                       head, instead of at its arrival; so a group with many waiters takes
+--                       turns with one that has few
 --
 -- Returns {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
@@ -46,6 +50,7 @@ local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
 local weight = tonumber(ARGV[15]) or 1
+local group = ARGV[16] or ''
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
@@ -102,9 +107,22 @@ if known then
   end
 end
 -- The caller's own limit: release and sweep fall back on it once a live limit is cleared.
+local place = known and place_of(parked, waiter) or arrival
 local tag = weight > 1 and ('#' .. weight) or ''
+local turned = known and place ~= known  -- parked before at a fair turn: it keeps it
+if group ~= '' or turned then
+  if not known then
+    -- Fair turns: one past the group's last turn, and no earlier than the room's head, so a
+    -- group that arrives late is served next to the one with the long backlog.
+    local head = redis.call('ZRANGE', room, 0, 0, 'WITHSCORES')
+    local last = tonumber(redis.call('HGET', parked, '!g:' .. group))
+    place = math.max(head[2] and tonumber(head[2]) or arrival, last and last + 1 or 0)
+    redis.call('HSET', parked, '!g:' .. group, place)
+  end
+  tag = tag .. '@' .. place
+end
 redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given)
-redis.call('ZADD', room, arrival, waiter)
+redis.call('ZADD', room, place, waiter)
 if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
 local out = {}
@@ -132,7 +150,7 @@ if reply[1] == 0 and grace_ms > 0 then
       local units = entry and weight_of(entry) or 1
       -- Only a reservation that frees room enough for this waiter's weight.
       if redis.call('ZCARD', slots) - units + weight <= limit then
-        room_requeue(room, parked, arrival_of(parked, passed) or now, passed)
+        room_requeue(room, parked, place_of(parked, passed) or now, passed)
         reply = {1, take(member, units), now, limit}
         break
       end

@@ -9,9 +9,11 @@
 --   limits   hash: "limit" -> a live limit an operator set, "set_at" -> when (ms), "by" -> who;
 --            it overrides the callers' limit while it exists (set_limit.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
---   parked   hash: waiter id -> "<arrival_ms>|<payload>" ("<arrival_ms>#<weight>|<payload>" for
---            a weight above 1), plus "!limit" -> the limit the last parking caller gave (a
---            live limit, when set, overrides it)
+--   parked   hash: waiter id -> "<arrival_ms>[#<weight>][@<turn>]|<payload>" (a weight above
+--            1; the turn of a waiter parked with a fair-turn group, which is its place in
+--            the room instead of its arrival), plus "!limit" -> the limit the last parking
+--            caller gave (a live limit, when set, overrides it), and "!g:<group>" -> the
+--            last turn given to a fair-turn group
 --   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
 --            time budget are in it (sweep.lua sends them their give-up)
 --   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
@@ -49,14 +51,22 @@ local function arrival_of(parked, waiter)
   return tonumber(string.match(entry, '^(%d+)'))
 end
 
--- The payload of a parked entry "<arrival_ms>[#<weight>]|<payload>".
+-- The payload of a parked entry "<arrival_ms>[#<weight>][@<turn>]|<payload>".
 local function payload_of(entry)
-  return string.sub(entry, string.len(string.match(entry, '^[%d#]+|')) + 1)
+  return string.sub(entry, string.len(string.match(entry, '^[%d#@]+|')) + 1)
+end
+
+-- Where a parked waiter stands in the room: its fair turn, else its arrival (nil: unknown).
+local function place_of(parked, waiter)
+  local entry = redis.call('HGET', parked, waiter)
+  if not entry then return nil end
+  local head = string.match(entry, '^[%d#@]+')
+  return tonumber(string.match(head, '@(%d+)')) or tonumber(string.match(head, '^(%d+)'))
 end
 
 -- The weight of a parked entry: how many units its run takes.
 local function weight_of(entry)
-  return tonumber(string.match(entry, '^%d+#(%d+)|')) or 1
+  return tonumber(string.match(string.match(entry, '^[%d#@]+'), '#(%d+)')) or 1
 end
 
 -- Add (or re-score) the `weight` members of holder `member`, expiring at `score`.
@@ -96,8 +106,8 @@ local function room_prune(slots, holders, room, parked, now)
   for _, member in ipairs(expired) do
     if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true) then
       local waiter = string.sub(member, 2)
-      local arrival = arrival_of(parked, waiter)
-      if arrival then room_requeue(room, parked, arrival, waiter) end
+      local place = place_of(parked, waiter)
+      if place then room_requeue(room, parked, place, waiter) end
     end
   end
 end

@@ -29,9 +29,9 @@ if not limit then
 end
 room_prune(slots, holders, room, parked, now)
 for _, waiter in ipairs(redis.call('HKEYS', parked)) do
-  if waiter ~= '!limit' and not redis.call('ZSCORE', room, waiter)
+  if string.sub(waiter, 1, 1) ~= '!' and not redis.call('ZSCORE', room, waiter)
       and not redis.call('ZSCORE', slots, '~' .. waiter) then
-    room_requeue(room, parked, arrival_of(parked, waiter) or now, waiter)
+    room_requeue(room, parked, place_of(parked, waiter) or now, waiter)
   end
 end
 local out = {}
@@ -48,7 +48,11 @@ for _, waiter in ipairs(redis.call('ZRANGEBYSCORE', deadlines, '-inf', now)) do
     give_ups[#give_ups + 1] = payload_of(entry)
   end
 end
-if redis.call('ZCARD', room) == 0 and redis.call('HLEN', parked) <= 1 then
+local waiting = 0
+for _, field in ipairs(redis.call('HKEYS', parked)) do
+  if string.sub(field, 1, 1) ~= '!' then waiting = waiting + 1 end
+end
+if redis.call('ZCARD', room) == 0 and waiting == 0 then
   redis.call('DEL', room, parked, deadlines)
   return {0, out, give_ups}
 end

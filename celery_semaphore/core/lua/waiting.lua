@@ -1,9 +1,12 @@
 -- waiting: list the runs parked in one semaphore's waiting room (read only).
 --
--- KEYS[1]  room   sorted set: waiter id -> arrival ms (see room.lua)
--- ARGV[1]  rows   how many of the oldest to list (-1: all)
+-- KEYS[1]  room    sorted set: waiter id -> its place, the arrival ms or a fair turn
+--                  (see room.lua)
+-- KEYS[2]  parked  hash: waiter id -> "<arrival_ms>...|<payload>" (see room.lua)
+-- ARGV[1]  rows    how many of the first to list (-1: all)
 --
--- Returns {now_ms, count, waiter_1, arrival_ms_1, waiter_2, ...}, oldest first. Server time
+-- Returns {now_ms, count, waiter_1, arrival_ms_1, waiter_2, ...}, first served first (with
+-- fair turns, not always the oldest first). Server time
 -- is returned so a caller can show how long each has waited without trusting its own clock
 -- (and, on a cluster, in the one call that reaches the room's node).
 local time = redis.call('TIME')
@@ -11,7 +14,8 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local reply = {now_ms, redis.call('ZCARD', KEYS[1])}
 local rows = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]), 'WITHSCORES')
 for i = 1, #rows, 2 do
+  local entry = redis.call('HGET', KEYS[2], rows[i])
   reply[#reply + 1] = rows[i]
-  reply[#reply + 1] = tonumber(rows[i + 1])
+  reply[#reply + 1] = tonumber(entry and string.match(entry, '^(%d+)') or rows[i + 1])
 end
 return reply
