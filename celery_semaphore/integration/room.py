@@ -53,9 +53,21 @@ logger = logging.getLogger(__name__)
 
 _PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
 """The AsyncResults of this process's latest hand-off publishes (see :func:`publisher_for`)."""
-# Dropped at exit while Celery's modules still stand: collected during interpreter teardown,
-# each would print a TypeError from its __del__.
-atexit.register(_PUBLISHED.clear)
+
+
+def forget_published() -> None:
+    """Drop the kept AsyncResults without letting them talk to their result backends, which
+    may be gone (a test's server, a closed connection) and would then be retried at length.
+
+    Registered to run at exit, while Celery's modules still stand: collected during
+    interpreter teardown instead, each would print a TypeError from its ``__del__``.
+    """
+    for result in _PUBLISHED:
+        result.backend = None  # AsyncResult.__del__ does nothing without a backend
+    _PUBLISHED.clear()
+
+
+atexit.register(forget_published)
 
 
 def is_handoff(request: Any) -> bool:
