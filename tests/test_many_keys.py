@@ -20,7 +20,7 @@ from celery_semaphore import (
     current_slot,
 )
 from celery_semaphore.core.group import SlotGroup
-from celery_semaphore.core.scripts import Parked
+from celery_semaphore.core.scripts import Parked, redis_keys
 from celery_semaphore.testing import RedisServer
 
 from . import history
@@ -214,3 +214,26 @@ def test_live_limits_and_weights_on_a_cluster(cluster: ClusterServers) -> None:
     assert light.release()
     assert sem.set_limit("{gpu}node-1", None) == 5
     sem.client.close()
+
+
+def test_a_run_that_moves_rooms_keeps_its_give_up_time(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
+    keys = [("provider", 1), ("tenant:a", 1)]
+    tenant = sem.acquire("tenant:a")
+    deadline = time.time() + 600
+    parked = sem.park_many(keys, "r1", b"1", deadline=deadline)
+    assert isinstance(parked, Parked)
+    assert parked.index == 2
+    provider = sem.acquire("provider")  # now the provider blocks r1 too
+    assert tenant is not None
+    assert tenant.release()  # tenant:a hands its slot to r1
+    moved = sem.claim_many(keys, "r1")
+    assert isinstance(moved, Parked)
+    assert moved.index == 1
+    give_up = client.zscore(redis_keys(sem.prefix, "provider").deadlines, "r1")
+    assert give_up == round(deadline * 1000)
+    assert provider is not None
+    assert provider.release()

@@ -78,8 +78,11 @@ for i = 1, count do
 end
 
 local out = {}
+local kept_deadline = 0  -- a give-up time it had where it waited: it keeps it when it moves
 local function leave(i)
   -- Out of the i-th one's room, and its reservation there (if any) back to the room.
+  local deadline = redis.call('ZSCORE', k(i, 6), waiter)
+  if deadline then kept_deadline = math.max(kept_deadline, tonumber(deadline)) end
   redis.call('ZREM', k(i, 4), waiter)
   redis.call('HDEL', k(i, 5), waiter)
   redis.call('ZREM', k(i, 6), waiter)
@@ -127,7 +130,8 @@ end
 local tag = weight[b] > 1 and ('#' .. weight[b]) or ''
 redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given[b])
 redis.call('ZADD', room, arrival, waiter)
-if deadline_ms > 0 then redis.call('ZADD', k(b, 6), deadline_ms, waiter) end
+local give_up_at = deadline_ms > 0 and deadline_ms or kept_deadline
+if give_up_at > 0 then redis.call('ZADD', k(b, 6), give_up_at, waiter) end
 room_hand_off(k(b, 1), k(b, 2), room, parked, limit[b], claim_ms, now, out)
 local reply = {0, redis.call('ZRANK', room, waiter) or 0, now, b}
 for i = 1, #out, 2 do
