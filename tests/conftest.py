@@ -34,6 +34,22 @@ def pytest_report_header() -> list[str]:
     ]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Unset the result backend of every AsyncResult still alive, before pytest's summary.
+
+    The tests' servers are gone by now. An AsyncResult collected later (one in a reference
+    cycle, such as a failed EagerResult and its traceback) would try to cancel its pending
+    result against a dead server, and Celery retries that for minutes; without a backend its
+    ``__del__`` does nothing.
+    """
+    from celery.result import AsyncResult
+
+    for found in gc.get_objects():
+        if isinstance(found, AsyncResult):
+            found.backend = None
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-tasks", type=int, default=1000, help="tasks in the soak test")
 

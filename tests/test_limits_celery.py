@@ -4,6 +4,7 @@ while runs wait in the room. Concurrency is judged from the bodies' own records.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -101,6 +102,7 @@ def data_app(redis_server: RedisServer) -> Iterator[Celery]:
 
     yield app
     recorder.close()
+    gc.collect()  # AsyncResults talk to the backend in __del__: collect them while it is up
     app.close()
 
 
