@@ -340,8 +340,22 @@ class Semaphore(ManyKeys):
         return max(0, effective - self.count(key))
 
     def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
-        """Set the live limit of ``key`` (None: clear it); see :meth:`SemaphoreAdmin.set_limit`.
-        Slots a raise frees go to parked waiters through this semaphore's ``on_handoff``."""
+        """Set the live limit of ``key`` (None: clear it) in one round trip; see
+        :meth:`SemaphoreAdmin.set_limit`. Slots a raise frees go to parked waiters through
+        this semaphore's ``on_handoff``.
+
+        Args:
+            key (str): the semaphore's key.
+            limit (int | None): the new live limit, 1 to 2**31 - 1; None clears it.
+            by (str | None): who sets it, for the views; None: ``user@host pid N``.
+
+        Returns:
+            int | None: the live limit it replaced (None: there was none).
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
         return self.admin.set_limit(key, limit, by)
 
     def holders(self, key: str) -> list[Holder]:
