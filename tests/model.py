@@ -12,10 +12,11 @@ still be live, counted from when the server was surely answering again (``settle
 Each public method takes a call's timing and answer, raises :class:`ModelViolation` (an
 ``AssertionError`` that says what failed) if the answer is impossible, and updates the model.
 
-Room left for what does not exist yet: each key keeps its own ``limit`` (a live limit would
-change it), and every holding has a ``weight`` of 1 that is summed wherever slots are counted
-(weighted acquires would set it). A holding names one key; an acquire of several keys would
-make one holding per key.
+Each key has the limit its callers give (``code_limit``) and the limit in effect now
+(``limit``: a live limit while one is set). Every grant records the limit it was made under,
+so after a live limit is lowered the holders from before may stand above the new one, but
+never above the limit of their own grant. A holding counts its ``weight`` units wherever
+slots are counted; an acquire of several keys makes one holding per key, all of one token.
 """
 
 from __future__ import annotations
@@ -54,16 +55,18 @@ class Window:
 
     held_until: float
     gone_after: float
+    limit: int = 0
+    """The key's limit when it was granted (what it may stand above a lowered limit by)."""
 
     @classmethod
-    def granted(cls, call: Call, seconds: float) -> Window:
+    def granted(cls, call: Call, seconds: float, limit: int = 0) -> Window:
         """Made by ``call`` for ``seconds``: the server ran it between send and answer."""
-        return cls(call.sent + seconds - MARGIN, call.received + seconds + MARGIN)
+        return cls(call.sent + seconds - MARGIN, call.received + seconds + MARGIN, limit)
 
     @classmethod
-    def maybe(cls, gone_after: float) -> Window:
+    def maybe(cls, gone_after: float, limit: int = 0) -> Window:
         """Perhaps made by a call that got no answer: never surely held."""
-        return cls(-math.inf, gone_after)
+        return cls(-math.inf, gone_after, limit)
 
     def held(self, at: float) -> bool:
         return at < self.held_until
@@ -100,9 +103,13 @@ class Holding:
     released: bool | None = None
     """The answer of the first release that got one (later calls repeat it)."""
     weight: int = 1
+    group: str = ""
+    """The group it was acquired with (``acquire_many``), or "" for a slot of its own."""
 
     def __str__(self) -> str:
-        return f"{self.name} (key {self.key!r}, token {self.token[:8]})"
+        extra = f", weight {self.weight}" if self.weight > 1 else ""
+        extra += f", of {self.group}" if self.group else ""
+        return f"{self.name} (key {self.key!r}, token {self.token[:8]}{extra})"
 
 
 class State(Enum):
@@ -167,14 +174,20 @@ class KeyModel:
     phantoms, slots that calls with no answer may have taken for tokens nobody knows."""
 
     name: str
-    limit: int
+    code_limit: int
     claim_timeout: float
     grace: float = 0.0
     """Seconds a reservation is its waiter's alone; after that a waiter that parks in person
     may take it (0: never)."""
     holdings: list[Holding] = field(default_factory=list)
-    phantoms: list[Window] = field(default_factory=list)
+    phantoms: list[tuple[int, Window]] = field(default_factory=list)
+    """(weight, window) of slots that calls with no answer may have taken."""
     waiters: list[Waiter] = field(default_factory=list)
+    limit: int = 0
+    """The limit in effect: the live limit while one is set, else ``code_limit``."""
+
+    def __post_init__(self) -> None:
+        self.limit = self.limit or self.code_limit
 
     def windows(self) -> Iterator[tuple[int, Window]]:
         """(weight, window) of everything that may count against the limit."""
@@ -183,8 +196,15 @@ class KeyModel:
         for w in self.waiters:
             if w.reservation is not None:
                 yield 1, w.reservation
-        for p in self.phantoms:
-            yield 1, p
+        yield from self.phantoms
+
+    def ceiling(self, at: float, surely: bool) -> int:
+        """The most units that may be live at ``at``: the limit now, or a higher one that a
+        grant still (surely, or maybe) live was made under before the limit was lowered."""
+        grants = [
+            win.limit for _, win in self.windows() if (win.held(at) if surely else not win.gone(at))
+        ]
+        return max([self.limit, *grants])
 
     def surely_live(self, at: float, excluding: Window | None = None) -> int:
         return sum(n for n, win in self.windows() if win is not excluding and win.held(at))
@@ -245,10 +265,14 @@ class Model:
 
     # -- slots --------------------------------------------------------------------------
 
-    def _hold(self, key: str, call: Call, token: str, lease: float) -> Holding:
-        h = Holding(f"s{len(self.holdings)}", key, token, lease, Window.granted(call, lease))
+    def _hold(
+        self, key: str, call: Call, token: str, lease: float, weight: int = 1, group: str = ""
+    ) -> Holding:
+        km = self.keys[key]
+        window = Window.granted(call, lease, km.limit)
+        h = Holding(f"s{len(self.holdings)}", key, token, lease, window, weight=weight, group=group)
         self.holdings.append(h)
-        self.keys[key].holdings.append(h)
+        km.holdings.append(h)
         return h
 
     def acquire(
@@ -258,32 +282,77 @@ class Model:
         lease: float,
         token: str | None,
         handoffs: Sequence[tuple[str, bytes]],
+        weight: int = 1,
     ) -> Holding | None:
-        """``Semaphore.acquire(key, lease=lease)`` answered a slot with ``token``, or None."""
-        km = self.keys[key]
-        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        """``Semaphore.acquire(key, lease=lease, weight=weight)`` answered a slot with
+        ``token``, or None."""
+        held = self.acquire_many([(key, weight)], call, lease, token, {key: list(handoffs)})
+        return held[0] if held else None
+
+    def acquire_many(
+        self,
+        specs: Sequence[tuple[str, int]],
+        call: Call,
+        lease: float,
+        token: str | None,
+        handoffs: dict[str, list[tuple[str, bytes]]],
+    ) -> list[Holding] | None:
+        """``Semaphore.acquire_many`` of ``(key, weight)`` pairs (or ``acquire``, with one)
+        answered slots under ``token``, or None: all of them or none."""
         slow = call.received - call.sent >= lease
-        # A reply after a whole lease is not trusted: its slot is released at once, which
-        # may hand it to a waiter.
-        if handoffs and not slow:
-            violated(f"acquire of {key!r} published hand-offs {handoffs} (it never hands off)")
-        self._serve(km, call, handoffs, in_room=km.parked(), at_most=km.limit - surely)
+        # A reply after a whole lease is not trusted: its slots are released at once, which
+        # may hand them to waiters.
+        if not slow and any(handoffs.values()):
+            violated(f"acquire of {specs} published hand-offs {handoffs} (it never hands off)")
+        for key, _ in specs:
+            km = self.keys[key]
+            self._serve(
+                km, call, handoffs.get(key, []), in_room=km.parked(),
+                at_most=km.limit - km.surely_live(call.received),
+            )  # fmt: skip
         if token is None:
-            if maybe < km.limit and not slow:
+            if not slow and all(
+                self.keys[k].maybe_live(call.sent) + w <= self.keys[k].limit for k, w in specs
+            ):
+                state = {
+                    k: (self.keys[k].maybe_live(call.sent), self.keys[k].limit) for k, _ in specs
+                }
                 violated(
-                    f"acquire of {key!r} was refused with at most {maybe} slot(s) maybe held "
-                    f"of limit {km.limit}"
+                    f"acquire of {specs} was refused with room for every weight: (at most "
+                    f"held, limit) {state}"
                 )
             if slow:  # the give-back may have failed, or handed off with nobody told
-                km.phantoms.append(Window.maybe(call.received + lease + MARGIN))
-                self._blur_room(km, call.received)
+                for key, weight in specs:
+                    km = self.keys[key]
+                    km.phantoms.append(
+                        (weight, Window.maybe(call.received + lease + MARGIN, km.limit))
+                    )
+                    self._blur_room(km, call.received)
             return None
-        if surely >= km.limit:
-            violated(
-                f"acquire of {key!r} got a slot while {surely} slot(s) were surely held, "
-                f"limit {km.limit}"
-            )
-        return self._hold(key, call, token, lease)
+        for key, weight in specs:
+            km = self.keys[key]
+            surely = km.surely_live(call.received)
+            if surely + weight > km.limit:
+                violated(
+                    f"acquire of {specs} got a slot of {key!r} (weight {weight}) while {surely} "
+                    f"unit(s) were surely held, limit {km.limit}"
+                )
+        group = f"g{len(self.holdings)}" if len(specs) > 1 else ""
+        return [self._hold(key, call, token, lease, weight, group) for key, weight in specs]
+
+    def set_limit(
+        self, key: str, call: Call, limit: int | None, handoffs: Sequence[tuple[str, bytes]]
+    ) -> None:
+        """``Semaphore.set_limit(key, limit)`` (None: clear) published ``handoffs``: a raise
+        hands what it frees to the oldest waiters, a cut evicts nobody."""
+        km = self.keys[key]
+        km.limit = km.code_limit if limit is None else limit
+        parked = km.parked()
+        self._serve(
+            km, call, handoffs, in_room=parked,
+            at_least=min(len(parked), km.limit - km.maybe_live(call.sent)),
+            at_most=km.limit - km.surely_live(call.received),
+        )  # fmt: skip
 
     def extend(self, h: Holding, call: Call, lease: float, answer: bool) -> None:
         """``slot.extend(lease)`` answered ``answer``."""
@@ -415,7 +484,7 @@ class Model:
         for name, payload in handoffs:
             w = self.waiters[name]
             w.state, w.payloads = State.RESERVED, {payload}
-            w.reservation = Window.granted(call, km.claim_timeout)
+            w.reservation = Window.granted(call, km.claim_timeout, km.limit)
             w.reserved_at = call
 
     def _past_grace(
@@ -658,6 +727,7 @@ class Model:
             for _, win in km.windows():
                 win.end(at)
             km.phantoms.clear()
+            km.limit = km.code_limit  # the live limit was lost with the rest
             for w in km.waiters:
                 if w.state is not State.DONE:
                     w.finish("lost in a restart", at)
@@ -684,7 +754,7 @@ class Model:
             if w.state is State.PARKED:
                 w.state = State.RESERVED
             if w.reservation is None:
-                w.reservation, w.reserved_at = Window.maybe(until), None
+                w.reservation, w.reserved_at = Window.maybe(until, km.limit), None
             else:
                 w.reservation.gone_after = max(w.reservation.gone_after, until)
 
@@ -695,7 +765,8 @@ class Model:
         h = kw.get("holding")
         w = kw.get("waiter")
         if op in ("acquire", "park", "claim"):  # a slot for a token nobody knows
-            km.phantoms.append(Window.maybe(at + lease + MARGIN))
+            weight = int(kw.get("weight", 1))  # type: ignore[call-overload]
+            km.phantoms.append((weight, Window.maybe(at + lease + MARGIN, km.limit)))
         if op == "extend" and isinstance(h, Holding) and not h.window.gone(call.sent):
             h.window.held_until = min(h.window.held_until, call.sent + lease - MARGIN)
             h.window.gone_after = max(h.window.gone_after, at + lease + MARGIN)
@@ -727,16 +798,20 @@ class Model:
     def check_limits(self, at: float) -> None:
         """The slots surely held never exceed a key's limit."""
         for km in self.keys.values():
-            surely = km.surely_live(at)
-            if surely > km.limit:
-                violated(f"{surely} slots of {km.name!r} are surely held, limit {km.limit}")
+            surely, ceiling = km.surely_live(at), km.ceiling(at, surely=True)
+            if surely > ceiling:
+                violated(
+                    f"{surely} units of {km.name!r} are surely held, limit {km.limit} (the "
+                    f"highest a live grant was made under: {ceiling})"
+                )
 
     def observe_count(self, key: str, call: Call, count: int, available: int) -> None:
         """``count(key)`` and ``available(key)``, read in ``call``."""
         km = self.keys[key]
         surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
-        if count > km.limit:
-            violated(f"count({key!r}) is {count}, over the limit {km.limit}")
+        ceiling = km.ceiling(call.sent, surely=False)
+        if count > ceiling:
+            violated(f"count({key!r}) is {count}, over the limit {km.limit} (at most {ceiling})")
         if not surely <= count <= maybe:
             violated(f"count({key!r}) is {count}, the model says {surely} to {maybe}")
         low, high = max(0, km.limit - maybe), max(0, km.limit - surely)
@@ -747,7 +822,7 @@ class Model:
         """``holders(key)`` read in ``call``: (token, ``reserved_for`` or "") of each."""
         km = self.keys[key]
         tokens = [t for t, _ in holders]
-        if len(tokens) > km.limit:
+        if len(tokens) > km.ceiling(call.sent, surely=False):
             violated(f"holders({key!r}) lists {len(tokens)} holders, over the limit {km.limit}")
         if len(set(tokens)) != len(tokens):
             violated(f"holders({key!r}) lists a token twice: {tokens}")
@@ -767,7 +842,7 @@ class Model:
                     violated(f"reservation {token} of {key!r} is reserved for {reserved_for!r}")
             else:
                 unknown += 1
-        phantoms = sum(not p.gone(call.sent) for p in km.phantoms)
+        phantoms = sum(not p.gone(call.sent) for _, p in km.phantoms)
         if unknown > phantoms:
             violated(
                 f"holders({key!r}) lists {unknown} token(s) the model does not know; at most "

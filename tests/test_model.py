@@ -1,36 +1,42 @@
 """Random schedules of the core ``Semaphore`` against a real redis-server, checked against the
 plain-Python model in ``tests/model.py`` (Hypothesis ``RuleBasedStateMachine``; no Celery).
 
-Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s), extend,
-release; an operator's force-release of one slot, of a waiter's reservation, or of a whole
-key; a burst of new waiters parks (with or without ``max_queued``), one parks again, claims
-(with a delivery id, maybe one that claimed before), is cancelled; a sweep; time passes a
-little, or until short leases and reservations (claim timeouts of 0.3 s or 20 s) have surely
-lapsed. Each key's hand-off grace is 0 (strict arrival order) or 0.3 s. Faults: the server
-frozen with SIGSTOP while one or two calls are made (each must fail with
-``SemaphoreBackendError`` within the client's 0.3 s socket timeout; the server may still run
-them when it wakes), and a restart without persistence (everything gone); at most one fault
-per 10 steps.
+Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s, weights of
+1-3: a weight over the key's limit must be refused before anything is sent), acquire both
+keys at once (``acquire_many``, a weight on each, in either order), extend, release; an
+operator's live limit set to 1, 2 or 4, or cleared; an operator's force-release of one slot,
+of a waiter's reservation, or of a whole key; a burst of new waiters parks (with or without
+``max_queued``), one parks again, claims (with a delivery id, maybe one that claimed
+before), is cancelled; a sweep; time passes a little, or until short leases and reservations
+(claim timeouts of 0.3 s or 20 s) have surely lapsed. Each key's hand-off grace is 0 (strict
+arrival order) or 0.3 s. Faults: the server frozen with SIGSTOP while one or two calls are
+made (each must fail with ``SemaphoreBackendError`` within the client's 0.3 s socket
+timeout; the server may still run them when it wakes), and a restart without persistence
+(everything gone); at most one fault per 10 steps.
 
 The model reasons with time windows: a slot is surely held only until ``sent + lease -
 MARGIN`` and surely gone only after ``received + lease + MARGIN`` (MARGIN 0.35 s), and
 everything in between is "maybe"; a call with no answer leaves "maybe" slots, reservations
 and waiters behind, up to when the server was surely answering again.
 
-Invariants, after every step: the slots the model says are surely held never exceed a key's
-limit, and neither do ``count`` nor ``holders``; ``count``, ``available`` and ``holders``
-agree with the model within its maybe-window, and a slot or reservation it says is surely
-gone is never listed; extend and release answers match it (a surely-held slot is owned, a
-surely-gone one is not); a waiter is handed off only while it waits (never again while its
-reservation is live, never after it claimed, was cancelled or was refused), in arrival order,
-with its latest payload, and a release, cancel, park or sweep that frees a slot hands it to a
-waiter that surely waits (the one exception to the order: a waiter that parks in person may
-take a reservation unclaimed past the grace, and must when one surely is); a claim is told
-"again" exactly when its delivery claimed before; nobody is lost (every waiter that waits is
-in the parked hash, and the room, read with ``SemaphoreAdmin.room``, holds every
-surely-parked waiter, in arrival order; after a sweep, every waiter whose reservation lapsed
-is back in the room); every key in Redis has a TTL, and a key's slots and holders outlive its
-live leases.
+Invariants, after every step: the units the model says are surely held never exceed a key's
+limit (after a live limit is lowered, the limit of the grants still live, since lowering
+evicts nobody), and neither do ``count`` nor ``holders``; an acquire is granted only if
+every key it names had room for its weight under the limit in effect, and refused only if
+some key may have had none (all keys or none); a group whose slot is found gone is lost; a
+raised limit hands what it frees to the oldest waiters; ``count``, ``available`` and
+``holders`` agree with the model within its maybe-window, and a slot or reservation it says
+is surely gone is never listed; extend and release answers match it (a surely-held slot is
+owned, a surely-gone one is not); a waiter is handed off only while it waits (never again
+while its reservation is live, never after it claimed, was cancelled or was refused), in
+arrival order, with its latest payload, and a release, cancel, park or sweep that frees a
+slot hands it to a waiter that surely waits (the one exception to the order: a waiter that
+parks in person may take a reservation unclaimed past the grace, and must when one surely
+is); a claim is told "again" exactly when its delivery claimed before; nobody is lost (every
+waiter that waits is in the parked hash, and the room, read with ``SemaphoreAdmin.room``,
+holds every surely-parked waiter, in arrival order; after a sweep, every waiter whose
+reservation lapsed is back in the room); every key in Redis has a TTL, and a key's slots and
+holders outlive its live leases.
 
 Run it:
 
@@ -66,8 +72,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from celery_semaphore import Semaphore, SemaphoreBackendError, Slot
+from celery_semaphore import Semaphore, SemaphoreBackendError, SemaphoreValidationError, Slot
 from celery_semaphore.core.admin import SemaphoreAdmin
+from celery_semaphore.core.group import SlotGroup
 from celery_semaphore.core.scripts import Handoff, NotWaiting, Parked, RoomFull, redis_keys
 from celery_semaphore.testing import RedisServer
 
@@ -88,6 +95,8 @@ FAULT_EVERY = 10
 SLACK = 2.0
 """Seconds a noisy machine may add to a timeout."""
 PREFIX = "model"
+WEIGHTS = (1, 1, 2, 3)
+"""Mostly plain slots; a weight over a key's limit must be refused before anything is sent."""
 GRACES = (0.0, 0.3)
 """Hand-off graces: strict arrival order, or a reservation unclaimed for 0.3 s goes to a
 waiter that parks in person."""
@@ -124,11 +133,18 @@ class Published:
 
     def take(self, key: str) -> list[tuple[str, bytes]]:
         """What the last call published, all for ``key``; no give-ups (no deadlines here)."""
+        by_key = self.take_all()
+        assert set(by_key) <= {key}, f"a call on {key!r} published for {sorted(by_key)}"
+        return by_key.get(key, [])
+
+    def take_all(self) -> dict[str, list[tuple[str, bytes]]]:
+        """What the last call published, by key."""
         items, self.log = self.log, []
+        by_key: dict[str, list[tuple[str, bytes]]] = {}
         for published_key, h in items:
-            assert published_key == key, f"a call on {key!r} published for {published_key!r}"
             assert not h.give_up, f"a give-up for {h.waiter} though no waiter has a deadline"
-        return [(h.waiter, h.payload) for _, h in items]
+            by_key.setdefault(published_key, []).append((h.waiter, h.payload))
+        return by_key
 
 
 def outcome_of(result: object) -> Outcome:
@@ -173,6 +189,7 @@ class SemaphoreMachine(RuleBasedStateMachine):
         self.operator = SemaphoreAdmin(self.client, PREFIX)  # no publisher: hands off nothing
         self.sems: dict[str, Semaphore] = {}
         self.slots: dict[str, Slot] = {}
+        self.groups: dict[str, SlotGroup] = {}
         self.model = Model({}, {})
         self.ready = False
         self.paused = False
@@ -269,17 +286,75 @@ class SemaphoreMachine(RuleBasedStateMachine):
 
     # -- slots --------------------------------------------------------------------------
 
-    @rule(key=keys, lease=st.sampled_from(LEASES))
-    def acquire(self, key: str, lease: float) -> None:
-        call, slot, answered = self._run(lambda: self.sems[key].acquire(key, lease=lease))
+    def _refused(self, what: str, fn: Callable[[], object]) -> None:
+        """A call with a bad argument: it must raise before anything is sent (the invariants
+        after the step see that nothing changed)."""
+        with pytest.raises(SemaphoreValidationError) as raised:
+            fn()
+        assert not self.published.log, f"{what} with a bad argument published hand-offs"
+        say(f"{what} refused: {raised.value}")
+
+    @rule(key=keys, lease=st.sampled_from(LEASES), weight=st.sampled_from(WEIGHTS))
+    def acquire(self, key: str, lease: float, weight: int = 1) -> None:
+        sem = self.sems[key]
+        if weight > sem.limit:
+            return self._refused(
+                f"acquire of {key!r} weight {weight}", lambda: sem.acquire(key, weight=weight)
+            )
+        call, slot, answered = self._run(lambda: sem.acquire(key, lease=lease, weight=weight))
         if not answered:
-            return self._lost("acquire", call, key=key, lease=lease)
+            return self._lost("acquire", call, key=key, lease=lease, weight=weight)
         handoffs = self.published.take(key)
-        h = self.model.acquire(key, call, lease, slot.token if slot else None, handoffs)
-        say(f"acquire {key!r} -> {h} in {call.received - call.sent:.3f}s, handed {handoffs}")
+        token = slot.token if slot else None
+        h = self.model.acquire(key, call, lease, token, handoffs, weight)
+        say(f"acquire {key!r} weight {weight} -> {h} in {call.received - call.sent:.3f}s, "
+            f"handed {handoffs}")  # fmt: skip
         if slot is not None and h is not None:
-            assert (slot.key, slot.limit, slot.lease) == (key, self.model.keys[key].limit, lease)
+            assert (slot.key, slot.limit, slot.lease, slot.weight) == (
+                key, self.model.keys[key].limit, lease, weight)  # fmt: skip
             self.slots[h.name] = slot
+
+    @rule(
+        weights=st.tuples(st.sampled_from(WEIGHTS), st.sampled_from(WEIGHTS)),
+        lease=st.sampled_from(LEASES),
+        reverse=st.booleans(),
+    )
+    def acquire_many(self, weights: tuple[int, int], lease: float, reverse: bool) -> None:
+        """One run takes a slot of both keys, with a weight on each, all or nothing."""
+        specs = [(key, self.sems[key].limit, w) for key, w in zip(KEYS, weights, strict=True)]
+        specs = specs[::-1] if reverse else specs
+        sem = self.sems[specs[0][0]]
+        if any(w > limit for _, limit, w in specs):
+            return self._refused(f"acquire_many {specs}", lambda: sem.acquire_many(specs))
+        call, group, answered = self._run(lambda: sem.acquire_many(specs, lease=lease))
+        pairs = [(key, w) for key, _, w in specs]
+        if not answered:
+            for key, w in pairs:
+                self.model.unanswered("acquire", call, key=key, lease=lease, weight=w)
+            return self._lost("acquire_many", call, key=specs[0][0], lease=lease)
+        handoffs = self.published.take_all()
+        token = group.token if group else None
+        held = self.model.acquire_many(pairs, call, lease, token, handoffs)
+        say(f"acquire_many {pairs} -> {held} in {call.received - call.sent:.3f}s, "
+            f"handed {handoffs}")  # fmt: skip
+        if group is not None and held:
+            assert group.keys == [key for key, _ in pairs]
+            for h, slot in zip(held, group.slots, strict=True):
+                assert (slot.limit, slot.weight) == (self.model.keys[h.key].limit, h.weight)
+                self.slots[h.name] = slot
+                self.groups[h.name] = group
+
+    @rule(key=keys, limit=st.sampled_from((None, 1, 2, 4)))
+    def set_limit(self, key: str, limit: int | None) -> None:
+        """An operator sets (or clears) the key's live limit: a raise hands out slots."""
+        call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
+        if not answered:  # the change may or may not land: not modelled, so not allowed
+            self._settle()
+            call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
+            assert answered, "set_limit timed out twice on a running server"
+        handoffs = self.published.take(key)
+        say(f"set_limit {key!r} {limit} -> handed {handoffs}")
+        self.model.set_limit(key, call, limit, handoffs)
 
     @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
     def extend(self, pick: int, lease: float) -> None:
@@ -294,6 +369,8 @@ class SemaphoreMachine(RuleBasedStateMachine):
         assert answer is not None
         if not answer and h.released is None:
             assert slot.lost.is_set(), f"extend found {h} gone but did not mark it lost"
+            if h.group:
+                assert self.groups[h.name].lost.is_set(), f"{h} was lost but not its group"
         self.model.extend(h, call, lease, answer)
 
     @rule(pick=st.integers(0, 63))
@@ -483,10 +560,15 @@ class SemaphoreMachine(RuleBasedStateMachine):
             )
         elif op == "sweep":
             fn = lambda: sem.admin.sweep(key)  # noqa: E731
+        elif op == "acquire_many":
+            specs = [(k, self.sems[k].limit, 1) for k in KEYS]
+            fn = lambda: sem.acquire_many(specs, lease=lease)  # noqa: E731
         elif op == "count":
             fn = lambda: sem.count(key)  # noqa: E731
         else:
-            op, fn = "acquire", lambda: sem.acquire(key, lease=lease)
+            weight = min(1 + pick % 2, sem.limit)
+            kw["weight"] = weight
+            op, fn = "acquire", lambda: sem.acquire(key, lease=lease, weight=weight)
         sent = time.monotonic()
         with pytest.raises(SemaphoreBackendError) as raised:
             fn()
@@ -498,7 +580,10 @@ class SemaphoreMachine(RuleBasedStateMachine):
         assert timed_out(raised.value), f"{op} on the frozen server failed with {raised.value!r}"
         assert not self.published.log, f"{op} on the frozen server published hand-offs"
         say(f"frozen: {op} {kw.get('holding') or kw.get('waiter') or key} failed in {took:.2f}s")
-        if op != "count":
+        if op == "acquire_many":  # a slot of each key, maybe
+            for k in KEYS:
+                self.model.unanswered("acquire", call, key=k, lease=lease, weight=1)
+        elif op != "count":
             self.model.unanswered(op, call, **kw)
 
     def _fault_allowed(self) -> bool:
@@ -511,8 +596,8 @@ class SemaphoreMachine(RuleBasedStateMachine):
     @rule(
         ops=st.lists(
             st.tuples(
-                st.sampled_from(("acquire", "extend", "release", "claim", "cancel", "sweep",
-                                 "count")),
+                st.sampled_from(("acquire", "acquire_many", "extend", "release", "claim",
+                                 "cancel", "sweep", "count")),
                 keys,
                 st.integers(0, 63),
             ),
@@ -612,8 +697,10 @@ class SemaphoreMachine(RuleBasedStateMachine):
         if read is None:
             return
         _, (ttls, leases) = read
+        live_limits = {redis_keys(PREFIX, key).limits for key in KEYS}
         for name, ttl in ttls.items():
-            assert ttl != -1, f"Redis key {name!r} has no TTL"
+            # An operator's live limit stays until it is cleared, by design.
+            assert ttl != -1 or name in live_limits, f"Redis key {name!r} has no TTL"
         for name, (ttl, latest) in leases.items():
             assert ttl >= latest - 50, (
                 f"Redis key {name!r} expires in {ttl} ms, before its live lease ({latest} ms)"
@@ -845,6 +932,46 @@ def test_schedule_a_restart_loses_every_slot_and_waiter(
     d.step("release", pick=d.pick("s1"))  # gone
     d.step("claim", pick=d.pick("w1"), lease=20.0)  # not waiting
     d.step("park", key="b", runs=2, lease=20.0, max_queued=2)
+
+
+def test_schedule_a_lowered_live_limit_refuses_until_under_it_and_a_raise_hands_off(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(3, 1))
+    d.step("acquire", key="a", lease=20.0)
+    d.step("acquire", key="a", lease=20.0, weight=2)  # the key is full: 3 units of 3
+    d.step("set_limit", key="a", limit=1)  # nobody evicted: 3 held over a limit of 1
+    d.step("release", pick=d.pick("s1"))  # 1 unit left: still not under the limit
+    d.step("acquire", key="a", lease=20.0)  # refused (the code's limit of 3 would admit it)
+    assert len(d.model.holdings) == 2
+    d.step("park", key="a", runs=2, lease=20.0, max_queued=0)  # both wait
+    assert (d.state("w0"), d.state("w1")) == (State.PARKED, State.PARKED)
+    d.step("set_limit", key="a", limit=2)  # one unit freed: handed to w0, oldest first
+    assert (d.state("w0"), d.state("w1")) == (State.RESERVED, State.PARKED)
+    d.step("set_limit", key="a", limit=None)  # back to the code's 3: w1's turn
+    assert d.state("w1") is State.RESERVED
+    d.step("acquire", key="a", lease=20.0)  # refused: s0 and two reservations fill 3
+    assert len(d.model.holdings) == 2
+
+
+def test_schedule_several_keys_are_taken_all_together_or_not_at_all(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(3, 2))
+    d.step("acquire", key="b", lease=20.0, weight=2)  # b is full
+    d.step("acquire_many", weights=(1, 1), lease=20.0, reverse=False)  # a has room, b not
+    d.step("acquire_many", weights=(1, 1), lease=20.0, reverse=True)
+    assert [h.key for h in d.model.holdings] == ["b"]  # nothing taken of a
+    d.step("acquire_many", weights=(3, 1), lease=20.0, reverse=False)  # refused, b is full
+    d.step("release", pick=d.pick("s0"))
+    d.step("acquire_many", weights=(2, 2), lease=20.0, reverse=False)  # s1 of a, s2 of b
+    d.step("acquire", key="a", lease=20.0)  # 3 of 3
+    d.step("acquire", key="a", lease=20.0)  # refused
+    d.step("force_release", pick=d.pick("s2"), what="slot")  # the group's slot of b
+    d.step("extend", pick=d.pick("s2"), lease=20.0)  # gone: the group is lost
+    d.step("extend", pick=d.pick("s1"), lease=20.0)  # a's slot of the group is still held
+    d.step("acquire_many", weights=(1, 3), lease=20.0, reverse=False)  # weight 3 > limit 2
+    assert len(d.model.holdings) == 4
 
 
 # -- bugs the model found -------------------------------------------------------------
