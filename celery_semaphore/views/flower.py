@@ -191,7 +191,11 @@ class SemaphoresApi(BaseApiHandler):  # type: ignore[misc]
         try:
             found = await IOLoop.current().run_in_executor(None, self.read)
         except SemaphoreBackendError as exc:
-            raise tornado.web.HTTPError(503, "%s", exc) from exc
+            # Written here rather than raised: Flower 2.1 would write the format string.
+            self.set_status(503)
+            self.set_header("Content-Type", "text/plain; charset=UTF-8")
+            self.finish(str(exc))
+            return
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.finish(json.dumps([sem.as_dict() for sem in found], default=str))
 
