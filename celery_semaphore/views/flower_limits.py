@@ -142,8 +142,9 @@ class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
         self.finish(json.dumps(body))
 
     def _argument(self, name: str) -> str | None:
-        # Flower's get_argument HTML-escapes values, which would change a key like "a&b".
-        value: str | None = tornado.web.RequestHandler.get_argument(self, name, None)
+        # Taken as sent: Flower's get_argument HTML-escapes values, and tornado's strips them,
+        # either of which would name another key than "a&b" or " a".
+        value: str | None = tornado.web.RequestHandler.get_argument(self, name, None, strip=False)
         return value
 
     def _arguments(self) -> tuple[str, int | None]:
