@@ -58,7 +58,7 @@ Setter = Callable[[str, int | None, str], int | None]
 _INTEGER = re.compile(r"-?[0-9]{1,20}")
 
 
-def unauthenticated_api() -> bool:
+def _unauthenticated_api() -> bool:
     """Whether ``FLOWER_UNAUTHENTICATED_API`` opens Flower's API with no authentication, read
     as Flower reads it (an unreadable value counts as not set)."""
     try:
@@ -75,13 +75,13 @@ def refusal(options: Any, set_limit: Setter | None) -> str | None:
         set_limit (Setter | None): what changes them; None when turned off.
 
     Returns:
-        str | None: a sentence for the page and the 401 or 403 answer.
+        str | None: a sentence for the page, and for the 403 that refuses a post.
     """
     if set_limit is None:
         return "it is turned off (app.conf.semaphore_flower_set_limit = False)"
     if options.read_only:
         return "Flower runs with --read_only"
-    if not (options.basic_auth or options.auth) and not unauthenticated_api():
+    if not (options.basic_auth or options.auth) and not _unauthenticated_api():
         return (
             "Flower runs without authentication; as for Flower's own controls, set "
             "FLOWER_UNAUTHENTICATED_API=true to let anyone who can reach it change them"
