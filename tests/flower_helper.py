@@ -3,7 +3,8 @@
 ``python -m tests.flower_helper REDIS_URL [FLOWER_OPTION ...]`` runs
 :func:`celery_semaphore.views.flower.start_flower` for ``tests.celery_apps.make_app(REDIS_URL)``
 until SIGTERM. ``CSEM_FLOWER_SEMAPHORE_URL``, when set, points the page at another Redis (a
-dead one, say) while Flower itself keeps using REDIS_URL as its broker.
+dead one, say) while Flower itself keeps using REDIS_URL as its broker;
+``CSEM_FLOWER_SET_LIMIT=0`` sets the app's ``semaphore_flower_set_limit`` to False.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> None:
     app = make_app(argv[0])
     if "CSEM_FLOWER_SEMAPHORE_URL" in os.environ:
         app.conf.semaphore_url = os.environ["CSEM_FLOWER_SEMAPHORE_URL"]
+    if os.environ.get("CSEM_FLOWER_SET_LIMIT") == "0":
+        app.conf.semaphore_flower_set_limit = False
     start_flower(app, argv[1:])
 
 

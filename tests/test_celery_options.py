@@ -77,13 +77,26 @@ def test_unknown_decorator_option_is_named() -> None:
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("semaphore_lease", -1), ("semaphore_on_full", "block"), ("semaphore_url", "amqp://x//")],
+    [
+        ("semaphore_lease", -1),
+        ("semaphore_on_full", "block"),
+        ("semaphore_url", "amqp://x//"),
+        ("semaphore_flower_set_limit", "false"),
+    ],
 )
 def test_bad_app_setting_is_named(setting: str, value: Any) -> None:
     app = Celery("bad", broker=URL, set_as_current=False)
     app.conf[setting] = value
     with pytest.raises(SemaphoreValidationError, match=setting):
         app_settings(app)
+
+
+def test_the_flower_page_may_set_limits_unless_the_app_says_not() -> None:
+    app = Celery("f", broker=URL, set_as_current=False)
+    assert app_settings(app).flower_set_limit is True
+    off = Celery("g", broker=URL, set_as_current=False)
+    off.conf.semaphore_flower_set_limit = False
+    assert app_settings(off).flower_set_limit is False
 
 
 def test_url_defaults_to_a_redis_broker_then_a_redis_backend() -> None:

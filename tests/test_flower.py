@@ -2,7 +2,9 @@
 
 Flower runs in a subprocess (``tests.flower_helper``) on a free loopback port; the page is
 rendered by headless Chromium (``--dump-dom`` runs its scripts). The browser test skips when
-``chromium`` is not installed, and the whole module when Flower is not.
+``chromium`` is not installed, and the whole module when Flower is not. The live-limit control
+is driven over HTTP as a browser's form would drive it: the ``_xsrf`` cookie from a GET of the
+page, echoed in the POST.
 """
 
 from __future__ import annotations
@@ -12,25 +14,31 @@ import contextlib
 import gc
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from html.parser import HTMLParser
+from http.cookies import SimpleCookie
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import tornado.web
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import SemaphoreTask
+from celery_semaphore import SemaphoreAdmin, SemaphoreTask
 from celery_semaphore.testing import RedisServer
+from celery_semaphore.views.cli import render
 from celery_semaphore.views.inspection import views
 
 from .celery_apps import make_app
@@ -51,8 +59,14 @@ USER, PASSWORD = "viewer", "s3cret"
 RELEASE = "test:flower:release"
 KEY = "flower-demo"
 
-# Loopback only, whatever proxy the environment names.
-_http = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+# Loopback only, whatever proxy the environment names; a redirect is an answer to look at.
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_http = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
 def _free_port() -> int:
@@ -63,15 +77,27 @@ def _free_port() -> int:
 
 def http_get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str]:
     """Status and body of GET ``url``, with HTTP basic auth when ``auth`` is given."""
-    request = urllib.request.Request(url)
+    status, body, _ = http(url, auth=auth)
+    return status, body
+
+
+def http(
+    url: str,
+    fields: dict[str, str] | None = None,
+    auth: tuple[str, str] | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, str, Any]:
+    """Status, body and headers of GET ``url``, or of a form POST of ``fields``."""
+    data = None if fields is None else urllib.parse.urlencode(fields).encode()
+    request = urllib.request.Request(url, data=data, headers=headers or {})
     if auth is not None:
         token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
     try:
         with _http.open(request, timeout=30) as response:
-            return int(response.status), response.read().decode()
+            return int(response.status), response.read().decode(), response.headers
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+        return exc.code, exc.read().decode(), exc.headers
 
 
 def with_credentials(url: str) -> str:
@@ -104,11 +130,15 @@ def worker(app: Celery, client: redis.Redis) -> Iterator[Any]:
 
 @pytest.fixture
 def run_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[..., str]]:
-    """``run_flower(*options, semaphore_url=None, unauthenticated_api=False)``: base URL."""
+    """``run_flower(*options, semaphore_url=None, unauthenticated_api=False, set_limit=True)``:
+    base URL; ``set_limit=False`` sets the app's ``semaphore_flower_set_limit`` to False."""
     started: list[subprocess.Popen[bytes]] = []
 
     def run(
-        *options: str, semaphore_url: str | None = None, unauthenticated_api: bool = False
+        *options: str,
+        semaphore_url: str | None = None,
+        unauthenticated_api: bool = False,
+        set_limit: bool = True,
     ) -> str:
         port = _free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWER_")}
@@ -116,6 +146,8 @@ def run_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[.
             env["CSEM_FLOWER_SEMAPHORE_URL"] = semaphore_url
         if unauthenticated_api:
             env["FLOWER_UNAUTHENTICATED_API"] = "true"
+        if not set_limit:
+            env["CSEM_FLOWER_SET_LIMIT"] = "0"
         log = tmp_path / f"flower-{port}.log"
         command = [sys.executable, "-m", "tests.flower_helper", redis_server.url,
                    f"--port={port}", "--address=127.0.0.1", *options]  # fmt: skip
@@ -234,7 +266,9 @@ def test_redis_down_gives_503_with_the_reason(run_flower: Callable[..., str]) ->
     status, page = http_get(base + "/semaphores")
     assert status == 503
     assert "Cannot read the semaphores" in page
-    assert http_get(base + "/api/semaphores")[0] == 503
+    status, body = http_get(base + "/api/semaphores")
+    assert status == 503
+    assert dead.rpartition(":")[2].split("/")[0] in body, body  # the reason names the server
 
 
 @needs_chromium
@@ -289,3 +323,244 @@ def test_the_page_lists_a_held_slot_until_its_task_finishes(
     assert HolderRows(page).rows == []
     assert "No semaphore has a live holder." in page
     assert http_get(base + "/api/semaphores", (USER, PASSWORD)) == (200, "[]")
+
+
+# The live-limit control: POST /api/semaphores/limit, as the page's forms send it.
+
+LIMIT_PATH = "/api/semaphores/limit"
+FLOWER_CHECKS_ORIGIN = tuple(int(p) for p in version("flower").split(".")[:2]) >= (2, 2)
+"""Flower 2.2 refuses cross-site posts by their fetch-metadata headers; 2.1 does not."""
+
+
+class Session:
+    """A browser's view of one Flower: its credentials, and the ``_xsrf`` cookie and form
+    token from a GET of the Semaphores page (which sets the cookie)."""
+
+    def __init__(self, base: str, auth: tuple[str, str] | None = None, cookie: str = "") -> None:
+        self.base, self.auth, self.cookie = base, auth, cookie
+        status, page, headers = self.get("/semaphores")
+        assert status == 200, page
+        self.page = page
+        jar = SimpleCookie()
+        for header in headers.get_all("Set-Cookie") or []:
+            jar.load(header)
+        assert "_xsrf" in jar, "the page set no _xsrf cookie"
+        self.xsrf_cookie = jar["_xsrf"].value
+        # A page with no form (the control off) has no token to copy; the cookie's is the same.
+        found = re.search(r'name="_xsrf" value="([^"]+)"', page)
+        self.token = found.group(1).replace("&#124;", "|") if found else self.xsrf_cookie
+
+    def headers(self, xsrf_cookie: bool = True, **extra: str) -> dict[str, str]:
+        cookies = [c for c in (self.cookie, xsrf_cookie and f"_xsrf={self.xsrf_cookie}") if c]
+        return {"Cookie": "; ".join(cookies), **extra} if cookies else dict(extra)
+
+    def get(self, path: str) -> tuple[int, str, Any]:
+        return http(self.base + path, auth=self.auth, headers=self.headers(False))
+
+    def post(self, fields: dict[str, str], token: bool = True, **kwargs: Any) -> tuple[int, str]:
+        """POST ``fields`` (plus the form token unless ``token`` is False)."""
+        auth = kwargs.pop("auth", self.auth)
+        body = {**fields, "_xsrf": self.token} if token else fields
+        status, text, _ = http(self.base + LIMIT_PATH, body, auth, self.headers(**kwargs))
+        return status, text
+
+
+def semaphore_keys(client: redis.Redis) -> list[bytes]:
+    """Every Redis key under the semaphore prefix: what a refused request must not touch."""
+    return sorted(client.scan_iter(match="semaphore:*"))
+
+
+def test_setting_and_clearing_a_live_limit_through_the_page(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    admin = SemaphoreAdmin(client)
+    base = run_flower("--url_prefix=flower", f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    assert 'id="live-limit-key"' in browser.page  # the form for a key the page does not list
+
+    status, body = browser.post({"key": KEY, "limit": "5"})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert (answer["key"], answer["limit"], answer["previous"]) == (KEY, 5, None)
+    live = admin.live_limit(KEY)
+    assert live is not None
+    assert live.limit == 5
+    assert live.by == answer["by"]
+    assert re.fullmatch(rf"{USER} via Flower from 127\.0\.0\.1 \(.+@{socket.gethostname()} "
+                        r"pid \d+\)", live.by), live.by  # fmt: skip
+    assert f"(live limit 5, set by {live.by} at " in render(views(client))
+
+    # The page lists the key now, with its live limit, who set it, and a Clear button.
+    status, page, _ = browser.get("/semaphores")
+    assert status == 200
+    text = " ".join(page.split())
+    assert f'data-key="{KEY}"' in page
+    assert f"Live limit <strong>5</strong>, set by {live.by} at " in text
+    assert '<input type="hidden" name="clear" value="1">' in page
+    (sem,) = json.loads(browser.get("/api/semaphores")[1])
+    assert sem["live_limit"]["limit"] == 5
+    assert sem["live_limit"]["by"] == live.by
+
+    # A plain form post (no JavaScript) goes back to the page; the token may be a header.
+    status, _, headers = http(base + LIMIT_PATH, {"key": KEY, "limit": "7"}, (USER, PASSWORD),
+                              browser.headers(**{"Accept": "text/html", "X-XSRFToken":
+                                                 browser.token}))  # fmt: skip
+    assert status == 303
+    assert headers["Location"] == "/flower/semaphores"
+    assert admin.live_limit(KEY).limit == 7  # type: ignore[union-attr]
+
+    status, body = browser.post({"key": KEY, "clear": "1"})
+    assert status == 200, body
+    assert json.loads(body)["previous"] == 7
+    assert admin.live_limit(KEY) is None
+    assert "live limit" not in render(views(client))
+
+    odd = " a&b <c> "  # a key is taken as sent: not stripped, not HTML-escaped
+    assert browser.post({"key": odd, "limit": "3"})[0] == 200
+    assert admin.live_limit(odd).limit == 3  # type: ignore[union-attr]
+
+
+def test_raising_the_limit_through_the_page_starts_a_parked_run(
+    app: Celery, worker: Any, client: redis.Redis, run_flower: Callable[..., str]
+) -> None:
+    admin = SemaphoreAdmin(client)
+    admin.set_limit(KEY, 1, by="test")  # under the task's own limit of 2
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    first, second = (app.tasks["csem.flower_hold"].delay() for _ in range(2))
+    assert wait_for(lambda: len(admin.holders(KEY)) == 1 and len(admin.room(KEY)) == 1,
+                    timeout=60)  # fmt: skip
+    (parked,) = admin.room(KEY)
+    holding = first if holder_of(client, first.id) else second
+    waiting = second if holding is first else first
+    assert parked.waiter == waiting.id
+
+    status, body = browser.post({"key": KEY, "limit": "2"})
+    assert status == 200, body
+    # The request's own script call handed the new slot over: no sweep was waited for.
+    assert admin.room(KEY) == []
+    assert len(admin.holders(KEY)) == 2
+    assert wait_for(lambda: holder_of(client, waiting.id), timeout=60), "the run never started"
+    client.rpush(RELEASE, "go", "go")
+    assert holding.get(timeout=60) == "released"
+    assert waiting.get(timeout=60) == "released"
+
+
+def test_the_control_refuses_a_caller_without_credentials(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    for auth in (None, (USER, "wrong"), ("intruder", PASSWORD)):
+        status, _ = browser.post({"key": KEY, "limit": "5"}, auth=auth)
+        assert status == 401, auth
+    assert semaphore_keys(client) == []
+
+
+def test_the_control_refuses_a_post_without_the_xsrf_token(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    fields = {"key": KEY, "limit": "5"}
+    status, body = browser.post(fields, token=False)
+    assert (status, body.strip()) == (403, "'_xsrf' argument missing from POST"), body
+    # A forged form may guess a field, but cannot read or set the cookie it must match.
+    forged = {**fields, "_xsrf": browser.token}
+    assert browser.post(forged, token=False, xsrf_cookie=False)[0] == 403
+    other = Session(base, (USER, PASSWORD))  # another browser's token
+    assert browser.post({**fields, "_xsrf": other.token}, token=False)[0] == 403
+    if FLOWER_CHECKS_ORIGIN:  # Flower 2.2's own check, kept for this control
+        assert browser.post(fields, **{"Sec-Fetch-Site": "cross-site"})[0] == 403
+        assert browser.post(fields, **{"Origin": "http://evil.example"})[0] == 403
+    assert semaphore_keys(client) == []
+    assert browser.post(fields)[0] == 200
+
+
+BAD_INPUT: list[tuple[dict[str, str], str]] = [
+    ({"key": KEY, "limit": "abc"}, "limit must be an int from 1 to 2147483647, got 'abc'"),
+    ({"key": KEY, "limit": "0"}, "limit must be an int from 1 to 2147483647, got 0"),
+    ({"key": KEY, "limit": "-3"}, "got -3"),
+    ({"key": KEY, "limit": "1.5"}, "got '1.5'"),
+    ({"key": KEY, "limit": "2147483648"}, "got 2147483648"),
+    ({"key": KEY, "limit": "99999999999999999999999"}, "got '99999999999999999999999'"),
+    ({"limit": "5"}, "key must be a non-empty str, got None"),
+    ({"key": "", "limit": "5"}, "key must be a non-empty str"),
+    ({"key": "k" * 4097, "limit": "5"}, "key must be at most 4096 bytes of UTF-8, got 4097"),
+    ({"key": KEY}, "give a limit, or clear=1 (not both)"),
+    ({"key": KEY, "limit": "5", "clear": "1"}, "give a limit, or clear=1 (not both)"),
+    ({"key": KEY, "clear": "maybe"}, "clear must be true or false, got 'maybe'"),
+]
+"""Form fields the control refuses, and what its 400 says."""
+
+
+def test_bad_input_is_a_400_with_the_reason_and_writes_nothing(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    for fields, message in BAD_INPUT:
+        status, body = browser.post(fields)
+        assert (status, message in body) == (400, True), (fields, body)
+    assert semaphore_keys(client) == []
+
+
+def test_without_auth_the_control_is_off_unless_the_api_is_open(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    closed = run_flower()
+    status, page = http_get(closed + "/semaphores")
+    assert status == 200
+    assert "Flower runs without authentication" in page
+    assert 'name="limit"' not in page
+    pair = {"Cookie": "_xsrf=abc"}  # a matching pair, were the token looked at
+    status, body, _ = http(closed + LIMIT_PATH, {"key": KEY, "limit": "5", "_xsrf": "abc"},
+                           headers=pair)  # fmt: skip
+    assert (status, "FLOWER_UNAUTHENTICATED_API" in body) == (401, True)
+    assert semaphore_keys(client) == []
+
+    opened = Session(run_flower(unauthenticated_api=True))
+    assert 'name="limit"' in opened.page
+    assert opened.post({"key": KEY, "limit": "5"}, token=False)[0] == 403  # still a token
+    status, body = opened.post({"key": KEY, "limit": "5"})
+    assert status == 200, body
+    assert json.loads(body)["by"].startswith("anonymous via Flower from 127.0.0.1 (")
+
+
+def test_read_only_flower_and_the_app_setting_turn_the_control_off(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    for options, set_limit, reason in [
+        (("--read_only",), True, "Flower runs with --read_only"),
+        ((), False, "app.conf.semaphore_flower_set_limit = False"),
+    ]:
+        base = run_flower(f"--basic_auth={USER}:{PASSWORD}", *options, set_limit=set_limit)
+        browser = Session(base, (USER, PASSWORD))
+        assert reason in browser.page
+        assert 'name="limit"' not in browser.page
+        status, body = browser.post({"key": KEY, "limit": "5"})
+        assert status == 403
+        assert reason in body
+    assert semaphore_keys(client) == []
+
+
+def test_an_oauth_session_sets_limits_as_its_user(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    secret, user = "test-cookie-secret", "alice@example.com"
+    base = run_flower(f"--auth={user}", f"--cookie_secret={secret}")
+    # The cookie Flower's OAuth login sets, signed with the secret Flower was given.
+    signed = tornado.web.create_signed_value(secret, "user", user).decode()
+    browser = Session(base, cookie=f"user={signed}")
+    status, body = browser.post({"key": KEY, "limit": "3"})
+    assert status == 200, body
+    live = SemaphoreAdmin(client).live_limit(KEY)
+    assert live is not None
+    assert live.by.startswith(f"{user} via Flower from 127.0.0.1 (")
+
+    assert browser.post({"key": KEY, "clear": "1"}, token=False)[0] == 403
+    # With the token but no session cookie: not logged in.
+    stranger = {"Cookie": f"_xsrf={browser.xsrf_cookie}"}
+    fields = {"key": KEY, "clear": "1", "_xsrf": browser.token}
+    assert http(base + LIMIT_PATH, fields, headers=stranger)[0] == 403
+    assert SemaphoreAdmin(client).live_limit(KEY) == live

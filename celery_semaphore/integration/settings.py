@@ -10,6 +10,7 @@ task option              app setting                  default    meaning
 (none)                   ``semaphore_url``            see below  Redis holding the slots
 (none)                   ``semaphore_prefix``         semaphore  key namespace
 (none)                   ``semaphores``               {}         semaphores declared by name
+(none)                   ``semaphore_flower_set_limit`` True     Flower page may set limits
 ``limit``                (declared, else required)               slots per key (or per run)
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
@@ -61,12 +62,15 @@ class AppSettings:
         declared (Mapping[str, Mapping[str, Any]]): ``app.conf.semaphores``: the options
             (``limit`` and any policy option) of each semaphore declared by name, which the
             tasks that name it as their ``semaphore`` inherit.
+        flower_set_limit (bool): ``semaphore_flower_set_limit``: whether the Flower page
+            offers to set and clear live limits (False: it only shows them).
     """
 
     store: Store
     prefix: str
     policy: Policy
     declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    flower_set_limit: bool = True
 
     @property
     def url(self) -> str:
@@ -85,7 +89,8 @@ def app_settings(app: Celery) -> AppSettings:
     if isinstance(cached, AppSettings):
         return cached
     conf = app.conf
-    known = {"semaphore_url", "semaphore_prefix", *(f"semaphore_{n}" for n in POLICY_FIELDS)}
+    known = {"semaphore_url", "semaphore_prefix", "semaphore_flower_set_limit",
+             *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
     unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
     if unknown:
         raise SemaphoreValidationError(
@@ -100,7 +105,16 @@ def app_settings(app: Celery) -> AppSettings:
     except SemaphoreValidationError as exc:
         raise SemaphoreValidationError(f"app.conf.semaphore_{exc}", None, None) from None
     declared = declared_semaphores(conf.get("semaphores"))
-    settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared)
+    flower_set_limit = conf.get("semaphore_flower_set_limit")
+    if flower_set_limit is None:
+        flower_set_limit = True
+    # Only a real bool: "false" from an environment-driven config would otherwise read True.
+    if not isinstance(flower_set_limit, bool):
+        raise SemaphoreValidationError(
+            f"app.conf.semaphore_flower_set_limit must be True or False, got {flower_set_limit!r}"
+        )
+    settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared,
+                           flower_set_limit=flower_set_limit)  # fmt: skip
     app._semaphore_settings = settings
     return settings
 

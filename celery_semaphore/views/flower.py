@@ -2,18 +2,21 @@
 
 Flower has no plugin API. :func:`start_flower` runs Flower the way ``celery flower`` does
 (Flower's own option parsing, ``FLOWER_*`` environment variables, ``flowerconfig.py``,
-settings, logging and HTTP server) and adds two read-only routes to the tornado application
-that Flower builds, under Flower's ``--url_prefix``:
+settings, logging and HTTP server) and adds three routes to the tornado application that
+Flower builds, under Flower's ``--url_prefix``:
 
 * ``/semaphores``: an HTML page in Flower's layout, one card a semaphore (key, slots in use,
   limit) with a row a holder (task id linked to Flower's task page, task name, worker, pid,
   held for, expires in). It re-reads itself every :data:`REFRESH_SECONDS` seconds.
 * ``/api/semaphores``: JSON, a list of :meth:`SemaphoreView.as_dict` for every semaphore.
+* ``/api/semaphores/limit``: POST, sets or clears a key's live limit; the page's forms use it
+  (see :mod:`celery_semaphore.views.flower_limits` for who may, and its CSRF check).
 
 The page's handler derives from Flower's ``BaseHandler`` and the API's from Flower's
 ``BaseApiHandler``, and both guard ``get`` with ``tornado.web.authenticated``, as Flower's own
 handlers do: ``--basic_auth``, ``--auth`` (OAuth) and the rule that the API answers 401 with
-no auth configured unless ``FLOWER_UNAUTHENTICATED_API`` is set apply to them unchanged.
+no auth configured unless ``FLOWER_UNAUTHENTICATED_API`` is set apply to them unchanged, and
+to the live-limit control.
 
 Needs Flower 2.1 or later (``pip install 'celery-semaphore[flower]'``).
 """
@@ -25,6 +28,7 @@ import functools
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,8 +38,12 @@ from celery import Celery
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
+from ..core.admin import SemaphoreAdmin
+from ..core.room import HandoffRoute
 from ..errors import SemaphoreBackendError
+from ..integration.room import publisher_for
 from ..integration.settings import app_settings
+from .flower_limits import LiveLimitApi, Setter, refusal
 from .inspection import SemaphoreView, views
 
 try:
@@ -67,7 +75,8 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
 
     Args:
         app (celery.Celery): the app Flower monitors; its ``semaphore_url`` and
-            ``semaphore_prefix`` say which semaphores the page shows.
+            ``semaphore_prefix`` say which semaphores the page shows, and
+            ``semaphore_flower_set_limit`` whether it offers to change their live limits.
         argv (Sequence[str]): Flower's options, as ``celery flower`` takes them, e.g.
             ``["--port=5555", "--address=127.0.0.1", "--url_prefix=flower",
             "--basic_auth=user:password"]``. As with ``celery flower``, ``FLOWER_*``
@@ -89,7 +98,15 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
     flower_command.setup_logging()
     client = settings.store.connect()
     flower_app = Flower(capp=app, options=tornado_options, **flower_settings)
-    add_semaphore_routes(flower_app, functools.partial(views, client, prefix=settings.prefix))
+    # As the CLI does: raising a limit publishes the parked runs it hands slots to.
+    route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
+                         settings.policy.handoff_grace)  # fmt: skip
+    admin = SemaphoreAdmin(client, settings.prefix, route)
+    add_semaphore_routes(
+        flower_app,
+        functools.partial(views, client, prefix=settings.prefix),
+        admin.set_limit if settings.flower_set_limit else None,
+    )
     atexit.register(flower_app.stop)
     signal.signal(signal.SIGTERM, flower_command.sigterm_handler)
     try:
@@ -102,8 +119,9 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
         client.close()
 
 
-def add_semaphore_routes(flower_app: Any, read: Reader) -> None:
-    """Add ``/semaphores`` and ``/api/semaphores`` to a Flower application.
+def add_semaphore_routes(flower_app: Any, read: Reader, set_limit: Setter | None = None) -> None:
+    """Add ``/semaphores``, ``/api/semaphores`` and ``/api/semaphores/limit`` to a Flower
+    application.
 
     Routes go under the app's ``url_prefix`` and take precedence over Flower's catch-all 404
     route (tornado tries handlers added with ``add_handlers`` before the constructor's).
@@ -112,10 +130,17 @@ def add_semaphore_routes(flower_app: Any, read: Reader) -> None:
         flower_app (flower.app.Flower): the application, before or after it serves.
         read (Callable[[], list[SemaphoreView]]): what to show, called once a request in
             Flower's thread pool; it may raise :class:`SemaphoreBackendError`.
+        set_limit (Setter | None): what the live-limit control calls, in Flower's thread
+            pool (:meth:`SemaphoreAdmin.set_limit`); None: the page offers no control, and
+            ``/api/semaphores/limit`` answers 403.
     """
+    page = {"read": read, "set_limit": set_limit}
     handlers = [
-        tornado.web.url(r"/semaphores", SemaphoresPage, {"read": read}, name="semaphores"),
+        tornado.web.url(r"/semaphores", SemaphoresPage, page, name="semaphores"),
         tornado.web.url(r"/api/semaphores", SemaphoresApi, {"read": read}),
+        tornado.web.url(
+            r"/api/semaphores/limit", LiveLimitApi, {"set_limit": set_limit}, name="semaphore_limit"
+        ),
     ]
     prefix = flower_app.options.url_prefix
     if prefix:
@@ -126,8 +151,9 @@ def add_semaphore_routes(flower_app: Any, read: Reader) -> None:
 class SemaphoresPage(BaseHandler):  # type: ignore[misc]
     """``GET /semaphores``: the HTML page; 503 with a message when Redis fails."""
 
-    def initialize(self, read: Reader) -> None:
+    def initialize(self, read: Reader, set_limit: Setter | None = None) -> None:
         self.read = read
+        self.set_limit = set_limit
 
     @tornado.web.authenticated
     async def get(self) -> None:
@@ -138,13 +164,18 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
         except SemaphoreBackendError as exc:
             self.set_status(503)
             error = str(exc)
+        # The cookie a form's token must match, even on a page with no form, for scripts.
+        self.xsrf_token  # noqa: B018
         namespace = self.get_template_namespace()
         namespace.update(
             url_prefix=self.application.options.url_prefix,
             semaphores=found,
             error=error,
             seconds=_seconds,
+            utc=_utc,
             refresh_ms=int(REFRESH_SECONDS * 1000),
+            limits_off=refusal(self.application.options, self.set_limit),
+            limit_url=self.reverse_url("semaphore_limit"),
         )
         self.finish(_page(self.get_template_path()).generate(**namespace))
 
@@ -160,7 +191,11 @@ class SemaphoresApi(BaseApiHandler):  # type: ignore[misc]
         try:
             found = await IOLoop.current().run_in_executor(None, self.read)
         except SemaphoreBackendError as exc:
-            raise tornado.web.HTTPError(503, "%s", exc) from exc
+            # Written here rather than raised: Flower 2.1 would write the format string.
+            self.set_status(503)
+            self.set_header("Content-Type", "text/plain; charset=UTF-8")
+            self.finish(str(exc))
+            return
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.finish(json.dumps([sem.as_dict() for sem in found], default=str))
 
@@ -172,6 +207,11 @@ def _seconds(value: float) -> str:
     minutes, secs = divmod(round(value), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _utc(epoch: float) -> str:
+    """``2026-12-01 18:40:02 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
 
 
 @functools.lru_cache(maxsize=4)
@@ -213,6 +253,27 @@ _PAGE = """{% extends "base.html" %}
           {% if sem.waiting %}&middot; <strong class="semaphore-queued">{{ sem.queued }}</strong>
           queued (oldest {{ seconds(sem.oldest_wait) }}){% end %}</span>
       </div>
+      <div class="card-body py-2 d-flex flex-wrap gap-2 align-items-center small">
+        <span class="live-limit me-auto">{% if sem.live %}Live limit
+          <strong>{{ sem.live.limit }}</strong>, set by {{ sem.live.by }}
+          at {{ utc(sem.live.set_at) }}{% else %}No live limit: the callers' limit
+          applies{% end %}</span>
+        {% if not limits_off %}
+        <form class="live-limit-form d-flex gap-2" method="post" action="{{ limit_url }}">
+          {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">
+          <input class="form-control form-control-sm" style="width: 8rem" type="number" min="1"
+            max="2147483647" name="limit" required placeholder="new limit"
+            aria-label="Live limit of {{ sem.key }}">
+          <button class="btn btn-sm btn-outline-primary text-nowrap" type="submit">Set</button>
+        </form>
+        {% if sem.live %}
+        <form class="live-limit-form" method="post" action="{{ limit_url }}">
+          {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">
+          <input type="hidden" name="clear" value="1">
+          <button class="btn btn-sm btn-outline-secondary" type="submit">Clear</button>
+        </form>
+        {% end %}{% end %}
+      </div>
       <div class="table-responsive">
         <table class="table table-hover align-middle mb-0" style="table-layout: fixed">
           <colgroup>
@@ -252,6 +313,21 @@ _PAGE = """{% extends "base.html" %}
     </section>
     {% end %}
   </div>
+  {% if limits_off %}
+  <p class="small text-body-secondary" id="live-limits-off">Live limits cannot be changed from
+    this page: {{ limits_off }}.</p>
+  {% else %}
+  <form class="live-limit-form d-flex flex-wrap gap-2 align-items-center small" method="post"
+    action="{{ limit_url }}">
+    {% raw xsrf_form_html() %}<label for="live-limit-key">Live limit of another key</label>
+    <input class="form-control form-control-sm font-monospace" style="width: 16rem" name="key"
+      id="live-limit-key" required placeholder="key">
+    <input class="form-control form-control-sm" style="width: 8rem" type="number" min="1"
+      max="2147483647" name="limit" required placeholder="limit" aria-label="Live limit">
+    <button class="btn btn-sm btn-outline-primary" type="submit">Set</button>
+  </form>
+  {% end %}
+  <p class="small mt-2" id="live-limit-message" role="status" aria-live="polite"></p>
 </div>
 {% end %}
 {% block extra_scripts %}
@@ -270,7 +346,47 @@ _PAGE = """{% extends "base.html" %}
   }
   var status = document.getElementById("semaphores-status");
   var dot = document.getElementById("semaphores-live");
+  var message = document.getElementById("live-limit-message");
+  var timer = null;
+  function schedule() {
+    clearTimeout(timer);
+    timer = setTimeout(refresh, {{ refresh_ms }});
+  }
+  // A refresh replaces the cards: not while a limit is being typed into one of them.
+  function editing() {
+    var box = document.getElementById("semaphores");
+    var active = document.activeElement;
+    var inputs = box.querySelectorAll("input[name=limit]");
+    return (box.contains(active) && Boolean(active.form)) ||
+      Array.prototype.some.call(inputs, function (input) { return input.value !== ""; });
+  }
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    if (!form.classList.contains("live-limit-form")) { return; }
+    event.preventDefault();
+    fetch(form.action, {method: "POST", credentials: "same-origin",
+                        headers: {"Accept": "application/json"},
+                        body: new URLSearchParams(new FormData(form))})
+      .then(function (response) {
+        if (response.ok) { return response.json(); }
+        return response.text().then(function (text) { throw new Error(text); });
+      })
+      .then(function (done) {
+        var now = done.limit === null ? "cleared" : "set to " + done.limit;
+        var was = done.previous === null ? "none" : done.previous;
+        message.className = "small mt-2 text-success";
+        message.textContent = "Live limit of " + done.key + " " + now + " (was " + was + ").";
+        form.reset();
+        document.activeElement.blur();
+        refresh();
+      })
+      .catch(function (err) {
+        message.className = "small mt-2 text-danger";
+        message.textContent = "Not changed: " + err.message;
+      });
+  });
   function refresh() {
+    if (editing()) { schedule(); return; }
     fetch(window.location.href, {credentials: "same-origin", cache: "no-store"})
       .then(function (response) { return response.text(); })
       .then(function (text) {
@@ -286,9 +402,9 @@ _PAGE = """{% extends "base.html" %}
         status.textContent = "Refresh failed: " + err.message;
         dot.className = "status-dot status-dot-error";
       })
-      .finally(function () { setTimeout(refresh, {{ refresh_ms }}); });
+      .finally(schedule);
   }
-  setTimeout(refresh, {{ refresh_ms }});
+  schedule();
 })();
 </script>
 {% end %}
