@@ -84,8 +84,12 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
 
 
-def parse_acquire(reply: Any) -> Admitted | Full:
-    """acquire.lua's reply as :class:`Admitted` or :class:`Full`."""
+def parse_acquire(reply: Any, limit: int, lease_ms: int) -> Admitted | Full:
+    """acquire.lua's reply as :class:`Admitted` or :class:`Full`, for a call that gave
+    ``limit`` and ``lease_ms``: its common answer, a bare ``now_ms``, stands for a new slot
+    under that limit and lease."""
+    if isinstance(reply, int):
+        return Admitted(reply + lease_ms, reply, limit)
     if int(reply[0]) == 1:
         return Admitted(int(reply[1]), int(reply[2]), int(reply[3]))
     return Full(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
@@ -106,7 +110,10 @@ def parse_extend(reply: Any) -> list[int | None]:
 
 
 def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
-    """release.lua's (and cancel.lua's) reply: the flag, and the hand-offs."""
+    """release.lua's (and cancel.lua's) reply: the flag, and the hand-offs (release.lua
+    answers a bare flag when it handed nothing off)."""
+    if isinstance(reply, int):
+        return reply == 1, []
     return int(reply[0]) == 1, _handoffs(reply, 1)
 
 

@@ -1,31 +1,33 @@
 """The Redis side of the semaphore: Lua scripts and the replies they give.
 
-Each operation is one Lua script (``lua/*.lua``, each opening with its contract), run through
-redis-py's :class:`~redis.commands.core.Script` so it costs one EVALSHA round trip and is
-reloaded by itself after a NOSCRIPT (a restarted or failed-over server). Each call is built
+Each operation is one Lua script (``lua/*.lua``, each opening with its contract), registered
+as a redis-py :class:`~redis.commands.core.Script` and run by one EVALSHA round trip, loaded
+again after a NOSCRIPT (a restarted or failed-over server). Each call is built
 once as a :class:`Call` (the script, its KEYS and ARGV, and the pure function of
 :mod:`celery_semaphore.core.replies` that reads its reply), which :class:`Scripts` sends
 through a redis-py client and :class:`AsyncScripts` through a ``redis.asyncio`` one. This
-module also names the keys and maps redis-py errors to :class:`SemaphoreBackendError`; what
-a reply *means* for a holder is decided in :mod:`celery_semaphore.core.slot` and
-:mod:`celery_semaphore.core.semaphore`.
+module also maps redis-py errors to :class:`SemaphoreBackendError` (the keys are named in
+:mod:`celery_semaphore.core.names`); what a reply *means* for a holder is decided in
+:mod:`celery_semaphore.core.slot` and :mod:`celery_semaphore.core.semaphore`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 import redis
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
-from redis.exceptions import RedisClusterException
+from redis.exceptions import NoScriptError, RedisClusterException
 
-from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from ..errors import SemaphoreBackendError
+from .names import Keys as Keys
+from .names import check_cluster_key as check_cluster_key
+from .names import redis_keys as redis_keys
 from .replies import Admitted as Admitted
 from .replies import Full as Full
 from .replies import Handoff as Handoff
@@ -48,36 +50,15 @@ from .replies import (
 T = TypeVar("T")
 
 
-class Keys(NamedTuple):
-    """A semaphore's Redis keys, all under one hash tag (so one Redis Cluster slot)."""
-
-    slots: str
-    """Sorted set: holder token (or ``~<waiter>`` reservation) -> lease expiry, ms."""
-    holders: str
-    """Hash: holder token -> ``<acquired_at_ms>|<metadata JSON>``."""
-    limits: str
-    """Hash: ``limit``, ``set_at`` (ms) and ``by`` of a live limit (set_limit.lua), which
-    wins over the callers' limit while it exists."""
-    room: str
-    """Sorted set: parked waiter id -> arrival, ms (the waiting room's order)."""
-    parked: str
-    """Hash: waiter id -> ``<arrival_ms>|<payload>``, and ``!limit`` -> the key's limit."""
-    deadlines: str
-    """Sorted set: parked waiter id -> when it gives up waiting, ms (waiters with a budget)."""
-    blocked: str
-    """Sorted set: token of a caller blocked on :attr:`wake` -> when it stops blocking, ms."""
-    wake: str
-    """List: one element per freed slot the room did not take, to wake a blocked caller."""
-    claims: str
-    """Hash: waiter id -> id of the delivery that claimed its hand-off."""
-
-
 def _lua(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
 _ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit")
-"""Scripts that run the waiting room's shared steps (``lua/room.lua``, prepended)."""
+"""Scripts that run the waiting room's shared steps (``lua/room.lua``): in place of the
+script's ``--[[room.lua]]`` line, so that a fast path above it never defines them, or else
+at its top."""
+_ROOM_MARK = "--[[room.lua]]"
 _ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 _KEYS = {
     "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
@@ -89,50 +70,49 @@ _KEYS = {
     "waiting": slice(3, 5),
 }  # fmt: skip
 """Which of a semaphore's :class:`Keys` each script takes, in order."""
-_SOURCES = {name: (_lua("room") + "\n" if name in _ROOM else "") + _lua(name) for name in _KEYS}
 
 
-@functools.lru_cache(maxsize=4096)
-def redis_keys(prefix: str, key: str) -> Keys:
-    """The Redis keys of semaphore ``key``: ``<prefix>:{<key>}``, ``...:holders`` and the
-    waiting room's (see :class:`Keys`).
+def _source(name: str) -> str:
+    text = _lua(name)
+    if name not in _ROOM:
+        return text
+    if _ROOM_MARK in text:
+        return text.replace(_ROOM_MARK, _lua("room"))
+    return _lua("room") + "\n" + text
 
-    The braces are a Redis Cluster hash tag, so all keys live in one cluster slot and each
-    script can touch them atomically. The one exception is a key that starts with ``}``: its
-    hash tag is empty, so Redis Cluster hashes each whole name and the two keys land in
-    different slots. A :class:`Semaphore` on a cluster client therefore rejects such keys
-    (see :func:`check_cluster_key`); on any other client they work as usual.
+
+_SOURCES = {name: _source(name) for name in _KEYS}
+
+
+class backend_errors:
+    """Re-raise any redis-py error inside the block as :class:`SemaphoreBackendError`.
+
+    A class rather than a generator-based context manager: it wraps every round trip, and
+    entering one costs a third as much.
+
+    Args:
+        key (str): the semaphore's key, for the error.
+        limit (int | None): its limit, for the error.
     """
-    slots = f"{prefix}:{{{key}}}"
-    names = ("holders", "limits", "room", "parked", "deadlines", "blocked", "wake", "claims")
-    return Keys(slots, *(f"{slots}:{name}" for name in names))
 
+    __slots__ = ("key", "limit")
 
-def check_cluster_key(key: str) -> str:
-    """``key`` if its two Redis keys share a Redis Cluster slot, which all keys do but those
-    that start with ``}`` (whose hash tag would be empty).
+    def __init__(self, key: str, limit: int | None = None) -> None:
+        self.key = key
+        self.limit = limit
 
-    Raises:
-        SemaphoreValidationError: ``key`` starts with ``}``.
-    """
-    if key.startswith("}"):
-        raise SemaphoreValidationError(
-            f"key {key!r} starts with '}}': on Redis Cluster its two Redis keys would land in "
-            "different slots; use another key (any other character first will do)",
-            key,
-        )
-    return key
+    def __enter__(self) -> None:
+        return None
 
-
-@contextlib.contextmanager
-def backend_errors(key: str, limit: int | None = None) -> Iterator[None]:
-    """Re-raise any redis-py error inside the block as :class:`SemaphoreBackendError`."""
-    try:
-        yield
-    except (redis.RedisError, RedisClusterException) as exc:
-        raise SemaphoreBackendError(
-            f"Redis failed for semaphore {key!r}: {type(exc).__name__}: {exc}", key, limit
-        ) from exc
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if isinstance(exc, (redis.RedisError, RedisClusterException)):
+            raise SemaphoreBackendError(
+                f"Redis failed for semaphore {self.key!r}: {type(exc).__name__}: {exc}",
+                self.key,
+                self.limit,
+            ) from exc
 
 
 class Call(Generic[T]):
@@ -169,13 +149,21 @@ def _of(
     return Call(script, keys[_KEYS[script]], args, parse)
 
 
+def _acquire_args(
+    limit: int, lease_ms: int, token: str, metadata: str, weight: int
+) -> tuple[str | int, ...]:
+    if weight == 1:
+        return limit, lease_ms, token, metadata
+    return limit, lease_ms, token, metadata, weight
+
+
 def acquire_call(
     keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
 ) -> Call[Admitted | Full]:
     """Take ``weight`` units of the key if its live holders leave that many of ``limit``."""
-    args = (limit, lease_ms, token, metadata) if weight == 1 else (
-        limit, lease_ms, token, metadata, weight)  # fmt: skip
-    return _of("acquire", keys, args, parse_acquire)
+    args = _acquire_args(limit, lease_ms, token, metadata, weight)
+    return _of("acquire", keys, args, functools.partial(parse_acquire, limit=limit,
+                                                        lease_ms=lease_ms))  # fmt: skip
 
 
 def acquire_many_call(
@@ -207,14 +195,19 @@ def extend_call(renewals: Sequence[Renewal]) -> Call[list[int | None]]:
     return Call("extend", keys, args, parse_extend)
 
 
+def _release_args(token: str, claim_ms: int, weight: int | None) -> tuple[str | int, ...]:
+    if weight == 1:
+        return token, claim_ms
+    return token, claim_ms, "" if weight is None else weight
+
+
 def release_call(
     keys: Keys, token: str, claim_ms: int, weight: int | None = 1
 ) -> Call[tuple[bool, list[Handoff]]]:
     """Remove ``token`` (of ``weight`` units; None: as many as it has): whether it was still
     a live holder until now, and the hand-offs of the units it freed (to the oldest parked
     waiters)."""
-    return _of("release", keys, (token, claim_ms, "" if weight is None else weight),
-               parse_release)  # fmt: skip
+    return _of("release", keys, _release_args(token, claim_ms, weight), parse_release)
 
 
 def set_limit_call(
@@ -252,15 +245,27 @@ class Scripts:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
 
+    def _evalsha(self, name: str, keys: Sequence[str], args: Sequence[str | int | bytes]) -> Any:
+        """One EVALSHA of script ``name``; after a NOSCRIPT (a restarted or failed-over
+        server), loads it and sends again. Called directly rather than through redis-py's
+        ``Script``, whose own checks cost more than the rest of an acquire's client side."""
+        script = self._scripts[name]
+        try:
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            script.sha = self.client.script_load(script.script)
+            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
-        return call.parse(self._scripts[call.script](keys=call.keys, args=call.args))
+        return call.parse(self._evalsha(call.script, call.keys, call.args))
 
     def acquire(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Full:
         """Take ``weight`` units if the live holders leave that many (one round trip)."""
-        return self.run(acquire_call(keys, limit, lease_ms, token, metadata, weight))
+        args = _acquire_args(limit, lease_ms, token, metadata, weight)
+        return parse_acquire(self._evalsha("acquire", keys[:3], args), limit, lease_ms)
 
     def acquire_many(
         self, groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
@@ -281,7 +286,8 @@ class Scripts:
         self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1
     ) -> tuple[bool, list[Handoff]]:
         """Remove ``token`` (see :func:`release_call`)."""
-        return self.run(release_call(keys, token, claim_ms, weight))
+        args = _release_args(token, claim_ms, weight)
+        return parse_release(self._evalsha("release", keys[_ROOM_KEYS], args))
 
     def park(
         self,

@@ -11,57 +11,66 @@
 -- ARGV[5]  weight     how many units of the limit the holder takes (integer >= 1): its
 --                     token, then "<token>#2".."<token>#<weight>" are members of the set
 --
--- Returns {1, expires_at_ms, now_ms, limit} when the token holds a slot, or
---         {0, units_held, now_ms, first_expiry_ms, limit}  when too few units are free
---         (every slot is held by others, for a weight of 1) (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a
---         slot knows when one frees itself); limit is the one that applied.
+-- Returns now_ms when the token took a new slot under ARGV[1] (it expires at now_ms +
+--         lease_ms), or
+--         {1, expires_at_ms, now_ms, limit} when it holds a slot otherwise (a live limit
+--         applied, or the token already held it), or
+--         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free
+--         (every slot is held by others, for a weight of 1); first_expiry_ms is the soonest
+--         lease to lapse, so a caller that waits for a slot knows when one frees itself,
+--         and limit is the one that applied.
 --
--- Expired holders are pruned here when the key is full, so a crashed holder's slot comes
--- back on the next acquire with no sweeper. A token that already holds a live slot is
--- answered with that slot and nothing more is taken, so a client that resends the call
--- after a lost reply cannot leak a slot. Every reply element is an integer (RESP2/RESP3 safe).
+-- The common answer is a bare integer because a client reads it several times faster
+-- than an array. Expired holders are pruned here when the key is full, so a crashed
+-- holder's slot comes back on the next acquire with no sweeper. A token that already holds
+-- a live slot is answered with that slot and nothing more is taken, so a client that
+-- resends the call after a lost reply cannot leak a slot. Every reply element is an
+-- integer (RESP2/RESP3 safe).
 local slots = KEYS[1]
 local holders = KEYS[2]
-local limit = tonumber(redis.call('HGET', KEYS[3], 'limit')) or tonumber(ARGV[1])
+local live_limit = tonumber(redis.call('HGET', KEYS[3], 'limit'))
+local limit = live_limit or tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
-local metadata = ARGV[4]
 local weight = tonumber(ARGV[5]) or 1
 
 -- Scripts that write after TIME need effect replication on Redis < 7; a no-op later.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-
-local mine = tonumber(redis.call('ZSCORE', slots, token))
-if mine and mine > now_ms then
-  return {1, mine, now_ms, limit}
-end
-
--- Lapsed members are pruned only when they stand in the way: a key with a free slot is
--- admitted without the scan.
-local live = redis.call('ZCARD', slots)
-if live + weight > limit then
-  local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
-  if #expired > 0 then
-    redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
-    redis.call('HDEL', holders, unpack(expired))
-    live = live - #expired
-  end
-  if live + weight > limit then
-    local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-    return {0, live, now_ms, tonumber(first[2]), limit}
-  end
-end
-
 local expires_at_ms = now_ms + lease_ms
-redis.call('ZADD', slots, expires_at_ms, token)
-for i = 2, weight do redis.call('ZADD', slots, expires_at_ms, token .. '#' .. i) end
-redis.call('HSET', holders, token, now_ms .. '|' .. metadata)
+
+local live = redis.call('ZCARD', slots)
+-- A plain holder on a key with a free slot is added in one step; NX leaves a token that is
+-- already a member (a resent call) to the checks below.
+if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms, token) == 0 then
+  local mine = tonumber(redis.call('ZSCORE', slots, token))
+  if mine and mine > now_ms then
+    return {1, mine, now_ms, limit}
+  end
+  -- Lapsed members are pruned only when they stand in the way: a key with a free slot is
+  -- admitted without the scan.
+  if live + weight > limit then
+    local expired = redis.call('ZRANGEBYSCORE', slots, '-inf', now_ms)
+    if #expired > 0 then
+      redis.call('ZREMRANGEBYSCORE', slots, '-inf', now_ms)
+      redis.call('HDEL', holders, unpack(expired))
+      live = live - #expired
+    end
+    if live + weight > limit then
+      local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
+      return {0, live, now_ms, tonumber(first[2]), limit}
+    end
+  end
+  redis.call('ZADD', slots, expires_at_ms, token)
+  for i = 2, weight do redis.call('ZADD', slots, expires_at_ms, token .. '#' .. i) end
+end
+redis.call('HSET', holders, token, now_ms .. '|' .. ARGV[4])
 -- Both keys outlive every live lease, so an abandoned semaphore disappears by itself.
 -- (PEXPIRE ... GT would say this in one call, but needs Redis 7.)
 if redis.call('PTTL', slots) < lease_ms then
   redis.call('PEXPIRE', slots, lease_ms)
   redis.call('PEXPIRE', holders, lease_ms)
 end
-return {1, expires_at_ms, now_ms, limit}
+if live_limit then return {1, expires_at_ms, now_ms, limit} end
+return now_ms

@@ -1,5 +1,6 @@
--- room: the waiting room's shared steps, prepended by scripts.py to the scripts that use it
--- (park, release, sweep, cancel). Not a script of its own.
+-- room: the waiting room's shared steps, which scripts.py puts into the scripts that use
+-- them (park, release, sweep, cancel, set_limit): in place of a "--[[room.lua]]" line, below
+-- a script's fast path, or else at its top. Not a script of its own.
 --
 -- Keys of one semaphore (one hash tag, so one cluster slot):
 --   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>". A
