@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -39,6 +38,7 @@ from ..core.scripts import (
     redis_keys,
 )
 from ..core.semaphore import DEFAULT_LEASE
+from ..core.tokens import new_token
 from ..core.tracing import acquire_span
 from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer
@@ -181,7 +181,7 @@ class AsyncSemaphore:
         acquirer = self._acquirer
         info = acquirer.metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
-        token = secrets.token_hex(16)
+        token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:

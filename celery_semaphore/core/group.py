@@ -9,7 +9,6 @@ whose keys share a hash slot), and the loss of any is the loss of the group.
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,11 +16,13 @@ from typing import Any
 
 from ..errors import SemaphoreLeaseLostError
 from . import validation as check
+from .lazy_event import LazyEvent
 from .options import acquire_args, many_args
 from .parking import OUTCOMES, WaitingRoom, check_waiter, park_args
 from .room import DEFAULT_ROOM_TTL
 from .scripts import Admitted, NotWaiting, Parked, RoomFull, backend_errors
 from .slot import Slot
+from .tokens import new_token
 from .tracing import acquire_span
 
 
@@ -41,7 +42,7 @@ class SlotGroup:
     def __init__(self, slots: Sequence[Slot]) -> None:
         self.slots = tuple(slots)
         self.key = "+".join(s.key for s in self.slots)
-        self.lost = threading.Event()
+        self.lost: threading.Event = LazyEvent()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[SlotGroup], object]] = []
         for slot in self.slots:
@@ -172,7 +173,7 @@ class ManyKeys(WaitingRoom):
         info = self._metadata(metadata, specs[0][1], specs[0][2])
         all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
         groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
-        token = secrets.token_hex(16)
+        token = new_token()
         label = "+".join(key for key, _, _ in specs)
         with acquire_span(label, specs[0][1]) as record:
             for attempt in range(attempts):
@@ -290,7 +291,7 @@ class ManyKeys(WaitingRoom):
         info = self._metadata(metadata, specs[0][1], specs[0][2])
         all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
         groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
-        token = secrets.token_hex(16)
+        token = new_token()
         label = "+".join(key for key, _, _ in specs)
         sent_at = time.monotonic()
         with acquire_span(label, specs[0][1]) as record, backend_errors(label, specs[0][1]):

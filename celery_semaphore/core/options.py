@@ -51,15 +51,37 @@ def acquire_args(
         SemaphoreValidationError: an argument is invalid, or both ``retries`` and ``wait``
             are given.
     """
+    key = check.check_key(key)
+    # Callers pass the same few timings again and again: each is checked once. The types
+    # are part of the memo, so True is not taken for a valid 1.
+    memo = (lease, default_lease, retries, delay, wait,
+            type(lease), type(retries), type(delay), type(wait))  # fmt: skip
+    try:
+        timing = _CHECKED.get(memo)
+    except TypeError:  # an unhashable argument, which the checks refuse
+        timing = None
+    if timing is None:
+        timing = _timing(lease, default_lease, retries, delay, wait)
+        if len(_CHECKED) < _MEMO_SIZE:
+            _CHECKED[memo] = timing
+    return AcquireArgs(key, *timing)
+
+
+_MEMO_SIZE = 256
+_CHECKED: dict[tuple[object, ...], tuple[float, int, int, float, float]] = {}
+"""Checked timings of acquire, by their arguments and types (see :func:`acquire_args`)."""
+
+
+def _timing(
+    lease: float | None, default_lease: float, retries: int, delay: float, wait: float
+) -> tuple[float, int, int, float, float]:
     seconds = default_lease if lease is None else lease
     ms = check.lease_ms(seconds)
     attempts = check.check_retries(retries) + 1
     waiting = check.check_delay(wait, "wait")
     if waiting and attempts > 1:
         raise SemaphoreValidationError("give acquire() retries or wait, not both")
-    return AcquireArgs(
-        check.check_key(key), float(seconds), ms, attempts, check.check_delay(delay), waiting
-    )
+    return float(seconds), ms, attempts, check.check_delay(delay), waiting
 
 
 def many_args(keys: object) -> list[tuple[str, int, int]]:

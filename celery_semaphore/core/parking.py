@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import secrets
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -26,6 +25,7 @@ from .scripts import (
     backend_errors,
 )
 from .slot import Slot
+from .tokens import new_token
 from .tracing import acquire_span
 
 OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
@@ -262,7 +262,7 @@ class WaitingRoom:
         weight = check.check_weight(weight, limit)
         info = self._metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
-        token = secrets.token_hex(16)
+        token = new_token()
         sent_at = time.monotonic()
         with acquire_span(key, limit) as record, backend_errors(key, limit):
             result, handed = self._scripts.park(

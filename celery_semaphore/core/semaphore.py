@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
@@ -36,6 +35,7 @@ from .options import HolderRecord, acquire_args, semaphore_options
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
 from .slot import Slot
+from .tokens import new_token
 from .tracing import acquire_span
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ class Semaphore(ManyKeys):
         weight = check.check_weight(weight, limit)
         info = self._metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
-        token = secrets.token_hex(16)
+        token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from . import validation as check
+from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .room import HandoffRoute
 from .scripts import Admitted, Keys, Scripts, backend_errors
@@ -56,7 +57,7 @@ class Slot(LeaseRecord):
         weight: int = 1,
     ) -> None:
         super().__init__(key, limit, token, lease, admitted, sent_at, weight)
-        self.lost = threading.Event()
+        self.lost: threading.Event = LazyEvent()
         self._scripts = scripts
         self._keys = keys
         self._handoffs = handoffs
@@ -170,7 +171,8 @@ class Slot(LeaseRecord):
                 self._released, handed = self._scripts.release(
                     self._keys, self.token, self._handoffs.release_claim_ms, self.weight
                 )
-            self._handoffs.deliver(self.key, handed)
+            if handed:
+                self._handoffs.deliver(self.key, handed)
             if not self._released:
                 self.mark_lost("release found the slot already gone")
         return self._released

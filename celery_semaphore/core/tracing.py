@@ -26,14 +26,32 @@ def _ignore(attempts: int, outcome: str) -> None:
     """What records an acquire's end when there is no tracer."""
 
 
-@contextlib.contextmanager
-def acquire_span(key: str, limit: int) -> Iterator[Record]:
-    """Wrap one acquire (all its attempts) in a span; yields ``record(attempts, outcome)``."""
+class _NoSpan:
+    """The span of an acquire when no tracer is installed: one shared object, entered for
+    nothing."""
+
+    def __enter__(self) -> Record:
+        return _ignore
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+def acquire_span(key: str, limit: int) -> contextlib.AbstractContextManager[Record]:
+    """Wrap one acquire (all its attempts) in a span; entering it gives
+    ``record(attempts, outcome)``."""
     # With no SDK configured the API's spans record nothing, yet entering one costs more
     # than the rest of an acquire's client-side work: skip it.
     if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
-        yield _ignore
-        return
+        return _NO_SPAN
+    return _span(key, limit)
+
+
+@contextlib.contextmanager
+def _span(key: str, limit: int) -> Iterator[Record]:
     tracer = trace.get_tracer("celery_semaphore")
     attributes: dict[str, str | int] = {"semaphore.key": key, "semaphore.limit": limit}
     with tracer.start_as_current_span("semaphore.acquire", attributes=attributes) as span:

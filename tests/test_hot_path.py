@@ -1,0 +1,74 @@
+"""The hot path's cached pieces behave like what they replace: tokens stay unique (across a
+fork too), a lazy ``lost`` event is an Event, and memoised argument checks still refuse."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from celery_semaphore import SemaphoreValidationError
+from celery_semaphore.core.lazy_event import LazyEvent
+from celery_semaphore.core.options import acquire_args
+from celery_semaphore.core.tokens import new_token
+
+
+def test_tokens_are_unique_and_a_forked_child_draws_its_own() -> None:
+    mine = [new_token() for _ in range(10_000)]
+    assert len(set(mine)) == len(mine)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its tokens and leave at once
+        os.write(write, " ".join(new_token() for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        theirs = pipe.read().split()
+    os.waitpid(pid, 0)
+    assert len(theirs) == 100
+    assert not set(theirs) & {*mine, *(new_token() for _ in range(100))}
+
+
+def test_a_lazy_event_is_an_event() -> None:
+    event = LazyEvent()
+    assert isinstance(event, threading.Event)
+    assert not event.is_set()
+    assert event.wait(0.01) is False
+    threading.Timer(0.05, event.set).start()
+    started = time.monotonic()
+    assert event.wait(5.0) is True
+    assert time.monotonic() - started < 4.0
+    assert event.is_set()
+    assert event.wait() is True
+    event.clear()
+    assert not event.is_set()
+    assert event.wait(0) is False
+
+
+def test_a_lazy_event_wakes_every_waiter() -> None:
+    event = LazyEvent()
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(event.wait(5.0))) for _ in range(4)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)
+    event.set()
+    for waiter in waiters:
+        waiter.join(5.0)
+    assert woken == [True] * 4
+
+
+@pytest.mark.parametrize(
+    ("retries", "delay", "wait"), [(True, 0.1, 0.0), (0, True, 0.0), (0, 0.1, False)]
+)
+def test_memoised_acquire_checks_still_refuse_a_bool(
+    retries: object, delay: object, wait: object
+) -> None:
+    assert acquire_args("k", None, 60.0, 1, 0.1, 0.0).attempts == 2  # 1, 0.1 and 0.0 cached
+    assert acquire_args("k", None, 60.0, 0, 0.1, 0.0).attempts == 1
+    with pytest.raises(SemaphoreValidationError):
+        acquire_args("k", None, 60.0, retries, delay, wait)  # type: ignore[arg-type]
+    with pytest.raises(SemaphoreValidationError):
+        acquire_args("k", [1.0], 60.0, 0, 0.1, 0.0)  # type: ignore[arg-type]
