@@ -12,21 +12,24 @@ import pytest
 from celery_semaphore import SemaphoreValidationError
 from celery_semaphore.core.lazy_event import LazyEvent
 from celery_semaphore.core.options import acquire_args
-from celery_semaphore.core.tokens import new_token
+from celery_semaphore.core.process import new_token, pid
 
 
-def test_tokens_are_unique_and_a_forked_child_draws_its_own() -> None:
+def test_tokens_are_unique_and_a_forked_child_draws_its_own_and_knows_its_pid() -> None:
     mine = [new_token() for _ in range(10_000)]
     assert len(set(mine)) == len(mine)
+    assert pid() == os.getpid()
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report its tokens and leave at once
-        os.write(write, " ".join(new_token() for _ in range(100)).encode())
+    child = os.fork()
+    if child == 0:  # the child: report its pids and tokens, and leave at once
+        words = [str(pid()), str(os.getpid()), *(new_token() for _ in range(100))]
+        os.write(write, " ".join(words).encode())
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
-        theirs = pipe.read().split()
-    os.waitpid(pid, 0)
+        its_pid, its_getpid, *theirs = pipe.read().split()
+    os.waitpid(child, 0)
+    assert its_pid == its_getpid == str(child)
     assert len(theirs) == 100
     assert not set(theirs) & {*mine, *(new_token() for _ in range(100))}
 

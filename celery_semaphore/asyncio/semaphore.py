@@ -25,6 +25,7 @@ from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
 from ..core.lease import RenewErrorCallback
 from ..core.options import acquire_args, semaphore_options
+from ..core.process import new_token
 from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.scripts import (
     Admitted,
@@ -38,7 +39,6 @@ from ..core.scripts import (
     redis_keys,
 )
 from ..core.semaphore import DEFAULT_LEASE
-from ..core.tokens import new_token
 from ..core.tracing import acquire_span
 from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer

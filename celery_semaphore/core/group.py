@@ -19,10 +19,10 @@ from . import validation as check
 from .lazy_event import LazyEvent
 from .options import acquire_args, many_args
 from .parking import OUTCOMES, WaitingRoom, check_waiter, park_args
+from .process import new_token
 from .room import DEFAULT_ROOM_TTL
 from .scripts import Admitted, NotWaiting, Parked, RoomFull, backend_errors
 from .slot import Slot
-from .tokens import new_token
 from .tracing import acquire_span
 
 

@@ -22,7 +22,6 @@ the sender thread.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 import time
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
+from . import process
 from .lease import RenewalPlan, RenewErrorCallback
 from .scripts import Keys, Scripts, backend_errors
 
@@ -107,7 +107,7 @@ class Renewer:
     """
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
+        self.pid = process.pid()
         self._lock = threading.Lock()
         self._entries: dict[int, RenewalPlan[Slot]] = {}  # id(slot) -> entry
         self._wake = threading.Event()
@@ -242,7 +242,7 @@ def renewer() -> Renewer:
     a fork)."""
     global _renewer
     with _renewer_lock:
-        if _renewer is None or _renewer.pid != os.getpid():
+        if _renewer is None or _renewer.pid != process.pid():
             _renewer = Renewer()
         return _renewer
 

@@ -6,12 +6,12 @@ holder record an acquire stores."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..errors import SemaphoreValidationError
+from . import process
 from . import validation as check
 
 
@@ -137,7 +137,7 @@ class HolderRecord:
             raise SemaphoreValidationError(
                 f"metadata must be a mapping or None, got {type(metadata).__name__}"
             )
-        pid = os.getpid()
+        pid = process.pid()
         plain = not metadata and limit in (None, self.limit) and weight == 1
         if plain and self._plain[0] == pid:
             return self._plain[1]

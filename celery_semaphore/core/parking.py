@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from ..errors import SemaphoreBackendError, SemaphoreValidationError
 from . import validation as check
 from .admin import SemaphoreAdmin
+from .process import new_token
 from .room import DEFAULT_ROOM_TTL, HandoffRoute
 from .scripts import (
     Admitted,
@@ -25,7 +26,6 @@ from .scripts import (
     backend_errors,
 )
 from .slot import Slot
-from .tokens import new_token
 from .tracing import acquire_span
 
 OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}

@@ -3,9 +3,10 @@
 Each operation is one Lua script (``lua/*.lua``, each opening with its contract), registered
 as a redis-py :class:`~redis.commands.core.Script` and run by one EVALSHA round trip, loaded
 again after a NOSCRIPT (a restarted or failed-over server). Each call is built
-once as a :class:`Call` (the script, its KEYS and ARGV, and the pure function of
-:mod:`celery_semaphore.core.replies` that reads its reply), which :class:`Scripts` sends
-through a redis-py client and :class:`AsyncScripts` through a ``redis.asyncio`` one. This
+once as a :class:`Call` (:mod:`celery_semaphore.core.calls`: the script, its KEYS and ARGV,
+and the pure function of :mod:`celery_semaphore.core.replies` that reads its reply), which
+:class:`Scripts` sends through a redis-py client and :class:`AsyncScripts` through a
+``redis.asyncio`` one; :class:`Scripts` sends acquire and release without building one. This
 module also maps redis-py errors to :class:`SemaphoreBackendError` (the keys are named in
 :mod:`celery_semaphore.core.names`); what a reply *means* for a holder is decided in
 :mod:`celery_semaphore.core.slot` and :mod:`celery_semaphore.core.semaphore`.
@@ -14,10 +15,9 @@ module also maps redis-py errors to :class:`SemaphoreBackendError` (the keys are
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import resources
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.asyncio import Redis as AsyncRedis
@@ -25,6 +25,18 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException
 
 from ..errors import SemaphoreBackendError
+from .calls import ROOM_KEYS, SCRIPT_KEYS, acquire_argv, call_of, release_argv
+from .calls import Call as Call
+from .calls import Renewal as Renewal
+from .calls import acquire_call as acquire_call
+from .calls import acquire_many_call as acquire_many_call
+from .calls import block_call as block_call
+from .calls import count_call as count_call
+from .calls import extend_call as extend_call
+from .calls import force_release_all_call as force_release_all_call
+from .calls import holders_call as holders_call
+from .calls import release_call as release_call
+from .calls import set_limit_call as set_limit_call
 from .names import Keys as Keys
 from .names import check_cluster_key as check_cluster_key
 from .names import redis_keys as redis_keys
@@ -36,13 +48,9 @@ from .replies import Parked as Parked
 from .replies import RoomFull as RoomFull
 from .replies import (
     parse_acquire,
-    parse_acquire_many,
-    parse_extend,
-    parse_holders,
     parse_park,
     parse_park_many,
     parse_release,
-    parse_set_limit,
     parse_sweep,
     parse_waiting,
 )
@@ -59,17 +67,6 @@ _ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit")
 script's ``--[[room.lua]]`` line, so that a fast path above it never defines them, or else
 at its top."""
 _ROOM_MARK = "--[[room.lua]]"
-_ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
-_KEYS = {
-    "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
-    "count": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
-    "release": _ROOM_KEYS,
-    "sweep": _ROOM_KEYS, "cancel": _ROOM_KEYS, "set_limit": _ROOM_KEYS,
-    "block": slice(6, 7),
-    "waiting": slice(3, 5),
-}  # fmt: skip
-"""Which of a semaphore's :class:`Keys` each script takes, in order."""
 
 
 def _source(name: str) -> str:
@@ -81,7 +78,9 @@ def _source(name: str) -> str:
     return _lua("room") + "\n" + text
 
 
-_SOURCES = {name: _source(name) for name in _KEYS}
+_SOURCES = {name: _source(name) for name in SCRIPT_KEYS}
+_NAMES_KEPT = 4096
+"""Semaphore keys whose encoded names a :class:`Scripts` keeps (then it starts afresh)."""
 
 
 class backend_errors:
@@ -115,125 +114,6 @@ class backend_errors:
             ) from exc
 
 
-class Call(Generic[T]):
-    """One script call, built once and run by :class:`Scripts` (sync) or
-    :class:`AsyncScripts` (asyncio): the script, its KEYS and ARGV, and the pure function
-    that reads its reply. The builders below (``*_call``) are the only place that knows a
-    script's arguments and reply, so both clients send and read exactly the same thing.
-
-    Args:
-        script (str): the script's name (a ``lua/<name>.lua`` file).
-        keys (Sequence[str]): its KEYS.
-        args (Sequence[str | int | bytes]): its ARGV.
-        parse (Callable[[Any], T]): maps the raw reply to the result.
-    """
-
-    __slots__ = ("args", "keys", "parse", "script")
-
-    def __init__(
-        self,
-        script: str,
-        keys: Sequence[str],
-        args: Sequence[str | int | bytes],
-        parse: Callable[[Any], T],
-    ) -> None:
-        self.script = script
-        self.keys = keys
-        self.args = args
-        self.parse = parse
-
-
-def _of(
-    script: str, keys: Keys, args: Sequence[str | int | bytes], parse: Callable[[Any], T]
-) -> Call[T]:
-    return Call(script, keys[_KEYS[script]], args, parse)
-
-
-def _acquire_args(
-    limit: int, lease_ms: int, token: str, metadata: str, weight: int
-) -> tuple[str | int, ...]:
-    if weight == 1:
-        return limit, lease_ms, token, metadata
-    return limit, lease_ms, token, metadata, weight
-
-
-def acquire_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
-) -> Call[Admitted | Full]:
-    """Take ``weight`` units of the key if its live holders leave that many of ``limit``."""
-    args = _acquire_args(limit, lease_ms, token, metadata, weight)
-    return _of("acquire", keys, args, functools.partial(parse_acquire, limit=limit,
-                                                        lease_ms=lease_ms))  # fmt: skip
-
-
-def acquire_many_call(
-    groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
-) -> Call[list[Admitted] | tuple[int, Full]]:
-    """Take ``weight`` units of each ``(keys, limit, weight)``, all or none (the keys in one
-    cluster hash slot): an answer per key, or the index of the first key too full and its
-    answer."""
-    keys = [name for k, _, _ in groups for name in k[_KEYS["acquire_many"]]]
-    args: list[str | int] = [lease_ms, token, metadata]
-    args += [value for _, limit, weight in groups for value in (limit, weight)]
-    return Call("acquire_many", keys, args, parse_acquire_many)
-
-
-def block_call(keys: Keys, token: str, for_ms: int) -> Call[int]:
-    """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
-    return _of("block", keys, (token, for_ms), int)
-
-
-Renewal = tuple[Keys, str, int, int]
-"""What extend renews for one slot: its keys, token, new lease (ms) and weight."""
-
-
-def extend_call(renewals: Sequence[Renewal]) -> Call[list[int | None]]:
-    """Renew each ``(keys, token, lease_ms, weight)`` in one call (all keys in one cluster
-    hash slot): each one's new expiry (epoch ms), or None when its slot is gone."""
-    keys = [name for k, _, _, _ in renewals for name in k[:2]]
-    args = [value for _, token, ms, weight in renewals for value in (token, ms, weight)]
-    return Call("extend", keys, args, parse_extend)
-
-
-def _release_args(token: str, claim_ms: int, weight: int | None) -> tuple[str | int, ...]:
-    if weight == 1:
-        return token, claim_ms
-    return token, claim_ms, "" if weight is None else weight
-
-
-def release_call(
-    keys: Keys, token: str, claim_ms: int, weight: int | None = 1
-) -> Call[tuple[bool, list[Handoff]]]:
-    """Remove ``token`` (of ``weight`` units; None: as many as it has): whether it was still
-    a live holder until now, and the hand-offs of the units it freed (to the oldest parked
-    waiters)."""
-    return _of("release", keys, _release_args(token, claim_ms, weight), parse_release)
-
-
-def set_limit_call(
-    keys: Keys, limit: int | None, by: str, claim_ms: int
-) -> Call[tuple[int | None, int, list[Handoff]]]:
-    """Set ``limit`` as the key's live limit (None: clear it): the live limit before it,
-    the server's time, and the hand-offs of the capacity a raise freed."""
-    args = ("" if limit is None else limit, by, claim_ms)
-    return _of("set_limit", keys, args, parse_set_limit)
-
-
-def count_call(keys: Keys) -> Call[int]:
-    """How many holders are live by the server's clock."""
-    return _of("count", keys, (), int)
-
-
-def holders_call(keys: Keys) -> Call[tuple[int, list[tuple[str, int, str]]]]:
-    """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
-    return _of("holders", keys, (), parse_holders)
-
-
-def force_release_all_call(keys: Keys) -> Call[int]:
-    """Delete the semaphore; how many live holders it had."""
-    return _of("force_release_all", keys, (), int)
-
-
 class Scripts:
     """The semaphore's scripts, registered once on one redis-py client.
 
@@ -244,8 +124,23 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+        encoder = client.get_encoder()
+        self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
+        self._names: dict[Keys, tuple[bytes, ...]] = {}
 
-    def _evalsha(self, name: str, keys: Sequence[str], args: Sequence[str | int | bytes]) -> Any:
+    def _encoded(self, keys: Keys) -> tuple[bytes, ...]:
+        """``keys`` encoded as the client encodes them, once per semaphore key: redis-py
+        encodes every argument of every call, and the keys are most of a release's."""
+        found = self._names.get(keys)
+        if found is None:
+            if len(self._names) >= _NAMES_KEPT:
+                self._names.clear()
+            found = self._names[keys] = tuple(name.encode(*self._encoding) for name in keys)
+        return found
+
+    def _evalsha(
+        self, name: str, keys: Sequence[str | bytes], args: Sequence[str | int | bytes]
+    ) -> Any:
         """One EVALSHA of script ``name``; after a NOSCRIPT (a restarted or failed-over
         server), loads it and sends again. Called directly rather than through redis-py's
         ``Script``, whose own checks cost more than the rest of an acquire's client side."""
@@ -264,8 +159,9 @@ class Scripts:
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Full:
         """Take ``weight`` units if the live holders leave that many (one round trip)."""
-        args = _acquire_args(limit, lease_ms, token, metadata, weight)
-        return parse_acquire(self._evalsha("acquire", keys[:3], args), limit, lease_ms)
+        args = acquire_argv(limit, lease_ms, token, metadata, weight)
+        reply = self._evalsha("acquire", self._encoded(keys)[SCRIPT_KEYS["acquire"]], args)
+        return parse_acquire(reply, limit, lease_ms)
 
     def acquire_many(
         self, groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
@@ -286,8 +182,8 @@ class Scripts:
         self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1
     ) -> tuple[bool, list[Handoff]]:
         """Remove ``token`` (see :func:`release_call`)."""
-        args = _release_args(token, claim_ms, weight)
-        return parse_release(self._evalsha("release", keys[_ROOM_KEYS], args))
+        args = release_argv(token, claim_ms, weight)
+        return parse_release(self._evalsha("release", self._encoded(keys)[ROOM_KEYS], args))
 
     def park(
         self,
@@ -315,7 +211,7 @@ class Scripts:
             payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
             deadline_ms, grace_ms, delivery, weight, group,
         )  # fmt: skip
-        return self.run(_of("park", keys, args, parse_park))
+        return self.run(call_of("park", keys, args, parse_park))
 
     def park_many(
         self,
@@ -336,7 +232,7 @@ class Scripts:
         """Take a slot of every ``(keys, limit, weight)`` in arrival order, or park in the
         room of the first that cannot take it yet (see park_many.lua's contract). A
         :class:`Parked` answer's ``index`` says which."""
-        keys = [name for k, _, _ in groups for name in k[_KEYS["park_many"]]]
+        keys = [name for k, _, _ in groups for name in k[SCRIPT_KEYS["park_many"]]]
         args: list[str | int | bytes] = [
             lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
             payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
@@ -348,16 +244,16 @@ class Scripts:
     def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
         """The server's time (epoch ms), how many are parked, and the oldest ``rows`` parked
         ``(waiter, arrival_ms)`` (-1: all), oldest first."""
-        return self.run(_of("waiting", keys, (rows,), parse_waiting))
+        return self.run(call_of("waiting", keys, (rows,), parse_waiting))
 
     def sweep(self, keys: Keys, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Requeue lapsed reservations, hand free slots to the oldest waiters and give up
         waiters past their deadline: whether the room still exists, and what to publish."""
-        return self.run(_of("sweep", keys, (claim_ms,), parse_sweep))
+        return self.run(call_of("sweep", keys, (claim_ms,), parse_sweep))
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""
-        return self.run(_of("cancel", keys, (waiter, claim_ms), parse_release))
+        return self.run(call_of("cancel", keys, (waiter, claim_ms), parse_release))
 
     def set_limit(
         self, keys: Keys, limit: int | None, by: str, claim_ms: int

@@ -32,10 +32,10 @@ from .group import ManyKeys, SlotGroup
 from .heartbeat import renewer
 from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, semaphore_options
+from .process import new_token
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
 from .slot import Slot
-from .tokens import new_token
 from .tracing import acquire_span
 
 logger = logging.getLogger(__name__)
