@@ -59,3 +59,24 @@ def noop_bounded(n: int) -> int:
 def noop(n: int) -> int:
     """The same body with no semaphore."""
     return n
+
+
+def _turn_body(tenant: str, seconds: float) -> str:
+    from celery import current_task
+
+    _client.rpush("bench:starts", f"{time.monotonic()} {tenant} {current_task.request.id}")
+    time.sleep(seconds)
+    return tenant
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, fair_by="tenant:{tenant}",
+          name="fair")  # fmt: skip
+def fair(tenant: str, seconds: float) -> str:
+    """bench_fairness.py's task: tenants take turns on the shared key."""
+    return _turn_body(tenant, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, name="arrival_order")
+def arrival_order(tenant: str, seconds: float) -> str:
+    """The same task without ``fair_by``: the room keeps arrival order."""
+    return _turn_body(tenant, seconds)
