@@ -965,6 +965,7 @@ def test_schedule_several_keys_are_taken_all_together_or_not_at_all(
     d.step("acquire_many", weights=(3, 1), lease=20.0, reverse=False)  # refused, b is full
     d.step("release", pick=d.pick("s0"))
     d.step("acquire_many", weights=(2, 2), lease=20.0, reverse=False)  # s1 of a, s2 of b
+    d.step("acquire", key="a", lease=20.0, weight=2)  # refused: one unit of a is free
     d.step("acquire", key="a", lease=20.0)  # 3 of 3
     d.step("acquire", key="a", lease=20.0)  # refused
     d.step("force_release", pick=d.pick("s2"), what="slot")  # the group's slot of b
