@@ -432,10 +432,12 @@ class Model:
     def force_release_all(self, key: str, call: Call, displaced: int) -> None:
         """An operator's ``force_release_all(key)`` answered ``displaced``."""
         km = self.keys[key]
-        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        # It counts holders, not units: a holder of weight w is one.
+        surely = sum(win.held(call.received) for _, win in km.windows())
+        maybe = sum(not win.gone(call.sent) for _, win in km.windows())
         if not surely <= displaced <= maybe:
             violated(
-                f"force_release_all of {key!r} displaced {displaced}, the model says "
+                f"force_release_all of {key!r} displaced {displaced} holder(s), the model says "
                 f"{surely} to {maybe}"
             )
         for _, win in km.windows():

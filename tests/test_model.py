@@ -975,6 +975,15 @@ def test_schedule_several_keys_are_taken_all_together_or_not_at_all(
     assert len(d.model.holdings) == 4
 
 
+def test_schedule_force_release_all_counts_holders_not_units(
+    driven: Callable[..., Driven],
+) -> None:
+    """Shrunk from the deep profile: a holder of weight 2 is one displaced holder."""
+    d = driven(limits=(1, 2))
+    d.step("acquire_many", weights=(1, 2), lease=20.0, reverse=False)
+    d.step("force_release", pick=d.pick("s1"), what="key")  # s1 is b's slot, weight 2
+
+
 # -- bugs the model found -------------------------------------------------------------
 
 
