@@ -23,6 +23,8 @@ app = Celery("backlog_bench", broker=BROKER, backend=BROKER)
 app.conf.update(semaphore_url=STORE, worker_prefetch_multiplier=1, task_acks_late=False)
 if "BENCH_HANDOFF_GRACE" in os.environ:  # the order-or-fill table of the performance page
     app.conf.semaphore_handoff_grace = float(os.environ["BENCH_HANDOFF_GRACE"])
+if "BENCH_HANDOFF_PRIORITY" in os.environ:  # hand-offs ahead of the backlog
+    app.conf.semaphore_handoff_priority = int(os.environ["BENCH_HANDOFF_PRIORITY"])
 _client = redis.Redis.from_url(STORE)
 
 

@@ -38,6 +38,7 @@ from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
 from .policy import Policy
+from .settings import app_settings
 from .shedding import (
     FIRST_SHED_HEADER,
     GIVE_UP_HEADER,
@@ -97,6 +98,7 @@ def publisher_for(app: Celery) -> Publisher:
     """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message."""
 
     def publish(key: str, handoffs: Sequence[Handoff]) -> None:
+        priority = app_settings(app).handoff_priority
         for handoff in handoffs:
             content_type, encoding, body = handoff.payload.split(b"\n", 2)
             options = loads(body, content_type.decode(), encoding.decode(), accept=None)  # type: ignore[no-untyped-call]
@@ -107,6 +109,8 @@ def publisher_for(app: Celery) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             # Celery before 5.5 stops listening for a task's result when any AsyncResult of
             # that id is collected, including a get() waiting in this process: keep ours.
+            if priority is not None:
+                signature.options["priority"] = priority
             _PUBLISHED.append(signature.apply_async())
             logger.debug(
                 "semaphore %r: %s task %s",
