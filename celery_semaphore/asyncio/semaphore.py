@@ -44,6 +44,7 @@ from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer
 from .clients import AsyncClient, async_client_from_url
 from .guard import guard
+from .live import AsyncLiveLimits
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore:
+class AsyncSemaphore(AsyncLiveLimits):
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -79,7 +80,8 @@ class AsyncSemaphore:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
 
     Use it from one event loop: its client's connections and its slots belong to the loop
-    they were first used in.
+    they were first used in. Live limits (:meth:`set_limit`, :meth:`live_limit`) come from
+    :class:`~celery_semaphore.asyncio.live.AsyncLiveLimits`.
 
     Example::
 
@@ -308,10 +310,6 @@ class AsyncSemaphore:
         """
         key = check.check_key(key)
         return await self._acquirer.run(key, count_call(self._redis_keys(key)))
-
-    async def available(self, key: str) -> int:
-        """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
-        return max(0, self.limit - await self.count(key))
 
     async def holders(self, key: str) -> list[Holder]:
         """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
