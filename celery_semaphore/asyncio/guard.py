@@ -15,11 +15,21 @@ import logging
 from collections.abc import AsyncIterator
 
 from ..core.lease import RenewErrorCallback
-from ..errors import SemaphoreBackendError
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
 from .renewer import renewer
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
+
+
+def check_interrupt(interrupt: object) -> None:
+    """Refuse an ``interrupt`` option that is not a bool, before anything is acquired.
+
+    Raises:
+        SemaphoreValidationError: ``interrupt`` is not True or False.
+    """
+    if not isinstance(interrupt, bool):
+        raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
 
 
 class _Interrupt:

@@ -25,7 +25,7 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
 from ..core.lease import RenewErrorCallback
-from ..core.options import acquire_args, semaphore_options
+from ..core.options import acquire_args, hold_interval, semaphore_options
 from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.scripts import (
     Admitted,
@@ -43,7 +43,7 @@ from ..core.tracing import acquire_span
 from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer
 from .clients import AsyncClient, async_client_from_url
-from .guard import guard
+from .guard import check_interrupt, guard
 from .live import AsyncLiveLimits
 from .slot import AsyncSlot
 
@@ -256,12 +256,8 @@ class AsyncSemaphore(AsyncLiveLimits):
             SemaphoreBackendError: Redis failed while acquiring.
         """
         key = check.check_key(key)
-        seconds = self.lease if lease is None else lease
-        check.lease_ms(seconds)
-        interval = check.heartbeat_interval(heartbeat, float(seconds))
-        check.check_callback(on_renew_error, "on_renew_error")
-        if not isinstance(interrupt, bool):
-            raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
+        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
+        check_interrupt(interrupt)
         slot = await self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata, wait=wait,
