@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -108,6 +109,15 @@ def test_raising_a_limit_wakes_a_waiting_coroutine_and_starts_parked_runs(
 def test_bad_live_limit_arguments_are_refused_before_anything_is_written(
     redis_server: RedisServer, client: redis.Redis, call: Any
 ) -> None:
+    refused_before_writing(redis_server, client, call)
+
+
+def refused_before_writing(
+    redis_server: RedisServer, client: redis.Redis, call: Callable[[AsyncSemaphore], Any]
+) -> None:
+    """Assert that awaiting ``call(sem)`` raises SemaphoreValidationError, and that the
+    server is still empty."""
+
     async def main() -> None:
         async with AsyncSemaphore(redis_server.url, limit=1) as sem:
             with pytest.raises(SemaphoreValidationError):

@@ -48,7 +48,8 @@ class AsyncLiveLimits:
 
         Args:
             key (str): the semaphore's key.
-            limit (int | None): the new live limit, 1 to 2**31 - 1; None clears it.
+            limit (int | None): its new live limit, as for :meth:`Semaphore.set_limit
+                <celery_semaphore.core.semaphore.Semaphore.set_limit>`; None clears it.
             by (str | None): who sets it, for the views; None: ``user@host pid N``.
 
         Returns:

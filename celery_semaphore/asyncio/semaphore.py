@@ -45,6 +45,7 @@ from .acquiring import Acquirer
 from .clients import AsyncClient, async_client_from_url
 from .guard import check_interrupt, guard
 from .live import AsyncLiveLimits
+from .many import AsyncManyKeys
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore(AsyncLiveLimits):
+class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -80,7 +81,9 @@ class AsyncSemaphore(AsyncLiveLimits):
         SemaphoreValidationError: any argument is invalid (before any connection is made).
 
     Use it from one event loop: its client's connections and its slots belong to the loop
-    they were first used in. Live limits (:meth:`set_limit`, :meth:`live_limit`) come from
+    they were first used in. Several keys at once (:meth:`acquire_many`, :meth:`hold_many`)
+    come from :class:`~celery_semaphore.asyncio.many.AsyncManyKeys`, live limits
+    (:meth:`set_limit`, :meth:`live_limit`) from
     :class:`~celery_semaphore.asyncio.live.AsyncLiveLimits`.
 
     Example::
