@@ -199,7 +199,10 @@ class ManyKeys(WaitingRoom):
                 ``(key, limit, weight)`` for each key, at least one, no key twice. On Redis
                 Cluster they must share a hash tag (``"{llm}openai"``,
                 ``"{llm}tenant:acme"``). A live limit set on a key wins over its limit.
-            lease, retries, retry_delay, metadata: as for :meth:`acquire`.
+            lease (float | None): as for :meth:`Semaphore.acquire`.
+            retries (int): as for :meth:`Semaphore.acquire`.
+            retry_delay (float): as for :meth:`Semaphore.acquire`.
+            metadata (Mapping[str, Any] | None): as for :meth:`Semaphore.acquire`.
 
         Returns:
             SlotGroup | None: the slots, which the caller must release (one round trip per
@@ -252,9 +255,17 @@ class ManyKeys(WaitingRoom):
         holds one key's slot while it waits for another's.
 
         Args:
-            keys: as for :meth:`acquire_many`.
-            waiter, payload, arrival, lease, metadata, max_queued, room_ttl, deadline: as for
-                :meth:`Semaphore.park` (``max_queued`` counts the room it would wait in).
+            keys (Sequence[tuple[str, int] | tuple[str, int, int]]): as for
+                :meth:`acquire_many`.
+            waiter (str): as for :meth:`Semaphore.park`.
+            payload (bytes): as for :meth:`Semaphore.park`.
+            arrival (float | None): as for :meth:`Semaphore.park`.
+            lease (float | None): as for :meth:`Semaphore.park`.
+            metadata (Mapping[str, Any] | None): as for :meth:`Semaphore.park`.
+            max_queued (int): as for :meth:`Semaphore.park`, counting the room it would
+                wait in.
+            room_ttl (float): as for :meth:`Semaphore.park`.
+            deadline (float | None): as for :meth:`Semaphore.park`.
 
         Returns:
             SlotGroup | Parked | RoomFull: the slots; or where the waiter stands

@@ -170,7 +170,10 @@ def many_plan(
     Args:
         keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
             :func:`many_args`).
-        lease, default_lease, retries, retry_delay: as for :func:`acquire_args`.
+        lease (float | None): as for :func:`acquire_args`.
+        default_lease (float): as for :func:`acquire_args`.
+        retries (int): as for :func:`acquire_args`.
+        retry_delay (float): as for :func:`acquire_args`.
         metadata (Mapping[str, Any] | None): the caller's facts about the holder.
         encode (Callable): the semaphore's :meth:`HolderRecord.encode`.
         keys_of_many (Callable[[list[str]], list[Keys]]): the Redis keys of the keys; on a
