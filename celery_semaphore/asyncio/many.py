@@ -94,7 +94,7 @@ class AsyncManyKeys:
                          acquirer.metadata, self._keys_of_many)  # fmt: skip
         held = list(zip(plan.keys, plan.names, strict=True))
         call = acquire_many_call(plan.groups, plan.ms, plan.token, plan.info)
-        with acquire_span(plan.label, plan.limit) as record:
+        with acquire_span(plan.label, plan.limit, plan.names) as record:
             for attempt in range(plan.attempts):
                 if attempt:
                     await asyncio.sleep(plan.delay)

@@ -215,7 +215,7 @@ class ManyKeys(WaitingRoom):
         """
         plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
                          self._metadata, self.admin.keys_of_many)  # fmt: skip
-        with acquire_span(plan.label, plan.limit) as record:
+        with acquire_span(plan.label, plan.limit, plan.names) as record:
             for attempt in range(plan.attempts):
                 if attempt:
                     time.sleep(plan.delay)
@@ -339,7 +339,10 @@ class ManyKeys(WaitingRoom):
         token = secrets.token_hex(16)
         label = "+".join(key for key, _, _ in specs)
         sent_at = time.monotonic()
-        with acquire_span(label, specs[0][1]) as record, backend_errors(label, specs[0][1]):
+        with (
+            acquire_span(label, specs[0][1], [key for key, _, _ in specs]) as record,
+            backend_errors(label, specs[0][1]),
+        ):
             result, handed = self._scripts.park_many(
                 groups, ms, token, info, waiter, arrival_ms, payload, self.handoffs.claim_ms,
                 ttl_ms, max_queued, claim_only, deadline_ms, delivery,
