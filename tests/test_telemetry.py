@@ -21,14 +21,6 @@ from .history import BODIES, History
 
 
 @pytest.fixture
-def registry() -> Iterator[CollectorRegistry]:
-    registry = CollectorRegistry()
-    installed = metrics.install(registry)
-    yield registry
-    installed.uninstall()
-
-
-@pytest.fixture
 def app(redis_server: RedisServer) -> Iterator[Celery]:
     app = make_app(redis_server.url)
     with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False):

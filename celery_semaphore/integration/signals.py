@@ -120,9 +120,16 @@ def task_label(task: Task | None) -> str:
 def renew_failed_reporter(
     task: Task | None, slot: Slot | SlotGroup, names: Names
 ) -> Callable[[BaseException], None]:
-    """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal."""
+    """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal
+    round trip, once, even when it carried every slot of a group."""
+    last: list[BaseException] = []
 
     def report(error: BaseException) -> None:
+        # The renewer reports a failed round trip to each slot it carried, and a group's
+        # slots travel in one round trip: the same error again is that round trip again.
+        if last and last[0] is error:
+            return
+        last[:] = [error]
         logger.warning(
             "%ssemaphore %r: a renewal failed and will be retried: %s",
             task_label(task),
