@@ -70,13 +70,12 @@ class AsyncManyKeys:
                 own limit for this call (a live limit set on a key wins over it) and the
                 units of it the call takes (default 1, at most the limit). On Redis Cluster
                 the keys must share a hash tag (``"{llm}openai"``, ``"{llm}tenant:acme"``).
-            lease (float | None): seconds the slots live without an extend; None uses the
-                semaphore's lease.
+            lease (float | None): as for :meth:`AsyncSemaphore.acquire`, for every slot.
             retries (int): further attempts when some key has no room. 0 (the default)
                 fails fast. A bounded spin: no release wakes a caller for keys it does not
                 hold, so there is no ``wait``.
-            retry_delay (float): seconds between attempts (``asyncio.sleep``). Default 0.1.
-            metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
+            retry_delay (float): as for :meth:`AsyncSemaphore.acquire`.
+            metadata (Mapping[str, Any] | None): as for :meth:`AsyncSemaphore.acquire`,
                 stored with each key's slot.
 
         Returns:
