@@ -193,7 +193,7 @@ class Acquirer:
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot
-                lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
+                lapse = reply.first_lapse(now_ms)
                 with backend_errors(key, self.limit):
                     await client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None

@@ -12,9 +12,10 @@
 --                     token, then "<token>#2".."<token>#<weight>" are members of the set
 --
 -- Returns {1, expires_at_ms, now_ms, limit} when the token holds a slot, or
---         {0, units_held, now_ms, first_expiry_ms, limit}  when too few units are free
---         (every slot is held by others, for a weight of 1) (first_expiry_ms: the soonest lease to lapse, so a caller that waits for a
---         slot knows when one frees itself); limit is the one that applied.
+--         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free;
+--         first_expiry_ms is when the soonest lease lapses (so a caller that waits for a
+--         slot knows when one frees itself), or 0 when no unit is held (a weight above a
+--         lowered live limit); limit is the one that applied.
 --
 -- Expired holders are pruned here when the key is full, so a crashed holder's slot comes
 -- back on the next acquire with no sweeper. A token that already holds a live slot is
@@ -50,7 +51,7 @@ if live + weight > limit then
   end
   if live + weight > limit then
     local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-    return {0, live, now_ms, tonumber(first[2]), limit}
+    return {0, live, now_ms, tonumber(first[2]) or 0, limit}
   end
 end
 
