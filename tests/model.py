@@ -804,7 +804,7 @@ class Model:
             for v in km.waiters:
                 if v.reservation is not None:
                     v.reservation.blur()
-        if op in ("park", "claim", "cancel", "release", "sweep"):
+        if op in ("park", "claim", "cancel", "release", "sweep", "set_limit"):
             self._blur_room(km, at)
 
     # -- what Redis reports -------------------------------------------------------------

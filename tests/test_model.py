@@ -348,8 +348,8 @@ class SemaphoreMachine(RuleBasedStateMachine):
     def set_limit(self, key: str, limit: int | None) -> None:
         """An operator sets (or clears) the key's live limit: a raise hands out slots."""
         call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
-        if not answered:  # the change may or may not land: not modelled, so not allowed
-            self._settle()
+        if not answered:  # it may have handed off unpublished: send it again, which lands
+            self._lost("set_limit", call, key=key)
             call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
             assert answered, "set_limit timed out twice on a running server"
         handoffs = self.published.take(key)
