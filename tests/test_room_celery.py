@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 import subprocess
 import time
 import uuid
@@ -21,7 +20,7 @@ from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import prefork_worker_process, spearman, wait_for
+from .helpers import AMQP_URL, prefork_worker_process, rabbitmq_up, spearman, wait_for
 from .history import BODIES, History
 
 
@@ -198,17 +197,6 @@ def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
     assert _ran(client, first.id, second.id) == [1, 2]
 
 
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize(
     ("broker", "handoffs", "backlog"),
     [
@@ -217,7 +205,7 @@ def _rabbitmq_up() -> bool:
         ("redis", 0, 9),
         # RabbitMQ serves the highest first, on a queue declared with x-max-priority.
         pytest.param("rabbitmq", 9, 0, marks=pytest.mark.skipif(
-            not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
+            not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
     ],
 )  # fmt: skip
 def test_a_hand_off_at_a_high_priority_is_fetched_ahead_of_the_backlog(
