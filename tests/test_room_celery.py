@@ -221,7 +221,9 @@ def test_a_hand_off_at_a_high_priority_is_fetched_ahead_of_the_backlog(
     hand-off first: its run starts while most of the backlog is still in the broker.
     Without it, the hand-off keeps its run's priority and waits behind the backlog, all of
     which parks before the run starts."""
-    conf: dict[str, object] = {"semaphore_handoff_priority": handoffs}
+    # No grace: on a slow machine the backlog may take over a second to park, and a run
+    # that parks in person past the grace would take the hand-off's slot before it came.
+    conf: dict[str, object] = {"semaphore_handoff_priority": handoffs, "semaphore_handoff_grace": 0}
     if broker == "rabbitmq":
         conf.update(broker_url=AMQP_URL, task_queue_max_priority=10,
                     task_default_queue=f"csem-first-{uuid.uuid4().hex[:8]}")  # fmt: skip
