@@ -23,6 +23,8 @@ app = Celery("backlog_bench", broker=BROKER, backend=BROKER)
 app.conf.update(semaphore_url=STORE, worker_prefetch_multiplier=1, task_acks_late=False)
 if "BENCH_HANDOFF_GRACE" in os.environ:  # the order-or-fill table of the performance page
     app.conf.semaphore_handoff_grace = float(os.environ["BENCH_HANDOFF_GRACE"])
+if "BENCH_HANDOFF_PRIORITY" in os.environ:  # hand-offs ahead of the backlog
+    app.conf.semaphore_handoff_priority = int(os.environ["BENCH_HANDOFF_PRIORITY"])
 _client = redis.Redis.from_url(STORE)
 
 
@@ -59,3 +61,24 @@ def noop_bounded(n: int) -> int:
 def noop(n: int) -> int:
     """The same body with no semaphore."""
     return n
+
+
+def _turn_body(tenant: str, seconds: float) -> str:
+    from celery import current_task
+
+    _client.rpush("bench:starts", f"{time.monotonic()} {tenant} {current_task.request.id}")
+    time.sleep(seconds)
+    return tenant
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, fair_by="tenant:{tenant}",
+          name="fair")  # fmt: skip
+def fair(tenant: str, seconds: float) -> str:
+    """bench_fairness.py's task: tenants take turns on the shared key."""
+    return _turn_body(tenant, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, name="arrival_order")
+def arrival_order(tenant: str, seconds: float) -> str:
+    """The same task without ``fair_by``: the room keeps arrival order."""
+    return _turn_body(tenant, seconds)

@@ -28,10 +28,13 @@ from rich.table import Table
 from celery_semaphore.testing import RedisServer
 
 SETUPS = {
-    # name: (task, worker concurrency or None for --concurrency)
-    "queue (waiting room)": ("queue", None),
-    "retry (countdown shedding, defaults)": ("retry", None),
-    "unbounded, dedicated -c L worker": ("unbounded", "limit"),
+    # name: (task, worker concurrency or None for --concurrency, message priority or None)
+    "queue (waiting room)": ("queue", None, None),
+    # The backlog is sent at kombu's Redis priority 9 (its last list) and hand-offs are
+    # published at 0 (semaphore_handoff_priority), so the worker fetches them first.
+    "queue, hand-offs first": ("queue", None, 9),
+    "retry (countdown shedding, defaults)": ("retry", None, None),
+    "unbounded, dedicated -c L worker": ("unbounded", "limit", None),
 }
 
 
@@ -79,18 +82,23 @@ def script_calls(client: redis.Redis) -> tuple[int, int]:
 
 
 def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
-    task, _ = SETUPS[setup]
+    task, _, priority = SETUPS[setup]
     workers = args.processes
+    env = {"BENCH_LIMIT": str(args.limit)}
+    if priority is not None:
+        env["BENCH_HANDOFF_PRIORITY"] = "0"
     with (
         RedisServer() as broker,
         RedisServer() as store,
-        prefork_worker(broker.url, store.url, workers, BENCH_LIMIT=str(args.limit)) as app,
+        prefork_worker(broker.url, store.url, workers, **env) as app,
     ):
         client = store.client()
         rtt = round_trip(broker.client())
         client.config_resetstat()
         started = time.monotonic()
-        results = [app.send_task(task, (n, args.duration)) for n in range(args.tasks)]
+        results = [
+            app.send_task(task, (n, args.duration), priority=priority) for n in range(args.tasks)
+        ]
         for result in results:
             result.get(timeout=600)
         elapsed = time.monotonic() - started

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 from celery import Celery
+from prometheus_client import CollectorRegistry
 
-from celery_semaphore import Semaphore
+from celery_semaphore import Semaphore, metrics
 from celery_semaphore.integration import room
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
@@ -116,6 +117,15 @@ def app(redis_server: RedisServer) -> Iterator[Celery]:
     # Drop AsyncResults (whose __del__ talks to the backend) while the server still runs.
     gc.collect()
     app.close()
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    """A prometheus-client registry of the test's own, fed by ``metrics.install``."""
+    registry = CollectorRegistry()
+    installed = metrics.install(registry)
+    yield registry
+    installed.uninstall()
 
 
 @pytest.fixture(scope="module")

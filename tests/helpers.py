@@ -185,3 +185,16 @@ class Published:
     @property
     def waiters(self) -> list[str]:
         return [waiter for _, waiter, _ in self.handoffs]
+
+
+AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
+"""The machine's RabbitMQ, for the tests that show a non-Redis broker."""
+
+
+def rabbitmq_up() -> bool:
+    """Whether RabbitMQ answers on 127.0.0.1:5672 (the tests that need it skip otherwise)."""
+    try:
+        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
+    except OSError:
+        return False
+    return True

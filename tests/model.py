@@ -55,16 +55,16 @@ class Window:
 
     held_until: float
     gone_after: float
-    limit: int = 0
+    limit: int
     """The key's limit when it was granted (what it may stand above a lowered limit by)."""
 
     @classmethod
-    def granted(cls, call: Call, seconds: float, limit: int = 0) -> Window:
+    def granted(cls, call: Call, seconds: float, limit: int) -> Window:
         """Made by ``call`` for ``seconds``: the server ran it between send and answer."""
         return cls(call.sent + seconds - MARGIN, call.received + seconds + MARGIN, limit)
 
     @classmethod
-    def maybe(cls, gone_after: float, limit: int = 0) -> Window:
+    def maybe(cls, gone_after: float, limit: int) -> Window:
         """Perhaps made by a call that got no answer: never surely held."""
         return cls(-math.inf, gone_after, limit)
 
@@ -197,6 +197,18 @@ class KeyModel:
             if w.reservation is not None:
                 yield 1, w.reservation
         yield from self.phantoms
+
+    def describe(self, at: float) -> str:
+        """Everything that may count against the limit, for a violation's message."""
+        parts = [f"{h} {h.window.describe(at)} (granted at limit {h.window.limit})"
+                 for h in self.holdings if not h.window.gone(at)]  # fmt: skip
+        parts += [f"reservation of {w.name} {w.reservation.describe(at)}" for w in self.waiters
+                  if w.reservation is not None and not w.reservation.gone(at)]  # fmt: skip
+        parts += [f"phantom of weight {n} {p.describe(at)}" for n, p in self.phantoms
+                  if not p.gone(at)]  # fmt: skip
+        return f"key {self.name!r} limit {self.limit} (code {self.code_limit}): " + "; ".join(
+            parts or ["nothing live"]
+        )
 
     def ceiling(self, at: float, surely: bool) -> int:
         """The most units that may be live at ``at``: the limit now, or a higher one that a
@@ -365,7 +377,7 @@ class Model:
         if not answer and h.window.held(call.received):
             violated(f"extend of {h} said gone while {h.window.describe(call.received)}")
         if answer:
-            h.window, h.lease = Window.granted(call, lease), lease
+            h.window, h.lease = Window.granted(call, lease, h.window.limit), lease
         else:
             h.window.end(call.received)
 
@@ -420,10 +432,12 @@ class Model:
     def force_release_all(self, key: str, call: Call, displaced: int) -> None:
         """An operator's ``force_release_all(key)`` answered ``displaced``."""
         km = self.keys[key]
-        surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
+        # It counts holders, not units: a holder of weight w is one.
+        surely = sum(win.held(call.received) for _, win in km.windows())
+        maybe = sum(not win.gone(call.sent) for _, win in km.windows())
         if not surely <= displaced <= maybe:
             violated(
-                f"force_release_all of {key!r} displaced {displaced}, the model says "
+                f"force_release_all of {key!r} displaced {displaced} holder(s), the model says "
                 f"{surely} to {maybe}"
             )
         for _, win in km.windows():
@@ -790,7 +804,7 @@ class Model:
             for v in km.waiters:
                 if v.reservation is not None:
                     v.reservation.blur()
-        if op in ("park", "claim", "cancel", "release", "sweep"):
+        if op in ("park", "claim", "cancel", "release", "sweep", "set_limit"):
             self._blur_room(km, at)
 
     # -- what Redis reports -------------------------------------------------------------
@@ -811,9 +825,15 @@ class Model:
         surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
         ceiling = km.ceiling(call.sent, surely=False)
         if count > ceiling:
-            violated(f"count({key!r}) is {count}, over the limit {km.limit} (at most {ceiling})")
+            violated(
+                f"count({key!r}) is {count}, over the limit {km.limit} (at most {ceiling}); "
+                + km.describe(call.sent)
+            )
         if not surely <= count <= maybe:
-            violated(f"count({key!r}) is {count}, the model says {surely} to {maybe}")
+            violated(
+                f"count({key!r}) is {count}, the model says {surely} to {maybe}; "
+                + km.describe(call.sent)
+            )
         low, high = max(0, km.limit - maybe), max(0, km.limit - surely)
         if not low <= available <= high:
             violated(f"available({key!r}) is {available}, the model says {low} to {high}")

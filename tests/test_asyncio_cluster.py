@@ -73,3 +73,30 @@ def test_one_renewal_task_keeps_keys_on_every_primary_and_loses_only_the_freed_o
         await close(twin)
 
     run(main)
+
+
+def test_several_keys_must_share_a_hash_tag_and_are_renewed_together(
+    empty: ClusterServers,
+) -> None:
+    sync = Semaphore(empty.url, limit=1)
+
+    async def main() -> None:
+        async with AsyncSemaphore(empty.url, limit=1, lease=1.5) as sem:
+            with pytest.raises(SemaphoreValidationError, match="different Redis Cluster slots"):
+                await sem.acquire_many([("openai", 20), ("tenant:acme", 2)])
+            with pytest.raises(SemaphoreValidationError, match="starts with '}'"):
+                await sem.acquire_many([("}lead", 1)])
+            for node in empty.nodes:  # refused before anything was written, on any node
+                with contextlib.closing(node.client()) as plain:
+                    assert await asyncio.to_thread(plain.dbsize) == 0
+            keys = [("{llm}openai", 20, 2), ("{llm}tenant:acme", 2, 2)]
+            async with sem.hold_many(keys, heartbeat=0.2) as group:
+                await asyncio.sleep(3.5)  # more than two leases: renewal keeps both
+                assert not group.lost.is_set()
+                assert await asyncio.to_thread(sync.count, "{llm}openai") == 2
+                assert await sem.acquire_many(keys) is None  # the tenant's 2 units are taken
+            assert await sem.count("{llm}openai") == 0
+            assert await sem.count("{llm}tenant:acme") == 0
+
+    run(main)
+    sync.client.close()

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -39,36 +40,45 @@ def _evalsha_calls(client: redis.Redis) -> int:
     return int(stats.get("calls", 0)) - int(stats.get("failed_calls", 0))
 
 
-def test_an_acquire_cancelled_while_redis_is_frozen_leaves_no_slot_held(
-    own_redis: RedisServer,
-) -> None:
+def cancelled_while_frozen(own_redis: RedisServer, ask: Callable[[AsyncSemaphore], Any]) -> int:
+    """Send ``ask(sem)`` (an acquire) to a frozen server, cancel it, wake the server and close
+    the semaphore, which waits for the round trips still running on its behalf. Returns how
+    many EVALSHA calls ran, a first ``count`` (which connects) included."""
     admin = own_redis.client()
-    sync = Semaphore(admin, limit=1, lease=30.0)
 
     async def main() -> None:
         client = aioredis.Redis(host="127.0.0.1", port=own_redis.port)  # no socket timeout
         sem = AsyncSemaphore(client, limit=1, lease=30.0)
-        await sem.count("k")  # load the scripts, so the frozen call is the acquire itself
+        await sem.count("k")  # connect, so the frozen call is the acquire itself
         own_redis.pause()
         try:
-            asking = asyncio.ensure_future(sem.acquire("k"))
+            asking = asyncio.ensure_future(ask(sem))
             await asyncio.sleep(0.3)  # the fault: the acquire is sent and nothing answers
             asking.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await asking
         finally:
             own_redis.resume()
-        # aclose waits for the round trips still running on the semaphore's behalf.
         assert await sem.aclose() == []
         await close(client)
 
     admin.config_resetstat()
     run(main)
+    calls = _evalsha_calls(admin)
+    admin.close()
+    return calls
+
+
+def test_an_acquire_cancelled_while_redis_is_frozen_leaves_no_slot_held(
+    own_redis: RedisServer,
+) -> None:
     # The acquire ran once Redis woke, and took the slot; a release gave it back, long
     # before its 30 s lease would have freed it: count, acquire, release.
-    assert _evalsha_calls(admin) == 3
+    assert cancelled_while_frozen(own_redis, lambda sem: sem.acquire("k")) == 3
+    sync = Semaphore(own_redis.client(), limit=1, lease=30.0)
     assert sync.count("k") == 0
     assert sync.acquire("k") is not None
+    sync.client.close()
 
 
 def test_acquires_cancelled_at_random_moments_never_leak_a_slot(

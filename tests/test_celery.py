@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -28,7 +27,7 @@ from celery_semaphore.testing import RedisServer
 
 from . import history
 from .celery_apps import make_app
-from .helpers import prefork_worker_process, wait_for
+from .helpers import AMQP_URL, prefork_worker_process, rabbitmq_up, wait_for
 from .history import BODIES, History
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,20 +228,12 @@ def test_the_body_can_be_interrupted_when_its_slot_is_lost(
     History.load(client, BODIES).assert_ok({"spin": 1}, tasks=[result.id], lost=[result.id])
 
 
-def _rabbitmq_up() -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+@pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
 def test_works_with_a_rabbitmq_broker(redis_server: RedisServer, client: redis.Redis) -> None:
     queue = f"csem-test-{uuid.uuid4().hex[:8]}"
     app = make_app(
         redis_server.url,
-        broker_url="amqp://guest:guest@127.0.0.1:5672//",
+        broker_url=AMQP_URL,
         task_default_queue=queue,
     )
     with start_worker(app, pool="threads", concurrency=6, perform_ping_check=False):

@@ -82,6 +82,11 @@ def test_unknown_decorator_option_is_named() -> None:
         ("semaphore_on_full", "block"),
         ("semaphore_url", "amqp://x//"),
         ("semaphore_flower_set_limit", "false"),
+        ("semaphore_handoff_priority", -1),
+        ("semaphore_handoff_priority", 256),
+        ("semaphore_handoff_priority", "0"),
+        ("semaphore_handoff_priority", True),
+        ("semaphore_handoff_priority", 1.5),
     ],
 )
 def test_bad_app_setting_is_named(setting: str, value: Any) -> None:

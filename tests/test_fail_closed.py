@@ -219,8 +219,10 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[RedisServer, int, Path]]:
         server.start()
     except RuntimeError:
         pytest.skip("the redis-server on PATH has no TLS (Debian's has: apt-get install redis)")
-    with server:
+    try:
         yield server, tls_port, ca_file
+    finally:
+        server.close()
 
 
 def test_a_rediss_broker_with_cert_none_bounds_tasks(

@@ -3,6 +3,7 @@ take turns across groups, so one tenant's burst does not hold back another's few
 
 from __future__ import annotations
 
+import json
 import time
 
 import redis
@@ -10,6 +11,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreTask, Slot
+from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.testing import RedisServer
 
 from . import history
@@ -64,17 +66,37 @@ def test_without_groups_the_room_keeps_arrival_order(redis_server: RedisServer) 
     assert order == [f"a-{n:02d}" for n in range(30)] + [f"b-{n}" for n in range(5)]
 
 
+def _all_arrived(client: redis.Redis, key: str, few: set[str]) -> tuple[float, set[str]]:
+    """Poll until every task of ``few`` is parked in ``key``'s room (or already past it);
+    then the instant and the runs that held a reservation then (their slots were handed
+    out before the last of ``few`` could be served). Read in one transaction each time."""
+    names = redis_keys("semaphore", key)
+    while True:
+        with client.pipeline(transaction=True) as pipe:
+            pipe.hkeys(names.parked)
+            pipe.zrange(names.slots, 0, -1)
+            pipe.lrange(history.history_key(BODIES), 0, -1)
+            parked, members, records = pipe.execute()
+        at = time.monotonic()
+        started = {json.loads(raw)["task"] for raw in records}
+        if few <= {p.decode() for p in parked} | started:
+            return at, {m.decode()[1:] for m in members if m.startswith(b"~")}
+        time.sleep(0.002)
+
+
 def test_fair_by_with_a_worker(redis_server: RedisServer, client: redis.Redis, app: Celery) -> None:
-    """Tenant A sends 100 runs, then tenant B 5: B's runs all start within the first 4L
-    starts after they arrive, by the bodies' own start times (without fair turns, after
-    A's whole backlog)."""
+    """Tenant A sends 100 runs, then tenant B 5: B's runs all start within the first 2L
+    starts after they arrive (the starts after all five wait in the room, less the runs
+    whose slots were handed out before then), by the bodies' own start times; and within
+    4L of the starts after B was sent (in arrival order they would start after A's 50 or
+    more parked runs)."""
     recorder = redis.Redis.from_url(redis_server.url)
 
     @app.task(base=SemaphoreTask, semaphore="provider-fair", limit=LIMIT,
               fair_by="tenant:{tenant}", shared=False, name="fair.call")  # fmt: skip
     def call(tenant: str, n: int) -> str:
         with history.run(recorder, BODIES, "provider-fair", data={"tenant": tenant}):
-            time.sleep(0.02)
+            time.sleep(0.1)  # long enough that B's arrival is seen before B's runs start
         return tenant
 
     sem = Semaphore(redis_server.url, limit=LIMIT)
@@ -86,20 +108,25 @@ def test_fair_by_with_a_worker(redis_server: RedisServer, client: redis.Redis, a
             lambda: client.llen("celery") == 0 and len(sem.admin.room("provider-fair")) >= 50,
             timeout=60,
         )
-        arrived = time.monotonic()
+        sent = time.monotonic()
         few = [call.delay("b", n) for n in range(5)]
+        arrived, handed = _all_arrived(recorder, "provider-fair", {r.id for r in few})
         for r in burst + few:
             r.get(timeout=120)
     runs = History.load(client, BODIES)
     runs.assert_ok({"provider-fair": LIMIT}, tasks=[r.id for r in burst + few])
-    after = [r.data["tenant"] for r in runs.runs if r.start > arrived]
-    last_b = max(n for n, tenant in enumerate(after) if tenant == "b")
+    after_sent = [r.data["tenant"] for r in runs.runs if r.start > sent]
+    after_arrival = [
+        r.data["tenant"] for r in runs.runs if r.start > arrived and r.task_id not in handed
+    ]
+    b_sent = [n for n, t in enumerate(after_sent) if t == "b"]
+    b_arrived = [n for n, t in enumerate(after_arrival) if t == "b"]
     print(
-        f"\nB's runs started at {[n for n, t in enumerate(after) if t == 'b']} of the starts "
-        f"after B arrived"
+        f"\nB's runs started at {b_sent} of the starts after B was sent, {b_arrived} of those"
+        f" after all of B arrived ({len(handed)} slot(s) were on their way to A's runs then)"
     )
-    # Up to L slots were already handed to A's runs (their messages on the way), then the
-    # two tenants take turns: B's five runs by about L + 2 x 5 starts, and well within 4L
-    # (in arrival order they would start after A's 50 or more parked runs).
-    assert last_b < 4 * LIMIT, after[: 4 * LIMIT]
+    # Up to L slots may already be on their way to A's runs when B is sent; after that the
+    # two tenants take turns, so B's last run is about the 2 x 5th start.
+    assert max(b_arrived, default=0) < 2 * LIMIT, after_arrival[: 2 * LIMIT]
+    assert max(b_sent) < 4 * LIMIT, after_sent[: 4 * LIMIT]
     recorder.close()

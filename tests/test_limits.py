@@ -105,6 +105,33 @@ def test_raising_a_live_limit_wakes_a_caller_waiting_for_a_slot(make_semaphore: 
     assert holder.release()
 
 
+def test_a_weight_above_a_lowered_live_limit_is_refused_and_a_raise_wakes_its_waiter(
+    make_semaphore: Any,
+) -> None:
+    """The model test found it: with nobody holding the key, a weight that no longer fits
+    its live limit got a reply with no soonest expiry, which the client could not read."""
+    sem: Semaphore = make_semaphore(limit=3)
+    sem.set_limit("k", 1)
+    assert sem.acquire("k", weight=2) is None
+    assert sem.acquire_many([("k", 3, 2), ("other", 3)]) is None
+    assert sem.count("other") == 0  # all or nothing
+    sem.client.config_resetstat()
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire("k", weight=2, wait=30.0)))
+    waiter.start()
+    blocked = redis_keys(sem.prefix, "k").blocked
+    assert wait_for(lambda: sem.client.zcard(blocked) == 1, timeout=10)
+    sem.set_limit("k", 2)  # room for the weight: the waiter wakes and takes it
+    waiter.join(timeout=20)
+    assert not waiter.is_alive()
+    assert got[0] is not None
+    assert got[0].weight == 2
+    # It blocked on its wake-up until the raise; no loop of asks while nothing could lapse.
+    calls = sum(v["calls"] for k, v in sem.client.info("commandstats").items() if "eval" in k)
+    assert calls < 10, calls
+    assert got[0].release()
+
+
 @pytest.mark.parametrize(
     "call",
     [

@@ -348,8 +348,8 @@ class SemaphoreMachine(RuleBasedStateMachine):
     def set_limit(self, key: str, limit: int | None) -> None:
         """An operator sets (or clears) the key's live limit: a raise hands out slots."""
         call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
-        if not answered:  # the change may or may not land: not modelled, so not allowed
-            self._settle()
+        if not answered:  # it may have handed off unpublished: send it again, which lands
+            self._lost("set_limit", call, key=key)
             call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
             assert answered, "set_limit timed out twice on a running server"
         handoffs = self.published.take(key)
@@ -965,6 +965,7 @@ def test_schedule_several_keys_are_taken_all_together_or_not_at_all(
     d.step("acquire_many", weights=(3, 1), lease=20.0, reverse=False)  # refused, b is full
     d.step("release", pick=d.pick("s0"))
     d.step("acquire_many", weights=(2, 2), lease=20.0, reverse=False)  # s1 of a, s2 of b
+    d.step("acquire", key="a", lease=20.0, weight=2)  # refused: one unit of a is free
     d.step("acquire", key="a", lease=20.0)  # 3 of 3
     d.step("acquire", key="a", lease=20.0)  # refused
     d.step("force_release", pick=d.pick("s2"), what="slot")  # the group's slot of b
@@ -972,6 +973,15 @@ def test_schedule_several_keys_are_taken_all_together_or_not_at_all(
     d.step("extend", pick=d.pick("s1"), lease=20.0)  # a's slot of the group is still held
     d.step("acquire_many", weights=(1, 3), lease=20.0, reverse=False)  # weight 3 > limit 2
     assert len(d.model.holdings) == 4
+
+
+def test_schedule_force_release_all_counts_holders_not_units(
+    driven: Callable[..., Driven],
+) -> None:
+    """Shrunk from the deep profile: a holder of weight 2 is one displaced holder."""
+    d = driven(limits=(1, 2))
+    d.step("acquire_many", weights=(1, 2), lease=20.0, reverse=False)
+    d.step("force_release", pick=d.pick("s1"), what="key")  # s1 is b's slot, weight 2
 
 
 # -- bugs the model found -------------------------------------------------------------

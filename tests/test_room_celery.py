@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,11 +14,13 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Semaphore, SemaphoreNotAcquiredError
+from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.room import publisher_for
+from celery_semaphore.testing import RedisServer
 
-from .helpers import prefork_worker_process, spearman, wait_for
+from .celery_apps import make_app
+from .helpers import AMQP_URL, prefork_worker_process, rabbitmq_up, spearman, wait_for
 from .history import BODIES, History
 
 
@@ -191,3 +195,67 @@ def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
     assert _ran(client, first.id, second.id) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("broker", "handoffs", "backlog"),
+    [
+        # kombu's Redis transport serves a queue's priority lists in the order 0, 3, 6, 9.
+        ("redis", None, 9),
+        ("redis", 0, 9),
+        # RabbitMQ serves the highest first, on a queue declared with x-max-priority.
+        pytest.param("rabbitmq", 9, 0, marks=pytest.mark.skipif(
+            not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
+    ],
+)  # fmt: skip
+def test_a_hand_off_at_a_high_priority_is_fetched_ahead_of_the_backlog(
+    broker: str,
+    handoffs: int | None,
+    backlog: int,
+    redis_server: RedisServer,
+    client: redis.Redis,
+) -> None:
+    """Three runs park behind a held slot; with the worker stopped, a backlog of 20 more is
+    sent; then the slot is released, which publishes the oldest parked run. With
+    ``semaphore_handoff_priority`` above the backlog's, the restarted worker fetches that
+    hand-off first: its run starts while most of the backlog is still in the broker.
+    Without it, the hand-off keeps its run's priority and waits behind the backlog, all of
+    which parks before the run starts."""
+    # No grace: on a slow machine the backlog may take over a second to park, and a run
+    # that parks in person past the grace would take the hand-off's slot before it came.
+    conf: dict[str, object] = {"semaphore_handoff_priority": handoffs, "semaphore_handoff_grace": 0}
+    if broker == "rabbitmq":
+        conf.update(broker_url=AMQP_URL, task_queue_max_priority=10,
+                    task_default_queue=f"csem-first-{uuid.uuid4().hex[:8]}")  # fmt: skip
+    app = make_app(redis_server.url, **conf)
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=publisher_for(app))
+
+    @app.task(base=SemaphoreTask, semaphore="first", limit=1, shared=False, name="first.call")
+    def call(n: int) -> int:
+        client.rpush("first:parked", len(sem.admin.room("first")))
+        return n
+
+    held = sem.acquire("first")
+    assert held is not None
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            parked = [call.apply_async((n,), priority=backlog) for n in range(3)]
+            assert wait_for(lambda: len(sem.admin.room("first")) == 3, timeout=30)
+        waiting = [call.apply_async((n,), priority=backlog) for n in range(3, 23)]
+        assert held.release()  # the oldest parked run is published now
+        with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+            assert parked[0].get(timeout=30) == 0
+            for r in parked[1:] + waiting:
+                r.get(timeout=60)
+        in_room = [int(n) for n in client.lrange("first:parked", 0, -1)]
+        print(f"\n{broker}, hand-offs at {handoffs}: runs parked at each start {in_room}")
+        if handoffs is None:
+            assert in_room[0] == 22, in_room  # the whole backlog parked first
+        else:
+            assert in_room[0] <= 2 + 10, in_room  # two parked before, a few prefetched
+    finally:
+        gc.collect()
+        if broker == "rabbitmq":
+            with app.connection_for_write() as conn:
+                conn.default_channel.queue_delete(app.conf.task_default_queue)
+        app.close()

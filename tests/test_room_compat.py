@@ -14,7 +14,6 @@ a semaphore that publishes hand-offs as the app's workers do.
 from __future__ import annotations
 
 import itertools
-import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -33,23 +32,14 @@ from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import prefork_worker_process, wait_for
+from .helpers import AMQP_URL, prefork_worker_process, rabbitmq_up, wait_for
 from .history import BODIES, History, Run
 from .servers import ClusterServers, SentinelServers
 
 LIMIT = 2
 """``csem.room_step``'s limit."""
-AMQP_URL = "amqp://guest:guest@127.0.0.1:5672//"
 ROOM_SUFFIXES = ("", ":holders", ":room", ":parked")
 """The Redis keys of one semaphore key are ``semaphore:{<key>}`` and these suffixes."""
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", 5672), timeout=1).close()
-    except OSError:
-        return False
-    return True
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -171,7 +161,7 @@ def _delete_queue(app: Celery, queue: str) -> None:
         channel.exchange_delete(queue)
 
 
-@pytest.mark.skipif(not _rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+@pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
 @pytest.mark.parametrize("pool", ["threads", "prefork"])
 def test_a_backlog_drains_through_a_rabbitmq_broker(
     pool: str, redis_server: RedisServer, client: redis.Redis, tmp_path: Path

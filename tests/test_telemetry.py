@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -11,19 +12,12 @@ from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
 
 from celery_semaphore import Semaphore, SemaphoreLeaseLostError, metrics
+from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
 from .history import BODIES, History
-
-
-@pytest.fixture
-def registry() -> Iterator[CollectorRegistry]:
-    registry = CollectorRegistry()
-    installed = metrics.install(registry)
-    yield registry
-    installed.uninstall()
 
 
 @pytest.fixture
@@ -133,3 +127,23 @@ def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisSer
     holder.release()  # reserves the slot for w1 (no publisher: the sweep would start it)
     outcomes = [(s.attributes or {})["semaphore.outcome"] for s in exporter.get_finished_spans()]
     assert outcomes == ["acquired", "parked"]
+    exporter.clear()
+    # Several keys at once are one span, which names them joined and apart, sync or asyncio.
+    group = sem.acquire_many([("traced", 2), ("tenant:a", 1)])
+    assert group is not None
+    assert sem.park_many([("traced", 2), ("tenant:a", 1)], "w2", b"p") is not None
+
+    async def from_asyncio() -> None:
+        async with AsyncSemaphore(redis_server.url, limit=1) as asem:
+            taken = await asem.acquire_many([("traced", 3), ("tenant:b", 1)])
+            assert taken is not None
+            assert await taken.release()
+
+    asyncio.run(from_asyncio())
+    assert group.release()
+    spans = [dict(s.attributes or {}) for s in exporter.get_finished_spans()]
+    named = [(s["semaphore.key"], s["semaphore.keys"]) for s in spans]
+    assert named == [("traced+tenant:a", ("traced", "tenant:a"))] * 2 + [
+        ("traced+tenant:b", ("traced", "tenant:b"))
+    ]
+    assert [s["semaphore.outcome"] for s in spans] == ["acquired", "parked", "acquired"]

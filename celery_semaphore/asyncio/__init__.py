@@ -8,7 +8,14 @@ it. See the asyncio how-to for a walk through.
 """
 
 from .clients import async_client_from_url, async_client_like
+from .group import AsyncSlotGroup
 from .semaphore import AsyncSemaphore
 from .slot import AsyncSlot
 
-__all__ = ["AsyncSemaphore", "AsyncSlot", "async_client_from_url", "async_client_like"]
+__all__ = [
+    "AsyncSemaphore",
+    "AsyncSlot",
+    "AsyncSlotGroup",
+    "async_client_from_url",
+    "async_client_like",
+]

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..core import validation as check
@@ -57,7 +57,8 @@ class Acquirer:
         self.scripts = scripts
         self.limit = limit
         self.handoffs = handoffs
-        self.held: dict[str, AsyncSlot] = {}  # token -> slot not yet released
+        # (token, key) -> slot not yet released; the slots of a group share one token.
+        self.held: dict[tuple[str, str], AsyncSlot] = {}
         self.background = Background()
         self._record = HolderRecord(limit)
 
@@ -87,23 +88,41 @@ class Acquirer:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        call = acquire_call(keys, limit, ms, token, info, weight)
-        attempt = self.background.spawn(self.run(key, call))
+        return await self.taking(acquire_call(keys, limit, ms, token, info, weight), key,
+                                 token, [(keys, key)])  # fmt: skip
+
+    async def taking(
+        self, call: Call[T], label: str, token: str, held: Sequence[tuple[Keys, str]]
+    ) -> T:
+        """Send ``call``, an acquire that may take a slot of each ``(keys, key)`` of ``held``
+        under ``token``, so that a cancelled caller cannot leak them: the call runs on as a
+        task of its own, and whatever it took is given back once its answer is in.
+
+        Raises:
+            SemaphoreBackendError: Redis failed (``label`` names the key or keys).
+        """
+        attempt = self.background.spawn(self.run(label, call))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
-            self.background.spawn(self._give_back_after(attempt, keys, key, token))
+            self.background.spawn(self._give_back_after(attempt, held, token))
             raise
 
     async def _give_back_after(
-        self, attempt: asyncio.Task[Admitted | Full], keys: Keys, key: str, token: str
+        self, attempt: asyncio.Task[Any], held: Sequence[tuple[Keys, str]], token: str
     ) -> None:
         try:
-            taken = not isinstance(await attempt, Full)
+            # acquire.lua admits with an Admitted, acquire_many.lua with a list of them.
+            taken = isinstance(await attempt, (Admitted, list))
         except SemaphoreBackendError:
             taken = True  # no answer: the script may have run, and a release costs nothing
         if taken:
-            await self.give_back(keys, key, token)
+            await self.give_back_all(held, token)
+
+    async def give_back_all(self, held: Sequence[tuple[Keys, str]], token: str) -> None:
+        """Release ``token`` from each ``(keys, key)`` of ``held`` at once (see
+        :meth:`give_back`). Never raises."""
+        await asyncio.gather(*(self.give_back(keys, key, token) for keys, key in held))
 
     async def give_back(self, keys: Keys, key: str, token: str) -> None:
         """Release ``token``, a slot nobody holds. Never raises: a failure is logged, and
@@ -131,11 +150,11 @@ class Acquirer:
             self.scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
             self.handoffs, self._forget, weight,
         )  # fmt: skip
-        self.held[token] = slot
+        self.held[token, key] = slot
         return slot
 
     def _forget(self, slot: AsyncSlot) -> None:
-        self.held.pop(slot.token, None)
+        self.held.pop((slot.token, slot.key), None)
 
     async def wait(
         self,
@@ -174,7 +193,7 @@ class Acquirer:
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot
-                lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
+                lapse = reply.first_lapse(now_ms)
                 with backend_errors(key, self.limit):
                     await client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None

@@ -1,5 +1,6 @@
-"""Run a body under an :class:`AsyncSlot`: renew it, stop the body if asked when the slot is
-lost, give the slot back on every path, and judge whether it held.
+"""Run a body under an :class:`AsyncSlot` (or an :class:`AsyncSlotGroup`): renew it, stop the
+body if asked when the slot is lost, give the slot back on every path, and judge whether it
+held.
 
 The asyncio twin of :func:`celery_semaphore.core.semaphore.guard`. The one new piece is the
 interrupt: where the sync semaphore raises inside the body's thread, here the body's task
@@ -13,26 +14,40 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from ..core.lease import RenewErrorCallback
-from ..errors import SemaphoreBackendError
+from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from .group import AsyncSlotGroup
 from .renewer import renewer
 from .slot import AsyncSlot
 
+S = TypeVar("S", AsyncSlot, AsyncSlotGroup)
+
 logger = logging.getLogger(__name__)
+
+
+def check_interrupt(interrupt: object) -> None:
+    """Refuse an ``interrupt`` option that is not a bool, before anything is acquired.
+
+    Raises:
+        SemaphoreValidationError: ``interrupt`` is not True or False.
+    """
+    if not isinstance(interrupt, bool):
+        raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
 
 
 class _Interrupt:
     """While armed, a loss of ``slot`` cancels ``task``; afterwards, tells that cancellation
     from any other."""
 
-    def __init__(self, slot: AsyncSlot, task: asyncio.Task[object]) -> None:
+    def __init__(self, slot: AsyncSlot | AsyncSlotGroup, task: asyncio.Task[object]) -> None:
         self._task = task
         self._armed = True
         self.fired = False
         slot.when_lost(self._fire)
 
-    def _fire(self, slot: AsyncSlot) -> None:
+    def _fire(self, slot: AsyncSlot | AsyncSlotGroup) -> None:
         if self._armed and not self.fired:
             self.fired = True
             self._task.cancel(f"semaphore slot of {slot.key!r} lost")
@@ -51,11 +66,11 @@ class _Interrupt:
 
 @contextlib.asynccontextmanager
 async def guard(
-    slot: AsyncSlot,
+    slot: S,
     interval: float | None,
     on_renew_error: RenewErrorCallback | None = None,
     interrupt: bool = False,
-) -> AsyncIterator[AsyncSlot]:
+) -> AsyncIterator[S]:
     """Renew ``slot`` while the block runs, then release it and judge whether it held.
 
     The slot leaves the loop's renewer before the release, so a renewal racing an
@@ -65,7 +80,8 @@ async def guard(
     cancelled.
 
     Args:
-        slot (AsyncSlot): a freshly acquired slot; released on every path out of the block.
+        slot (AsyncSlot | AsyncSlotGroup): a freshly acquired slot, or the slots of several
+            keys (each renewed, all released); released on every path out of the block.
         interval (float | None): seconds between renewals; None for no renewal.
         on_renew_error (Callable[[BaseException], object] | None): see
             :meth:`AsyncSemaphore.hold`.
@@ -75,10 +91,12 @@ async def guard(
         SemaphoreLeaseLostError: the slot was lost while the block ran, and the block ended
             normally or was cancelled by ``interrupt``.
     """
+    members = slot.slots if isinstance(slot, AsyncSlotGroup) else (slot,)
     beat = None
     if interval is not None:
         beat = renewer()
-        beat.add(slot, interval, on_renew_error)
+        for member in members:
+            beat.add(member, interval, on_renew_error)
     task = asyncio.current_task()
     stop = _Interrupt(slot, task) if interrupt and task is not None else None
     failed = True
@@ -93,7 +111,8 @@ async def guard(
         if stop is not None:
             stop.disarm()  # a body that swallowed the cancellation leaves none pending
         if beat is not None:
-            beat.remove(slot)
+            for member in members:
+                beat.remove(member)
         slot.check_deadline()
         try:
             await slot.release()

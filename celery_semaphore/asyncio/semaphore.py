@@ -24,7 +24,7 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
 from ..core.lease import RenewErrorCallback
-from ..core.options import acquire_args, semaphore_options
+from ..core.options import acquire_args, hold_interval, semaphore_options
 from ..core.process import new_token
 from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.scripts import (
@@ -43,7 +43,9 @@ from ..core.tracing import acquire_span
 from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
 from .acquiring import Acquirer
 from .clients import AsyncClient, async_client_from_url
-from .guard import guard
+from .guard import check_interrupt, guard
+from .live import AsyncLiveLimits
+from .many import AsyncManyKeys
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore:
+class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -79,7 +81,10 @@ class AsyncSemaphore:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
 
     Use it from one event loop: its client's connections and its slots belong to the loop
-    they were first used in.
+    they were first used in. Several keys at once (:meth:`acquire_many`, :meth:`hold_many`)
+    come from :class:`~celery_semaphore.asyncio.many.AsyncManyKeys`, live limits
+    (:meth:`set_limit`, :meth:`live_limit`) from
+    :class:`~celery_semaphore.asyncio.live.AsyncLiveLimits`.
 
     Example::
 
@@ -254,12 +259,8 @@ class AsyncSemaphore:
             SemaphoreBackendError: Redis failed while acquiring.
         """
         key = check.check_key(key)
-        seconds = self.lease if lease is None else lease
-        check.lease_ms(seconds)
-        interval = check.heartbeat_interval(heartbeat, float(seconds))
-        check.check_callback(on_renew_error, "on_renew_error")
-        if not isinstance(interrupt, bool):
-            raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
+        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
+        check_interrupt(interrupt)
         slot = await self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata, wait=wait,
@@ -308,10 +309,6 @@ class AsyncSemaphore:
         """
         key = check.check_key(key)
         return await self._acquirer.run(key, count_call(self._redis_keys(key)))
-
-    async def available(self, key: str) -> int:
-        """``limit`` minus the live holders of ``key``, never below 0. Errors as :meth:`count`."""
-        return max(0, self.limit - await self.count(key))
 
     async def holders(self, key: str) -> list[Holder]:
         """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ..core import validation as check
 from ..core.lease import LeaseRecord
@@ -28,12 +29,25 @@ from ..core.scripts import (
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 async def deliver(handoffs: HandoffRoute, key: str, handed: Sequence[Handoff]) -> None:
     """Pass ``handed`` to the semaphore's ``on_handoff`` in a worker thread: a publisher
     (Celery's, say) does blocking I/O, which must not stall the event loop. Never raises."""
     if handed:
         await asyncio.to_thread(handoffs.deliver, key, handed)
+
+
+def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
+    """Call each of ``callbacks`` with ``subject`` (a slot or a group just found lost); one
+    that raises is logged, and the others still run: a broken hook must not stop an
+    interrupt or the renewer."""
+    for callback in callbacks:
+        try:
+            callback(subject)
+        except Exception:
+            logger.exception("lost-slot callback %r failed", callback)
 
 
 class AsyncSlot(LeaseRecord):
@@ -101,11 +115,7 @@ class AsyncSlot(LeaseRecord):
         self._lost_reason = reason
         self.lost.set()
         callbacks, self._lost_callbacks = self._lost_callbacks, []
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:
-                logger.exception("lost-slot callback %r failed", callback)
+        notify(callbacks, self)
 
     def when_lost(self, callback: Callable[[AsyncSlot], object]) -> None:
         """Call ``callback(slot)`` once, the moment the slot is known to be lost.

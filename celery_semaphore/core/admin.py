@@ -77,6 +77,26 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
     )
 
 
+def many_redis_keys(prefix: str, keys: Sequence[str], cluster: bool) -> list[Keys]:
+    """:func:`redis_keys` of each of ``keys``, which one script call takes together; with
+    ``cluster`` (the client is a Redis Cluster's, sync or asyncio), each key is checked as
+    :func:`check_cluster_key` does, and all must share one hash slot.
+
+    Raises:
+        SemaphoreValidationError: on a cluster, a key starts with ``}``, or the keys land in
+            different hash slots.
+    """
+    found = [redis_keys(prefix, check_cluster_key(key) if cluster else key) for key in keys]
+    if cluster and len({key_slot(k.slots.encode()) for k in found}) > 1:
+        raise SemaphoreValidationError(
+            f"keys {list(keys)!r} land in different Redis Cluster slots, so no script can "
+            "take them together: start every key with the same hash tag, say "
+            "'{llm}openai' and '{llm}tenant:acme'",
+            keys[0],
+        )
+    return found
+
+
 class SemaphoreAdmin(LiveLimits):
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
@@ -119,15 +139,7 @@ class SemaphoreAdmin(LiveLimits):
         Raises:
             SemaphoreValidationError: on a cluster, the keys land in different hash slots.
         """
-        found = [self.keys_of(key) for key in keys]
-        if self._cluster and len({key_slot(k.slots.encode()) for k in found}) > 1:
-            raise SemaphoreValidationError(
-                f"keys {list(keys)!r} land in different Redis Cluster slots, so no script can "
-                "take them together: start every key with the same hash tag, say "
-                "'{llm}openai' and '{llm}tenant:acme'",
-                keys[0],
-            )
-        return found
+        return many_redis_keys(self.prefix, keys, self._cluster)
 
     @property
     def room_index(self) -> str:

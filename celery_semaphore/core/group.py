@@ -12,12 +12,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import SemaphoreLeaseLostError
 from . import validation as check
 from .lazy_event import LazyEvent
-from .options import acquire_args, many_args
+from .options import many_args, many_plan
 from .parking import OUTCOMES, WaitingRoom, check_waiter, park_args
 from .process import new_token
 from .room import DEFAULT_ROOM_TTL
@@ -26,48 +26,51 @@ from .slot import Slot
 from .tracing import acquire_span
 
 
-class SlotGroup:
-    """The slots of several keys, taken together by :meth:`Semaphore.acquire_many`.
+class _Flag(Protocol):
+    def is_set(self) -> bool: ...
 
-    Attributes:
-        slots (tuple[Slot, ...]): one slot per key, in the order the keys were given.
-        key (str): the keys, joined with ``+`` (for messages).
-        lost (threading.Event): set the moment any of the slots is known to be lost.
 
-    It offers what a body needs of a slot (``lost``, ``lease``, ``weight``, ``token``,
-    ``extend``, ``release``); ``limit`` is the first key's. A context manager releases every
-    slot on exit.
+class Member(Protocol):
+    """What a group needs of each of its slots, a :class:`Slot` or an asyncio
+    :class:`~celery_semaphore.asyncio.slot.AsyncSlot`."""
+
+    key: str
+    limit: int
+    token: str
+    lease: float
+    weight: int
+
+    @property
+    def lost(self) -> _Flag: ...
+
+    def check_deadline(self) -> None: ...
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError: ...
+
+
+M = TypeVar("M", bound=Member)
+
+
+class GroupRecord(Generic[M]):
+    """What a group of slots taken together is, sync or asyncio: its slots, keys and token,
+    and how its loss is judged and reported. :class:`SlotGroup` and
+    :class:`~celery_semaphore.asyncio.group.AsyncSlotGroup` add the ``lost`` event and the
+    round trips.
+
+    Args:
+        slots (Sequence[Slot | AsyncSlot]): one slot per key, in the order the keys were
+            given, all under one token.
     """
 
-    def __init__(self, slots: Sequence[Slot]) -> None:
+    lost: _Flag
+
+    def __init__(self, slots: Sequence[M]) -> None:
         self.slots = tuple(slots)
         self.key = "+".join(s.key for s in self.slots)
-        self.lost: threading.Event = LazyEvent()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[SlotGroup], object]] = []
-        for slot in self.slots:
-            slot.when_lost(self._member_lost)
-
-    def _member_lost(self, _: Slot) -> None:
-        with self._lock:
-            if self.lost.is_set():
-                return
-            self.lost.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-
-    def when_lost(self, callback: Callable[[SlotGroup], object]) -> None:
-        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
-        (at once if one already is); see :meth:`Slot.when_lost`."""
-        with self._lock:
-            if not self.lost.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
 
     def __repr__(self) -> str:
-        return f"<SlotGroup {[s.key for s in self.slots]!r} {'lost' if self.lost.is_set() else ''}>"
+        state = " lost" if self.lost.is_set() else ""
+        return f"<{type(self).__name__} {self.keys!r}{state}>"
 
     @property
     def keys(self) -> list[str]:
@@ -94,6 +97,60 @@ class SlotGroup:
         """Units of each key's limit the group takes (the first key's, when they differ)."""
         return self.slots[0].weight
 
+    def check_deadline(self) -> None:
+        """Mark lost each slot whose deadline passed without a renewal."""
+        for slot in self.slots:
+            slot.check_deadline()
+
+    def lease_lost_error(self) -> SemaphoreLeaseLostError:
+        """The error that reports the group's loss: the first lost slot's."""
+        for slot in self.slots:
+            if slot.lost.is_set():
+                return slot.lease_lost_error()
+        return self.slots[0].lease_lost_error()
+
+
+class SlotGroup(GroupRecord[Slot]):
+    """The slots of several keys, taken together by :meth:`Semaphore.acquire_many`.
+
+    Attributes:
+        slots (tuple[Slot, ...]): one slot per key, in the order the keys were given.
+        key (str): the keys, joined with ``+`` (for messages).
+        lost (threading.Event): set the moment any of the slots is known to be lost.
+
+    It offers what a body needs of a slot (``lost``, ``lease``, ``weight``, ``token``,
+    ``extend``, ``release``); ``limit`` is the first key's. A context manager releases every
+    slot on exit.
+    """
+
+    lost: threading.Event
+
+    def __init__(self, slots: Sequence[Slot]) -> None:
+        super().__init__(slots)
+        self.lost = LazyEvent()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[SlotGroup], object]] = []
+        for slot in self.slots:
+            slot.when_lost(self._member_lost)
+
+    def _member_lost(self, _: Slot) -> None:
+        with self._lock:
+            if self.lost.is_set():
+                return
+            self.lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    def when_lost(self, callback: Callable[[SlotGroup], object]) -> None:
+        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
+        (at once if one already is); see :meth:`Slot.when_lost`."""
+        with self._lock:
+            if not self.lost.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
     def extend(self, lease: float | None = None) -> bool:
         """Extend every slot (one round trip each): True when all were still held.
 
@@ -112,18 +169,6 @@ class SlotGroup:
                 their lease.
         """
         return all([slot.release() for slot in self.slots])
-
-    def check_deadline(self) -> None:
-        """Mark lost each slot whose deadline passed without a renewal."""
-        for slot in self.slots:
-            slot.check_deadline()
-
-    def lease_lost_error(self) -> SemaphoreLeaseLostError:
-        """The error that reports the group's loss: the first lost slot's."""
-        for slot in self.slots:
-            if slot.lost.is_set():
-                return slot.lease_lost_error()
-        return self.slots[0].lease_lost_error()
 
     def __enter__(self) -> SlotGroup:
         return self
@@ -155,7 +200,10 @@ class ManyKeys(WaitingRoom):
                 ``(key, limit, weight)`` for each key, at least one, no key twice. On Redis
                 Cluster they must share a hash tag (``"{llm}openai"``,
                 ``"{llm}tenant:acme"``). A live limit set on a key wins over its limit.
-            lease, retries, retry_delay, metadata: as for :meth:`acquire`.
+            lease (float | None): as for :meth:`Semaphore.acquire`.
+            retries (int): as for :meth:`Semaphore.acquire`.
+            retry_delay (float): as for :meth:`Semaphore.acquire`.
+            metadata (Mapping[str, Any] | None): as for :meth:`Semaphore.acquire`.
 
         Returns:
             SlotGroup | None: the slots, which the caller must release (one round trip per
@@ -166,35 +214,25 @@ class ManyKeys(WaitingRoom):
                 cluster the keys share no hash slot (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        specs = many_args(keys)
-        _, seconds, ms, attempts, delay, _ = acquire_args(
-            specs[0][0], lease, self.lease, retries, retry_delay, 0.0
-        )
-        info = self._metadata(metadata, specs[0][1], specs[0][2])
-        all_keys = self.admin.keys_of_many([key for key, _, _ in specs])
-        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
-        token = new_token()
-        label = "+".join(key for key, _, _ in specs)
-        with acquire_span(label, specs[0][1]) as record:
-            for attempt in range(attempts):
+        plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
+                         self._metadata, self.admin.keys_of_many)  # fmt: skip
+        with acquire_span(plan.label, plan.limit, plan.names) as record:
+            for attempt in range(plan.attempts):
                 if attempt:
-                    time.sleep(delay)
+                    time.sleep(plan.delay)
                 sent_at = time.monotonic()
-                with backend_errors(label, specs[0][1]):
-                    reply = self._scripts.acquire_many(groups, ms, token, info)
+                with backend_errors(plan.label, plan.limit):
+                    reply = self._scripts.acquire_many(plan.groups, plan.ms, plan.token, plan.info)
                 if isinstance(reply, list):
-                    slots = [
-                        self._slot(k, key, token, seconds, admitted, sent_at, weight)
-                        for k, (key, _, weight), admitted in zip(
-                            all_keys, specs, reply, strict=True
-                        )
-                    ]
-                    group = SlotGroup(slots)
-                    if time.monotonic() - sent_at < seconds:
+                    group = SlotGroup(
+                        [self._slot(k, key, plan.token, plan.seconds, admitted, sent_at, weight)
+                         for k, key, admitted, weight in plan.members(reply)]
+                    )  # fmt: skip
+                    if time.monotonic() - sent_at < plan.seconds:
                         record(attempt + 1, "acquired")
                         return group
                     group.release()  # answered after a whole lease: not to be trusted
-            record(attempts, "full")
+            record(plan.attempts, "full")
         return None
 
     def park_many(
@@ -218,9 +256,17 @@ class ManyKeys(WaitingRoom):
         holds one key's slot while it waits for another's.
 
         Args:
-            keys: as for :meth:`acquire_many`.
-            waiter, payload, arrival, lease, metadata, max_queued, room_ttl, deadline: as for
-                :meth:`Semaphore.park` (``max_queued`` counts the room it would wait in).
+            keys (Sequence[tuple[str, int] | tuple[str, int, int]]): as for
+                :meth:`acquire_many`.
+            waiter (str): as for :meth:`Semaphore.park`.
+            payload (bytes): as for :meth:`Semaphore.park`.
+            arrival (float | None): as for :meth:`Semaphore.park`.
+            lease (float | None): as for :meth:`Semaphore.park`.
+            metadata (Mapping[str, Any] | None): as for :meth:`Semaphore.park`.
+            max_queued (int): as for :meth:`Semaphore.park`, counting the room it would
+                wait in.
+            room_ttl (float): as for :meth:`Semaphore.park`.
+            deadline (float | None): as for :meth:`Semaphore.park`.
 
         Returns:
             SlotGroup | Parked | RoomFull: the slots; or where the waiter stands
@@ -294,7 +340,10 @@ class ManyKeys(WaitingRoom):
         token = new_token()
         label = "+".join(key for key, _, _ in specs)
         sent_at = time.monotonic()
-        with acquire_span(label, specs[0][1]) as record, backend_errors(label, specs[0][1]):
+        with (
+            acquire_span(label, specs[0][1], [key for key, _, _ in specs]) as record,
+            backend_errors(label, specs[0][1]),
+        ):
             result, handed = self._scripts.park_many(
                 groups, ms, token, info, waiter, arrival_ms, payload, self.handoffs.claim_ms,
                 ttl_ms, max_queued, claim_only, deadline_ms, delivery,

@@ -8,6 +8,7 @@ import getpass
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,40 @@ def setter() -> str:
     return f"{user}@{socket.gethostname()} pid {os.getpid()}"
 
 
+def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
+    """The live limit a key's limits hash holds, read from HGETALL's reply (bytes or text),
+    or None when the hash holds none."""
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    if "limit" not in fields:
+        return None
+    return LiveLimit(int(fields["limit"]), int(fields.get("set_at", 0)) / 1000,
+                     fields.get("by", ""))  # fmt: skip
+
+
+def limit_change(key: object, limit: object, by: object) -> tuple[str, int | None, str]:
+    """The arguments of a ``set_limit`` (sync or asyncio) checked: the key, the new limit
+    (None clears it) and who sets it (``by``, else :func:`setter`).
+
+    Raises:
+        SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid.
+    """
+    checked = check.check_key(key)
+    new = None if limit is None else check.check_limit(limit)
+    return checked, new, setter() if by is None else check.check_key(by, "by")
+
+
+def log_limit_change(key: str, limit: int | None, previous: int | None, who: str) -> None:
+    """Log a live limit's change at WARNING, from this module's logger whichever semaphore
+    made it: an operator's decision must be findable in one place."""
+    logger.warning(
+        "semaphore %r: live limit %s (was %s) by %s",
+        key,
+        "cleared" if limit is None else f"set to {limit}",
+        "none" if previous is None else previous,
+        who,
+    )
+
+
 class LiveLimits:
     """The live-limit methods of :class:`~celery_semaphore.core.admin.SemaphoreAdmin` (the
     attributes and the method below are the admin's own)."""
@@ -69,12 +104,7 @@ class LiveLimits:
         """
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            raw = self.client.hgetall(keys.limits)
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        if "limit" not in fields:
-            return None
-        return LiveLimit(int(fields["limit"]), int(fields.get("set_at", 0)) / 1000,
-                         fields.get("by", ""))  # fmt: skip
+            return live_limit_of(self.client.hgetall(keys.limits))
 
     def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
         """Set the live limit of ``key``, which wins over the limit every caller gives until it
@@ -98,20 +128,12 @@ class LiveLimits:
             SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid (nothing is sent).
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
-        if limit is not None:
-            limit = check.check_limit(limit)
-        who = setter() if by is None else check.check_key(by, "by")
+        key, limit, who = limit_change(key, limit, by)
+        keys = self.keys_of(key)
         with backend_errors(key, limit):
             previous, _, handed = self._scripts.set_limit(
                 keys, limit, who, self.handoffs.release_claim_ms
             )
         self.handoffs.deliver(key, handed)
-        logger.warning(
-            "semaphore %r: live limit %s (was %s) by %s",
-            key,
-            "cleared" if limit is None else f"set to {limit}",
-            "none" if previous is None else previous,
-            who,
-        )
+        log_limit_change(key, limit, previous, who)
         return previous

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
+from .scripts import Admitted, Keys
 
 
 def semaphore_options(limit: int, lease: float, prefix: str) -> tuple[int, float, str]:
@@ -84,6 +85,26 @@ def _timing(
     return float(seconds), ms, attempts, check.check_delay(delay), waiting
 
 
+def hold_interval(
+    lease: float | None, default_lease: float, heartbeat: object, on_renew_error: object
+) -> float | None:
+    """The renewal interval of a ``hold`` (sync or asyncio, one key or several), checked
+    with the lease it is judged against and the renewal-error callback, before acquiring.
+
+    Returns:
+        float | None: seconds between renewals; None: no renewal (``heartbeat=False``).
+
+    Raises:
+        SemaphoreValidationError: the lease, the heartbeat (above half the lease, say) or
+            the callback is invalid.
+    """
+    seconds = default_lease if lease is None else lease
+    check.lease_ms(seconds)
+    interval = check.heartbeat_interval(heartbeat, float(seconds))
+    check.check_callback(on_renew_error, "on_renew_error")
+    return interval
+
+
 def many_args(keys: object) -> list[tuple[str, int, int]]:
     """The keys of ``acquire_many`` checked, as ``(key, limit, weight)`` triples.
 
@@ -108,6 +129,88 @@ def many_args(keys: object) -> list[tuple[str, int, int]]:
     if len({key for key, _, _ in specs}) < len(specs):
         raise SemaphoreValidationError(f"keys name a key twice: {[k for k, _, _ in specs]!r}")
     return specs
+
+
+class ManyPlan(NamedTuple):
+    """An ``acquire_many``'s arguments, checked, and what its script call sends; built by
+    :func:`many_plan` for the sync and the asyncio semaphore alike."""
+
+    specs: list[tuple[str, int, int]]
+    """``(key, limit, weight)`` of each key, in the order given."""
+    keys: list[Keys]
+    """The Redis keys of each."""
+    seconds: float
+    ms: int
+    attempts: int
+    delay: float
+    info: str
+    """The holder record every key's slot stores (with the first key's limit and weight)."""
+    token: str
+    """The token all the slots share."""
+
+    @property
+    def names(self) -> list[str]:
+        """The keys, in the order given."""
+        return [key for key, _, _ in self.specs]
+
+    @property
+    def label(self) -> str:
+        """The keys joined with ``+``, for messages and errors."""
+        return "+".join(self.names)
+
+    @property
+    def limit(self) -> int:
+        """The first key's limit, for messages and errors."""
+        return self.specs[0][1]
+
+    @property
+    def groups(self) -> list[tuple[Keys, int, int]]:
+        """What acquire_many.lua takes: ``(keys, limit, weight)`` of each key."""
+        return [(k, limit, weight) for k, (_, limit, weight) in zip(self.keys, self.specs,
+                                                                    strict=True)]  # fmt: skip
+
+    def members(self, admitted: Sequence[Admitted]) -> list[tuple[Keys, str, Admitted, int]]:
+        """``(keys, key, answer, weight)`` of each slot an admitting reply took."""
+        return [(k, key, answer, weight) for k, (key, _, weight), answer
+                in zip(self.keys, self.specs, admitted, strict=True)]  # fmt: skip
+
+
+def many_plan(
+    keys: object,
+    lease: float | None,
+    default_lease: float,
+    retries: int,
+    retry_delay: float,
+    metadata: Mapping[str, Any] | None,
+    encode: Callable[[Mapping[str, Any] | None, int | None, int], str],
+    keys_of_many: Callable[[list[str]], list[Keys]],
+) -> ManyPlan:
+    """Check an ``acquire_many``'s arguments, all before anything is sent, and plan its
+    script call.
+
+    Args:
+        keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
+            :func:`many_args`).
+        lease (float | None): as for :func:`acquire_args`.
+        default_lease (float): as for :func:`acquire_args`.
+        retries (int): as for :func:`acquire_args`.
+        retry_delay (float): as for :func:`acquire_args`.
+        metadata (Mapping[str, Any] | None): the caller's facts about the holder.
+        encode (Callable): the semaphore's :meth:`HolderRecord.encode`.
+        keys_of_many (Callable[[list[str]], list[Keys]]): the Redis keys of the keys; on a
+            cluster it refuses keys that share no hash slot (see
+            :func:`~celery_semaphore.core.admin.many_redis_keys`).
+
+    Raises:
+        SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
+            cluster the keys share no hash slot.
+    """
+    specs = many_args(keys)
+    checked = acquire_args(specs[0][0], lease, default_lease, retries, retry_delay, 0.0)
+    info = encode(metadata, specs[0][1], specs[0][2])
+    found = keys_of_many([key for key, _, _ in specs])
+    return ManyPlan(specs, found, checked.seconds, checked.ms, checked.attempts, checked.delay,
+                    info, process.new_token())  # fmt: skip
 
 
 class HolderRecord:

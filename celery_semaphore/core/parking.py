@@ -310,7 +310,7 @@ class WaitingRoom:
                     reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
                     if isinstance(reply, Admitted):
                         return self._slot(keys, key, token, lease, reply, sent_at, weight)
-                    lapse = max(0.001, (reply.first_expiry_ms - now_ms) / 1000)
+                    lapse = reply.first_lapse(now_ms)
                     self.client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
             return None
         finally:

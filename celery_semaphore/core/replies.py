@@ -9,6 +9,7 @@ contract that opens its ``lua/*.lua`` file.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,14 @@ class Full:
     now_ms: int
     first_expiry_ms: int
     limit: int = 0
+
+    def first_lapse(self, now_ms: int) -> float:
+        """Seconds from ``now_ms`` (epoch ms) until the soonest lease lapses, at least 1 ms;
+        infinity when no unit is held (a weight above a lowered live limit: no lapse frees
+        room, only a release elsewhere or a raised limit, both of which wake the caller)."""
+        if not self.first_expiry_ms:
+            return math.inf
+        return max(0.001, (self.first_expiry_ms - now_ms) / 1000)
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:

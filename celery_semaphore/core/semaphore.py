@@ -31,7 +31,7 @@ from .clients import RedisClient, client_from_url
 from .group import ManyKeys, SlotGroup
 from .heartbeat import renewer
 from .lease import RenewErrorCallback
-from .options import HolderRecord, acquire_args, semaphore_options
+from .options import HolderRecord, acquire_args, hold_interval, semaphore_options
 from .process import new_token
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import Admitted, Full, Keys, Scripts, backend_errors
@@ -273,10 +273,7 @@ class Semaphore(ManyKeys):
             SemaphoreBackendError: Redis failed while acquiring.
         """
         key = check.check_key(key)
-        seconds = self.lease if lease is None else lease
-        check.lease_ms(seconds)
-        interval = check.heartbeat_interval(heartbeat, float(seconds))
-        check.check_callback(on_renew_error, "on_renew_error")
+        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
         slot = self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata,

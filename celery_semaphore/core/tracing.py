@@ -3,15 +3,18 @@
 The span is ``semaphore.acquire`` with attributes ``semaphore.key``, ``semaphore.limit``,
 ``semaphore.attempts`` and ``semaphore.outcome`` (``acquired`` or ``full``; for the waiting
 room's park and claim, ``acquired``, ``parked``, ``room full`` or ``none``; a Redis failure is
-recorded as the span's exception). Without an SDK configured the API's spans are no-ops,
-and without the package installed nothing is imported: ``pip install
-'celery-semaphore[tracing]'`` to have it.
+recorded as the span's exception). An acquire of several keys at once is one span, whose
+``semaphore.key`` joins the keys with ``+`` and whose ``semaphore.keys`` lists them apart,
+so a query by one key finds it (its ``semaphore.limit`` is the first key's).
+
+Without an SDK configured the API's spans are no-ops, and without the package installed
+nothing is imported: ``pip install 'celery-semaphore[tracing]'`` to have it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 try:
@@ -40,20 +43,31 @@ class _NoSpan:
 _NO_SPAN = _NoSpan()
 
 
-def acquire_span(key: str, limit: int) -> contextlib.AbstractContextManager[Record]:
+def acquire_span(
+    key: str, limit: int, keys: Sequence[str] = ()
+) -> contextlib.AbstractContextManager[Record]:
     """Wrap one acquire (all its attempts) in a span; entering it gives
-    ``record(attempts, outcome)``."""
+    ``record(attempts, outcome)``.
+
+    Args:
+        key (str): the key, or the keys joined with ``+``.
+        limit (int): the (first key's) limit.
+        keys (Sequence[str]): for an acquire of several keys, each of them, recorded as
+            ``semaphore.keys``; empty for one key.
+    """
     # With no SDK configured the API's spans record nothing, yet entering one costs more
     # than the rest of an acquire's client-side work: skip it.
     if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return _NO_SPAN
-    return _span(key, limit)
+    return _span(key, limit, keys)
 
 
 @contextlib.contextmanager
-def _span(key: str, limit: int) -> Iterator[Record]:
+def _span(key: str, limit: int, keys: Sequence[str]) -> Iterator[Record]:
     tracer = trace.get_tracer("celery_semaphore")
-    attributes: dict[str, str | int] = {"semaphore.key": key, "semaphore.limit": limit}
+    attributes: dict[str, str | int | list[str]] = {"semaphore.key": key, "semaphore.limit": limit}
+    if keys:
+        attributes["semaphore.keys"] = list(keys)
     with tracer.start_as_current_span("semaphore.acquire", attributes=attributes) as span:
 
         def record(attempts: int, outcome: str) -> None:

@@ -19,6 +19,7 @@ from ..errors import SemaphoreLeaseLostError
 from .current import CURRENT
 from .policy import Policy
 from .signals import (
+    Names,
     renew_failed_reporter,
     report_lease_lost,
     semaphore_acquired,
@@ -32,7 +33,7 @@ def run_body(
     slot: Slot | SlotGroup,
     policy: Policy,
     waited: float,
-    template: str,
+    names: Names,
     fn: Callable[..., Any],
     args: Any,
     kwargs: Any,
@@ -45,7 +46,7 @@ def run_body(
         slot (Slot | SlotGroup): the slot just taken (or the slots of several keys).
         policy (Policy): the heartbeat and ``interrupt`` to run under.
         waited (float): seconds the run waited for its slot, for the signals.
-        template (str): the ``semaphore`` option as written, for the signals.
+        names (Names): how the signals name the key or keys, and their templates.
 
     Returns:
         Any: what the body returned.
@@ -57,12 +58,12 @@ def run_body(
     interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
     interrupter = Interrupter(slot) if policy.interrupt else None
     semaphore_acquired.send(
-        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, waited=waited
+        sender=task, limit=slot.limit, slot=slot, waited=waited, **names.fields()
     )
     send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
     started = time.monotonic()
     try:
-        with guard(slot, interval, renew_failed_reporter(task, slot, template)):
+        with guard(slot, interval, renew_failed_reporter(task, slot, names)):
             token = CURRENT.set(slot)
             try:
                 if interrupter is None:
@@ -78,12 +79,11 @@ def run_body(
     finally:
         semaphore_released.send(
             sender=task,
-            key=slot.key,
             limit=slot.limit,
-            template=template,
             slot=slot,
             held=time.monotonic() - started,
             lost=slot.lost.is_set(),
+            **names.fields(),
         )
         if slot.lost.is_set():
-            report_lease_lost(task, slot, template)
+            report_lease_lost(task, slot, names)

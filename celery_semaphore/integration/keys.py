@@ -61,6 +61,11 @@ class KeyTemplate:
             return str(getattr(self._call, "__qualname__", self._call))
         return self._template
 
+    @property
+    def sources(self) -> tuple[str]:
+        """The one key's :attr:`source`, as :attr:`KeySet.sources` gives each of several."""
+        return (self.source,)
+
     def render(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The key for one call.
 
@@ -135,7 +140,12 @@ class KeySet:
     @property
     def source(self) -> str:
         """The keys as written, joined with ``+`` (for views and log lines)."""
-        return "+".join(template.source for template, _ in self.entries)
+        return "+".join(self.sources)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Each key as written, in order (for signals and metrics that name keys apart)."""
+        return tuple(template.source for template, _ in self.entries)
 
     def render_each(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[str]:
         """Each key for one call (see :meth:`KeyTemplate.render`)."""

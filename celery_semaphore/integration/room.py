@@ -38,6 +38,7 @@ from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
 from .policy import Policy
+from .settings import app_settings
 from .shedding import (
     FIRST_SHED_HEADER,
     GIVE_UP_HEADER,
@@ -46,7 +47,7 @@ from .shedding import (
     SHED_ATTEMPT_HEADER,
     retry_headers,
 )
-from .signals import semaphore_parked, send_event, task_label
+from .signals import Names, semaphore_parked, send_event, task_label
 from .stats import bump
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def publisher_for(app: Celery) -> Publisher:
     """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message."""
 
     def publish(key: str, handoffs: Sequence[Handoff]) -> None:
+        priority = app_settings(app).handoff_priority
         for handoff in handoffs:
             content_type, encoding, body = handoff.payload.split(b"\n", 2)
             options = loads(body, content_type.decode(), encoding.decode(), accept=None)  # type: ignore[no-untyped-call]
@@ -107,6 +109,8 @@ def publisher_for(app: Celery) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             # Celery before 5.5 stops listening for a task's result when any AsyncResult of
             # that id is collected, including a get() waiting in this process: keep ours.
+            if priority is not None:
+                signature.options["priority"] = priority
             _PUBLISHED.append(signature.apply_async())
             logger.debug(
                 "semaphore %r: %s task %s",
@@ -192,7 +196,7 @@ def park_or_take(
     limit: int,
     weight: int,
     metadata: dict[str, Any],
-    template: str,
+    names: Names,
     asked: float | None = None,
     many: Sequence[tuple[str, int, int]] | None = None,
     group: str = "",
@@ -203,7 +207,7 @@ def park_or_take(
     that waited in the worker before parking. With ``many`` (``(key, limit, weight)`` of each
     of several keys), it takes every key or waits in the room of the first that cannot take
     it yet (see :meth:`Semaphore.park_many`). ``group`` is its fair-turn group (see
-    :meth:`Semaphore.park`).
+    :meth:`Semaphore.park`). ``names`` names the key or keys in the parked signal.
 
     Returns:
         Slot | SlotGroup: a slot (of each key), when no older run is parked and one was free.
@@ -246,10 +250,11 @@ def park_or_take(
             key,
             limit,
         )
-    _parked(task, key, result.limit or limit, template, result)
+    _parked(task, names, result.limit or limit, result)
 
 
-def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> NoReturn:
+def _parked(task: Task, names: Names, limit: int, parked: Parked) -> NoReturn:
+    key = names.key
     logger.info(
         "%ssemaphore %r (limit %d): parked, %d run(s) ahead",
         task_label(task),
@@ -257,9 +262,7 @@ def _parked(task: Task, key: str, limit: int, template: str, parked: Parked) -> 
         limit,
         parked.position,
     )
-    semaphore_parked.send(
-        sender=task, key=key, limit=limit, template=template, position=parked.position
-    )
+    semaphore_parked.send(sender=task, limit=limit, position=parked.position, **names.fields())
     send_event(task, "parked", key=key, limit=limit, position=parked.position)
     bump(task.app, task.request.hostname, "parked")
     raise Ignore()

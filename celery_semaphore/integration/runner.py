@@ -66,9 +66,7 @@ from .room import (
 )
 from .settings import app_settings, client_for, policy_and_limits, task_options, task_policy
 from .shedding import first_asked, shed
-from .signals import (
-    semaphore_refused,
-)
+from .signals import Names, semaphore_refused
 
 logger = logging.getLogger(__name__)
 
@@ -263,16 +261,18 @@ class Runner:
         app = self.app if self.app is not None or self.redis is not None else get_current_app()
         bound = self.resolve(app)
         ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
+        names = Names.of(ask.keys, self.template.sources)
         started = time.monotonic()
         slot = take(bound.semaphore, ask, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
-            raise self._refused(None, _full_error(ask.key, ask.limit))
+            raise self._refused(None, _full_error(ask.key, ask.limit), names)
         waited = time.monotonic() - started
-        return run_body(None, slot, bound.policy, waited, self.template.source, fn, args, kwargs)
+        return run_body(None, slot, bound.policy, waited, names, fn, args, kwargs)
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         semaphore, policy, _ = bound = self.resolve(task.app)
         ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
+        names = Names.of(ask.keys, self.template.sources)
         budget = policy.wait_budget()
         started = time.monotonic()
         slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task))
@@ -285,14 +285,14 @@ class Runner:
                     ask.key,
                     ask.limit,
                 ),
+                names,
             )
         waited = time.monotonic() - started
-        return run_body(task, slot, policy, waited, self.template.source, fn, args, kwargs)
+        return run_body(task, slot, policy, waited, names, fn, args, kwargs)
 
     def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        key = self.key_for(args, kwargs)
-        started = time.monotonic()
-        metadata = _task_metadata(task)
+        names = Names.of(self.keys_for(args, kwargs), self.template.sources)
+        key, started, metadata = names.key, time.monotonic(), _task_metadata(task)
         limit = None
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
@@ -303,33 +303,33 @@ class Runner:
                 try:
                     give_up_or_end(task, semaphore, policy, ask.keys, limit)
                 except SemaphoreNotAcquiredError as exc:
-                    raise self._refused(task, exc) from None
+                    raise self._refused(task, exc, names) from None
             slot = (
                 claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
                 if is_handoff(task.request)
                 else None
             )
             if slot is None:
-                slot = self._ask(task, semaphore, policy, ask, metadata)
+                slot = self._ask(task, semaphore, policy, ask, metadata, names)
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
                 raise
-            self._shed(task, policy, key, limit, f"Redis unreachable: {exc}")
+            self._shed(task, policy, names, limit, f"Redis unreachable: {exc}")
         if slot is None:
             if policy.on_full == "raise":
-                raise self._refused(task, _full_error(key, limit))
-            self._shed(task, policy, key, limit, "all slots held")
+                raise self._refused(task, _full_error(key, limit), names)
+            self._shed(task, policy, names, limit, "all slots held")
         waited = time.monotonic() - started
         first = first_asked(task.request)
         if first is not None:  # parked or shed before: the wait counts from the first ask
             waited = max(waited, time.time() - first)
         try:
-            return run_body(task, slot, policy, waited, self.template.source, fn, args, kwargs)
+            return run_body(task, slot, policy, waited, names, fn, args, kwargs)
         except SemaphoreLeaseLostError:
             if policy.on_lease_lost != "retry" or not slot.lost.is_set():
                 raise
-            self._shed(task, policy, key, slot.limit, "slot lost while running")
+            self._shed(task, policy, names, slot.limit, "slot lost while running")
 
     def _ask_for(self, task: Task, bound: Bound, args: Any, kwargs: Any) -> Ask:
         """This run's ask (see :func:`.asks.ask_for`). A run a hand-off started whose limit
@@ -345,12 +345,12 @@ class Runner:
             raise
 
     def _ask(
-        self, task: Task, semaphore: Semaphore, policy: Policy, ask: Ask, metadata: Any
-    ) -> Slot | SlotGroup | None:
+        self, task: Task, semaphore: Semaphore, policy: Policy, ask: Ask, metadata: Any,
+        names: Names,
+    ) -> Slot | SlotGroup | None:  # fmt: skip
         """Ask for a slot as ``on_full`` says: a slot (of each key), or None when none is to
         be had (the caller sheds or raises). Parking ends the run (``Ignore``)."""
-        template = self.template.source
-        park = (ask.key, ask.limit, ask.weight, metadata, template)
+        park = (ask.key, ask.limit, ask.weight, metadata, names)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
             return park_or_take(task, semaphore, policy, *park, many=ask.many, group=ask.group)
@@ -363,28 +363,24 @@ class Runner:
         return take(semaphore, ask, metadata=metadata)
 
     def _refused(
-        self, task: Task | None, error: SemaphoreNotAcquiredError
+        self, task: Task | None, error: SemaphoreNotAcquiredError, names: Names
     ) -> SemaphoreNotAcquiredError:
         """Report that a run will not get a slot (no shed: it fails); returns ``error``."""
         semaphore_refused.send(
-            sender=task,
-            key=error.key,
-            limit=error.limit,
-            template=self.template.source,
-            reason=error.message,
+            sender=task, limit=error.limit, reason=error.message, **names.fields()
         )
         return error
 
     def _shed(
-        self, task: Task, policy: Policy, key: str, limit: int | None, reason: str
+        self, task: Task, policy: Policy, names: Names, limit: int | None, reason: str
     ) -> NoReturn:
         """Shed the running task (see :func:`.shedding.shed`), or fail it when its budget is
         spent. ``limit`` is None when it could not be computed (Redis was unreachable
         first)."""
         try:
-            shed(task, policy, key, limit, self.template.source, reason)
+            shed(task, policy, names, limit, reason)
         except SemaphoreNotAcquiredError as exc:
-            raise self._refused(task, exc) from None
+            raise self._refused(task, exc, names) from None
 
 
 def run_function(task: Any) -> tuple[Any, bool]:

@@ -11,6 +11,7 @@ task option              app setting                  default    meaning
 (none)                   ``semaphore_prefix``         semaphore  key namespace
 (none)                   ``semaphores``               {}         semaphores declared by name
 (none)                   ``semaphore_flower_set_limit`` True     Flower page may set limits
+(none)                   ``semaphore_handoff_priority`` None     hand-offs' message priority
 ``limit``                (declared, else required)               slots per key (or per run)
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
@@ -64,6 +65,9 @@ class AppSettings:
             tasks that name it as their ``semaphore`` inherit.
         flower_set_limit (bool): ``semaphore_flower_set_limit``: whether the Flower page
             offers to set and clear live limits (False: it only shows them).
+        handoff_priority (int | None): ``semaphore_handoff_priority``: the message priority
+            a handed-off run is published with (None: the run's own), so that the broker can
+            deliver hand-offs ahead of a backlog sent at a lower priority.
     """
 
     store: Store
@@ -71,6 +75,7 @@ class AppSettings:
     policy: Policy
     declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     flower_set_limit: bool = True
+    handoff_priority: int | None = None
 
     @property
     def url(self) -> str:
@@ -90,7 +95,7 @@ def app_settings(app: Celery) -> AppSettings:
         return cached
     conf = app.conf
     known = {"semaphore_url", "semaphore_prefix", "semaphore_flower_set_limit",
-             *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
+             "semaphore_handoff_priority", *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
     unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
     if unknown:
         raise SemaphoreValidationError(
@@ -113,10 +118,25 @@ def app_settings(app: Celery) -> AppSettings:
         raise SemaphoreValidationError(
             f"app.conf.semaphore_flower_set_limit must be True or False, got {flower_set_limit!r}"
         )
+    priority = _priority(conf.get("semaphore_handoff_priority"))
     settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared,
-                           flower_set_limit=flower_set_limit)  # fmt: skip
+                           flower_set_limit=flower_set_limit,
+                           handoff_priority=priority)  # fmt: skip
     app._semaphore_settings = settings
     return settings
+
+
+def _priority(value: object) -> int | None:
+    """``semaphore_handoff_priority`` checked: None, or an int from 0 to 255 (AMQP's range;
+    kombu's Redis transport uses 0 to 9, 0 first)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise SemaphoreValidationError(
+            f"app.conf.semaphore_handoff_priority must be None or an int from 0 to 255, got "
+            f"{value!r}"
+        )
+    return value
 
 
 def client_for(app: Celery) -> redis.Redis:

@@ -18,7 +18,7 @@ from celery.exceptions import Ignore
 
 from ..errors import SemaphoreNotAcquiredError
 from .policy import Policy, countdown
-from .signals import semaphore_shed, send_event, task_label
+from .signals import Names, semaphore_shed, send_event, task_label
 from .stats import bump
 
 logger = logging.getLogger(__name__)
@@ -87,9 +87,7 @@ def first_asked(request: Any) -> float | None:
     return float(value) if value else None
 
 
-def shed(
-    task: Task, policy: Policy, key: str, limit: int | None, template: str, reason: str
-) -> NoReturn:
+def shed(task: Task, policy: Policy, names: Names, limit: int | None, reason: str) -> NoReturn:
     """Publish the running task again with a countdown and end this run in state RETRY.
 
     The RETRY state is stored *before* the message is published, and the run then ends with
@@ -100,11 +98,19 @@ def shed(
     Celery's ``task_retry`` signal and ``on_retry`` hook therefore do not fire for a shed;
     :data:`~celery_semaphore.signals.semaphore_shed` does.
 
+    Args:
+        task (Task): the running task.
+        policy (Policy): its options (the shed countdowns and budget).
+        names (Names): its key or keys, for the messages and the signal.
+        limit (int | None): its (first key's) limit; None when it could not be computed.
+        reason (str): why it is shed, for the log line and the signal.
+
     Raises:
         celery.exceptions.Ignore: always, after storing RETRY and publishing.
         SemaphoreNotAcquiredError: the shed budget (count or time) is spent; nothing is
             published and the task fails.
     """
+    key = names.key
     request = task.request
     headers = retry_headers(request)
     attempt = request.retries or 0
@@ -137,13 +143,7 @@ def shed(
         delay,
     )
     semaphore_shed.send(
-        sender=task,
-        key=key,
-        limit=limit,
-        template=template,
-        countdown=delay,
-        sheds=sheds + 1,
-        reason=reason,
+        sender=task, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason, **names.fields()
     )
     send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
     bump(task.app, request.hostname, "shed")

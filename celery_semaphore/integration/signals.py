@@ -9,10 +9,14 @@ the body, with the task as sender::
     def on_shed(sender, key, limit, countdown, sheds, reason, **kwargs): ...
 
 Every signal also gets ``template``: the task's ``semaphore`` option as written (for a key
-template such as ``"tenant:{tenant_id}"``, the template rather than the rendered key).
+template such as ``"tenant:{tenant_id}"``, the template rather than the rendered key); and
+``keys`` and ``templates``, lists naming every key the run holds and each one's own
+template, in order. For a run of one key they are ``[key]`` and ``[template]``; for a run
+of several, ``key`` and ``template`` join them with ``+`` (as they always have), and the
+lists give each one apart (see :class:`Names`).
 
 ================================ ==========================================================
-signal                           keyword arguments
+signal                           keyword arguments (besides keys, templates)
 ================================ ==========================================================
 ``semaphore_acquired``           key, limit, template, slot, waited (seconds acquiring)
 ``semaphore_released``           key, limit, template, slot, held (seconds), lost (bool)
@@ -33,8 +37,8 @@ task and counts in its Prometheus event counter.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from celery import Task
 from celery.utils.dispatch import Signal
@@ -45,7 +49,7 @@ from . import stats
 
 logger = logging.getLogger(__name__)
 
-_COMMON = {"key", "limit", "template"}
+_COMMON = {"key", "limit", "template", "keys", "templates"}
 semaphore_acquired = Signal(name="semaphore_acquired", providing_args=_COMMON | {"slot", "waited"})
 semaphore_released = Signal(
     name="semaphore_released", providing_args=_COMMON | {"slot", "held", "lost"}
@@ -61,6 +65,34 @@ semaphore_lease_lost = Signal(
 semaphore_renew_failed = Signal(
     name="semaphore_renew_failed", providing_args=_COMMON | {"slot", "error"}
 )
+
+
+class Names(NamedTuple):
+    """How the signals of one run name what it holds.
+
+    Attributes:
+        key (str): the rendered key; for a run of several keys, the keys joined with ``+``.
+        template (str): the ``semaphore`` option as written; for several keys, each one's
+            template joined with ``+``.
+        keys (tuple[str, ...]): every rendered key the run holds, in order.
+        templates (tuple[str, ...]): each key's own template, in the same order.
+    """
+
+    key: str
+    template: str
+    keys: tuple[str, ...]
+    templates: tuple[str, ...]
+
+    @classmethod
+    def of(cls, keys: Sequence[str], templates: Sequence[str]) -> Names:
+        """The names of a run holding ``keys``, whose templates are ``templates``."""
+        return cls("+".join(keys), "+".join(templates), tuple(keys), tuple(templates))
+
+    def fields(self) -> dict[str, Any]:
+        """The keyword arguments every signal gets: ``key``, ``template``, ``keys`` and
+        ``templates`` (the last two as lists)."""
+        return {"key": self.key, "template": self.template, "keys": list(self.keys),
+                "templates": list(self.templates)}  # fmt: skip
 
 
 def send_event(task: Task | None, event: str, **fields: Any) -> None:
@@ -86,11 +118,18 @@ def task_label(task: Task | None) -> str:
 
 
 def renew_failed_reporter(
-    task: Task | None, slot: Slot | SlotGroup, template: str
+    task: Task | None, slot: Slot | SlotGroup, names: Names
 ) -> Callable[[BaseException], None]:
-    """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal."""
+    """The ``on_renew_error`` callback of a run's slot: log and signal each failed renewal
+    round trip, once, even when it carried every slot of a group."""
+    last: list[BaseException] = []
 
     def report(error: BaseException) -> None:
+        # The renewer reports a failed round trip to each slot it carried, and a group's
+        # slots travel in one round trip: the same error again is that round trip again.
+        if last and last[0] is error:
+            return
+        last[:] = [error]
         logger.warning(
             "%ssemaphore %r: a renewal failed and will be retried: %s",
             task_label(task),
@@ -98,18 +137,18 @@ def renew_failed_reporter(
             error,
         )
         semaphore_renew_failed.send(
-            sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, error=error
+            sender=task, limit=slot.limit, slot=slot, error=error, **names.fields()
         )
 
     return report
 
 
-def report_lease_lost(task: Task | None, slot: Slot | SlotGroup, template: str) -> None:
+def report_lease_lost(task: Task | None, slot: Slot | SlotGroup, names: Names) -> None:
     """Log, signal, send an event and count the loss of a run's slot."""
     reason = slot.lease_lost_error().message
     logger.error("%s%s", task_label(task), reason)
     semaphore_lease_lost.send(
-        sender=task, key=slot.key, limit=slot.limit, template=template, slot=slot, reason=reason
+        sender=task, limit=slot.limit, slot=slot, reason=reason, **names.fields()
     )
     send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
     if task is not None:

@@ -30,6 +30,11 @@ written) rather than the rendered key; static keys are their own template. Pass
 ``key_label`` to choose otherwise, for example ``key_label=lambda key, template: key`` for a
 per-key series when the keys are few.
 
+A run that holds several keys (``semaphore=[("openai", 20), ("tenant:{tenant_id}", 2)]``)
+counts once under each key's own label: its acquisition, wait, hold, shed, park, refusal,
+loss and held slot are seen in the ``openai`` series and in the ``tenant:{tenant_id}`` one,
+never under a joined ``openai+tenant:{tenant_id}`` (see :func:`labels_of`).
+
 Prefork workers run bodies in child processes, each with its own registry: use
 prometheus-client's multiprocess mode (set ``PROMETHEUS_MULTIPROC_DIR``) and serve the
 directory from the worker's main process, as prometheus-client documents. The gauge then
@@ -62,6 +67,23 @@ KeyLabel = Callable[[str, str], str]
 def template_label(key: str, template: str) -> str:
     """The default ``key`` label: the key's template (``key`` itself when it has none)."""
     return template or key
+
+
+def labels_of(
+    key_label: KeyLabel,
+    key: str = "",
+    template: str = "",
+    keys: Sequence[str] = (),
+    templates: Sequence[str] = (),
+    **_: Any,
+) -> list[str]:
+    """The ``key`` labels a signal counts under: one per key the run holds, each from
+    ``key_label(key, template)`` of that key and its own template, each label once (a
+    ``key_label`` may map two keys to one). A signal sent without ``keys`` (by code of
+    an older version) counts once, under its ``key`` and ``template``."""
+    if not keys or len(keys) != len(templates):
+        return [key_label(key, template)]
+    return list(dict.fromkeys(key_label(k, t) for k, t in zip(keys, templates, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -133,35 +155,41 @@ def install(
         **opts,
     )
 
-    def on_acquired(key: str = "", template: str = "", waited: float = 0.0, **_: Any) -> None:
-        label = key_label(key, template)
-        acquisitions.labels(label, "acquired").inc()
-        wait.labels(label).observe(waited)
-        in_use.labels(label).inc()
+    def each(fields: dict[str, Any]) -> list[str]:
+        return labels_of(key_label, **fields)
 
-    def on_released(key: str = "", template: str = "", held: float = 0.0, **_: Any) -> None:
-        label = key_label(key, template)
-        hold.labels(label).observe(held)
-        in_use.labels(label).dec()
+    def on_acquired(waited: float = 0.0, **fields: Any) -> None:
+        for label in each(fields):
+            acquisitions.labels(label, "acquired").inc()
+            wait.labels(label).observe(waited)
+            in_use.labels(label).inc()
 
-    def on_shed(key: str = "", template: str = "", **_: Any) -> None:
-        label = key_label(key, template)
-        acquisitions.labels(label, "shed").inc()
-        sheds.labels(label).inc()
+    def on_released(held: float = 0.0, **fields: Any) -> None:
+        for label in each(fields):
+            hold.labels(label).observe(held)
+            in_use.labels(label).dec()
 
-    def on_parked(key: str = "", template: str = "", **_: Any) -> None:
-        label = key_label(key, template)
-        acquisitions.labels(label, "parked").inc()
-        parked.labels(label).inc()
+    def on_shed(**fields: Any) -> None:
+        for label in each(fields):
+            acquisitions.labels(label, "shed").inc()
+            sheds.labels(label).inc()
 
-    def on_refused(key: str = "", template: str = "", **_: Any) -> None:
-        acquisitions.labels(key_label(key, template), "refused").inc()
+    def on_parked(**fields: Any) -> None:
+        for label in each(fields):
+            acquisitions.labels(label, "parked").inc()
+            parked.labels(label).inc()
 
-    def on_lost(key: str = "", template: str = "", **_: Any) -> None:
-        lease_lost.labels(key_label(key, template)).inc()
+    def on_refused(**fields: Any) -> None:
+        for label in each(fields):
+            acquisitions.labels(label, "refused").inc()
 
-    def on_renew_failed(key: str = "", template: str = "", **_: Any) -> None:
-        renew_errors.labels(key_label(key, template)).inc()
+    def on_lost(**fields: Any) -> None:
+        for label in each(fields):
+            lease_lost.labels(label).inc()
+
+    def on_renew_failed(**fields: Any) -> None:
+        for label in each(fields):
+            renew_errors.labels(label).inc()
 
     handlers = (
         (signals.semaphore_acquired, on_acquired),

@@ -15,10 +15,10 @@
 --         lease_ms), or
 --         {1, expires_at_ms, now_ms, limit} when it holds a slot otherwise (a live limit
 --         applied, or the token already held it), or
---         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free
---         (every slot is held by others, for a weight of 1); first_expiry_ms is the soonest
---         lease to lapse, so a caller that waits for a slot knows when one frees itself,
---         and limit is the one that applied.
+--         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free;
+--         first_expiry_ms is when the soonest lease lapses (so a caller that waits for a
+--         slot knows when one frees itself), or 0 when no unit is held (a weight above a
+--         lowered live limit); limit is the one that applied.
 --
 -- The common answer is a bare integer because a client reads it several times faster
 -- than an array. Expired holders are pruned here when the key is full, so a crashed
@@ -59,7 +59,7 @@ if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms,
     end
     if live + weight > limit then
       local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-      return {0, live, now_ms, tonumber(first[2]), limit}
+      return {0, live, now_ms, tonumber(first[2]) or 0, limit}
     end
   end
   redis.call('ZADD', slots, expires_at_ms, token)

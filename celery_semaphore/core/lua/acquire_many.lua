@@ -11,7 +11,7 @@
 -- Returns {1, expires_at_ms, now_ms, limit_1, ..., limit_n} when the token holds a slot of
 --         every semaphore, or
 --         {0, i, units_held, now_ms, first_expiry_ms, limit} when the i-th one has too few
---         units free; then nothing was taken anywhere.
+--         units free (first_expiry_ms 0: it has no holder); then nothing was taken anywhere.
 --
 -- Like acquire.lua: lapsed holders are pruned only where they stand in the way, and a token
 -- that already holds its slots (a resent call) is answered with them.
@@ -44,7 +44,7 @@ for i = 1, count do
     end
     if live + weight > limits[i] then
       local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
-      return {0, i, live, now_ms, tonumber(first[2]), limits[i]}
+      return {0, i, live, now_ms, tonumber(first[2]) or 0, limits[i]}
     end
   end
 end

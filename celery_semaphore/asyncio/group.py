@@ -1,0 +1,104 @@
+"""Slots of several keys held together in asyncio code: :class:`AsyncSlotGroup`, returned by
+:meth:`AsyncSemaphore.acquire_many <celery_semaphore.asyncio.many.AsyncManyKeys.acquire_many>`.
+
+The asyncio twin of :class:`celery_semaphore.core.group.SlotGroup`, on the same
+:class:`~celery_semaphore.core.group.GroupRecord`: one :class:`AsyncSlot` per key, all under
+one token, and the loss of any is the loss of the group. Its round trips run side by side,
+one per key, and each runs to its end even if another fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+from ..core.group import GroupRecord
+from .slot import AsyncSlot, notify
+
+
+class AsyncSlotGroup(GroupRecord[AsyncSlot]):
+    """The slots of several keys, taken together by
+    :meth:`AsyncSemaphore.acquire_many <celery_semaphore.asyncio.many.AsyncManyKeys.acquire_many>`.
+
+    Attributes:
+        slots (tuple[AsyncSlot, ...]): one slot per key, in the order the keys were given.
+        key (str): the keys, joined with ``+`` (for messages).
+        lost (asyncio.Event): set the moment any of the slots is known to be lost.
+
+    It offers what a body needs of a slot (``lost``, ``when_lost``, ``lease``, ``weight``,
+    ``token``, ``extend``, ``release``); ``limit`` is the first key's. ``async with group:``
+    releases every slot on exit. A group from ``acquire_many`` is not renewed in the
+    background: use :meth:`AsyncSemaphore.hold_many
+    <celery_semaphore.asyncio.many.AsyncManyKeys.hold_many>` for that, or ``extend`` it.
+    """
+
+    lost: asyncio.Event
+
+    def __init__(self, slots: Sequence[AsyncSlot]) -> None:
+        super().__init__(slots)
+        self.lost = asyncio.Event()
+        self._callbacks: list[Callable[[AsyncSlotGroup], object]] = []
+        for slot in self.slots:
+            slot.when_lost(self._member_lost)
+
+    def _member_lost(self, _: AsyncSlot) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        callbacks, self._callbacks = self._callbacks, []
+        notify(callbacks, self)
+
+    def when_lost(self, callback: Callable[[AsyncSlotGroup], object]) -> None:
+        """Call ``callback(group)`` once, the moment any of its slots is known to be lost (at
+        once if one already is), in the event loop, as :meth:`AsyncSlot.when_lost` does; it
+        must not block, and what it raises is logged."""
+        if not self.lost.is_set():
+            self._callbacks.append(callback)
+            return
+        callback(self)
+
+    async def extend(self, lease: float | None = None) -> bool:
+        """Extend every slot, one round trip each, side by side.
+
+        Args:
+            lease (float | None): new lease in seconds; None keeps each slot's current one.
+
+        Returns:
+            bool: True when every slot was still held and is extended; False when any is
+            gone (then :attr:`lost` is set).
+
+        Raises:
+            SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
+            SemaphoreBackendError: a round trip failed (the others were still waited for).
+        """
+        return all(await _each([slot.extend(lease) for slot in self.slots]))
+
+    async def release(self) -> bool:
+        """Give every slot back, one round trip each, side by side (each hands off to its own
+        key's waiting room). A caller cancelled meanwhile does not stop them.
+
+        Returns:
+            bool: True when every slot was held up to now; False when any had lapsed or been
+            taken away (then :attr:`lost` is set).
+
+        Raises:
+            SemaphoreBackendError: a round trip failed; that slot lapses within its lease,
+                and a later call tries it again (the others are released all the same).
+        """
+        return all(await _each([slot.release() for slot in self.slots]))
+
+    async def __aenter__(self) -> AsyncSlotGroup:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.release()
+
+
+async def _each(calls: Sequence[Awaitable[bool]]) -> list[bool]:
+    """Await every call to its end, even when one fails, then raise the first failure: a
+    release that failed on one key must not leave the others unsent."""
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return [bool(outcome) for outcome in outcomes]
