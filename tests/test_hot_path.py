@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from celery_semaphore import SemaphoreValidationError
+from celery_semaphore import Semaphore, SemaphoreValidationError
 from celery_semaphore.core.lazy_event import LazyEvent
 from celery_semaphore.core.options import acquire_args
 from celery_semaphore.core.process import new_token, pid
+from celery_semaphore.testing import RedisServer
 
 
 def test_tokens_are_unique_and_a_forked_child_draws_its_own_and_knows_its_pid() -> None:
@@ -75,3 +76,15 @@ def test_memoised_acquire_checks_still_refuse_a_bool(
         acquire_args("k", None, 60.0, retries, delay, wait)  # type: ignore[arg-type]
     with pytest.raises(SemaphoreValidationError):
         acquire_args("k", [1.0], 60.0, 0, 0.1, 0.0)  # type: ignore[arg-type]
+
+
+def test_a_slot_due_before_the_renewers_plan_wakes_it(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=5, lease=60.0)
+    with sem.hold("long", heartbeat=15.0) as long_slot:
+        time.sleep(0.3)  # the renewer now sleeps until the long slot's tick, 15 s away
+        with sem.hold("short", lease=0.6, heartbeat=0.15) as short:
+            first = short.expires_at
+            time.sleep(1.5)  # two and a half leases: only renewals keep it
+            assert not short.lost.is_set()
+            assert short.expires_at > first
+        assert not long_slot.lost.is_set()

@@ -114,6 +114,11 @@ class Renewer:
         self._thread: threading.Thread | None = None
         self._sender: _Sender | None = None
         self._in_flight: _Batch | None = None
+        # The loop's plan, read by add() to wake it only for a slot due sooner; and the
+        # adds since its last look, so that one made while it plans is never missed.
+        self._wake_at = float("-inf")
+        self._added = 0
+        self._last_used = time.monotonic()  # of the last add or remove: the linger's start
 
     def add(self, slot: Slot, interval: float, on_renew_error: RenewErrorCallback | None) -> None:
         """Renew ``slot`` every ``interval`` seconds (kept in proportion to its lease if the
@@ -131,20 +136,26 @@ class Renewer:
         slot.watch_lease(lease_changed)
         with self._lock:
             self._entries[id(slot)] = entry
+            self._added += 1
+            self._last_used = time.monotonic()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name="semaphore-renewer", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+            elif entry.next_tick < self._wake_at:
+                # Waking the thread costs a context switch (and the GIL) on every short
+                # task: only a slot due before the thread's next wake needs it.
+                self._wake.set()
 
     def remove(self, slot: Slot) -> None:
         """Stop renewing ``slot``. Once this returns, no renewal answer touches it, so a
-        renewal racing an intentional release is never taken for a loss."""
+        renewal racing an intentional release is never taken for a loss. The thread is not
+        woken: it finds the slot gone when it next wakes."""
         slot.watch_lease(None)
         with self._lock:
             self._entries.pop(id(slot), None)
-        self._wake.set()
+            self._last_used = time.monotonic()
 
     @property
     def held(self) -> int:
@@ -152,21 +163,20 @@ class Renewer:
         return len(self._entries)
 
     def _loop(self) -> None:
-        idle_until = time.monotonic() + LINGER
         while True:
             self._wake.clear()
             self._take_answers()
             now = time.monotonic()
             with self._lock:
                 entries = list(self._entries.values())
+                added, idle_until = self._added, self._last_used + LINGER
                 if not entries and now >= idle_until:
                     self._stop_sender()
                     self._thread = None
                     return
             if not entries:
-                self._wake.wait(idle_until - now)
+                self._sleep(added, idle_until)
                 continue
-            idle_until = now + LINGER
             for entry in entries:
                 if now >= entry.slot.deadline:
                     self._judge(entry, "no renewal succeeded within one lease")
@@ -180,8 +190,17 @@ class Renewer:
             if due and (flight is None or now - flight.sent_at >= min(e.interval for e in due)):
                 self._send(due, now)
             ticks = [e.next_tick for e in entries if e.last_sent != now]
-            wake_at = min([e.slot.deadline for e in entries] + ticks + [now + 3600.0])
-            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._sleep(added, min([e.slot.deadline for e in entries] + ticks + [now + 3600.0]))
+
+    def _sleep(self, added: int, wake_at: float) -> None:
+        """Wait until ``wake_at`` (or a wake-up), unless a slot was added since the loop took
+        its entries at ``added``: then plan again at once."""
+        with self._lock:
+            if self._added != added:
+                return
+            self._wake_at = wake_at
+        self._wake.wait(max(0.0, wake_at - time.monotonic()))
+        self._wake_at = float("-inf")  # awake: it plans again before it sleeps, seeing any add
 
     def _send(self, due: Sequence[RenewalPlan[Slot]], now: float) -> None:
         if self._sender is None or self._sender.busy_with is not None:

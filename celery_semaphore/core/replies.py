@@ -126,8 +126,13 @@ def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
     return int(reply[0]) == 1, _handoffs(reply, 1)
 
 
-def parse_park(reply: Any) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
-    """park.lua's reply: what became of the waiter, and the hand-offs."""
+def parse_park(
+    reply: Any, limit: int, lease_ms: int
+) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+    """park.lua's reply, for a call that gave ``limit`` and ``lease_ms``: what became of
+    the waiter, and the hand-offs (a bare ``now_ms``: a new slot, and none)."""
+    if isinstance(reply, int):
+        return Admitted(reply + lease_ms, reply, limit), []
     status, value, now_ms, limit = (int(v) for v in reply[:4])
     result: Admitted | Parked | RoomFull | NotWaiting
     if status == 1:

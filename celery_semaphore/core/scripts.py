@@ -211,7 +211,8 @@ class Scripts:
             payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
             deadline_ms, grace_ms, delivery, weight, group,
         )  # fmt: skip
-        return self.run(call_of("park", keys, args, parse_park))
+        reply = self._evalsha("park", self._encoded(keys)[SCRIPT_KEYS["park"]], args)
+        return parse_park(reply, limit, lease_ms)
 
     def park_many(
         self,

@@ -27,7 +27,10 @@
 --                       head, instead of at its arrival; so a group with many waiters takes
 --                       turns with one that has few
 --
--- Returns {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
+-- Returns now_ms                                            the waiter took a new slot
+--                                                     under ARGV[1] (expiring at now_ms +
+--                                                     lease_ms) and nothing was handed off
+--         {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
 --         {-1, queued, now_ms, limit}                        the room is full (max_queued)
 --         {-2, again, now_ms, limit}                         claim mode: nothing reserved or parked
@@ -41,18 +44,41 @@
 -- The waiter joins the room before any free slot is handed out, so it is served in arrival
 -- order with everyone else: a free slot goes to it only if no older waiter is parked.
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local given = tonumber(ARGV[1])
-local limit = live_limit(limits, given)
 local lease_ms = tonumber(ARGV[2])
 local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
+local weight = tonumber(ARGV[15]) or 1
+
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+-- A key with no room has nobody parked or reserved: the waiter would be alone in the room,
+-- so it takes a free slot as a plain acquire would, without joining the room, and only a
+-- full key (or a token already there) goes on to the room's steps, below, which are not
+-- even defined on this path.
+if ARGV[11] == 'park' and redis.call('EXISTS', room, parked) == 0 then
+  local operator_limit = tonumber(redis.call('HGET', limits, 'limit'))
+  local limit = operator_limit or given
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if redis.call('ZCARD', slots) + weight <= limit
+      and redis.call('ZADD', slots, 'NX', now + lease_ms, token) == 1 then
+    for i = 2, weight do redis.call('ZADD', slots, now + lease_ms, token .. '#' .. i) end
+    redis.call('HSET', holders, token, now .. '|' .. metadata)
+    if redis.call('PTTL', slots) < lease_ms then
+      redis.call('PEXPIRE', slots, lease_ms)
+      redis.call('PEXPIRE', holders, lease_ms)
+    end
+    if operator_limit then return {1, now + lease_ms, now, limit} end
+    return now
+  end
+end
+--[[room.lua]]
+local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
+local limit = live_limit(limits, given)
 local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
 local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
-local weight = tonumber(ARGV[15]) or 1
 local group = ARGV[16] or ''
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
 local now = room_now_ms()
 local arrival = tonumber(ARGV[6]) or now
 room_prune(slots, holders, room, parked, now)
