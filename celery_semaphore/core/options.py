@@ -52,28 +52,10 @@ def acquire_args(
         SemaphoreValidationError: an argument is invalid, or both ``retries`` and ``wait``
             are given.
     """
-    key = check.check_key(key)
-    # Callers pass the same few timings again and again: each is checked once. The types
-    # are part of the memo, so True is not taken for a valid 1.
-    memo = (lease, default_lease, retries, delay, wait,
-            type(lease), type(retries), type(delay), type(wait))  # fmt: skip
-    try:
-        timing = _CHECKED.get(memo)
-    except TypeError:  # an unhashable argument, which the checks refuse
-        timing = None
-    if timing is None:
-        timing = _timing(lease, default_lease, retries, delay, wait)
-        if len(_CHECKED) < _MEMO_SIZE:
-            _CHECKED[memo] = timing
-    return AcquireArgs(key, *timing)
+    return AcquireArgs(check.check_key(key), *_timing(lease, default_lease, retries, delay, wait))
 
 
-_MEMO_SIZE = 256
-_CHECKED: dict[tuple[object, ...], tuple[float, int, int, float, float]] = {}
-"""Checked timings of acquire, by their arguments and types (see :func:`acquire_args`)."""
-
-
-def _timing(
+def _check_timing(
     lease: float | None, default_lease: float, retries: int, delay: float, wait: float
 ) -> tuple[float, int, int, float, float]:
     seconds = default_lease if lease is None else lease
@@ -83,6 +65,10 @@ def _timing(
     if waiting and attempts > 1:
         raise SemaphoreValidationError("give acquire() retries or wait, not both")
     return float(seconds), ms, attempts, check.check_delay(delay), waiting
+
+
+_timing = check.Memoised(_check_timing)
+"""acquire's timing arguments checked, once per distinct value (see :class:`Memoised`)."""
 
 
 def hold_interval(
@@ -213,6 +199,11 @@ def many_plan(
                     info, process.new_token())  # fmt: skip
 
 
+_RECORD_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+"""Compact JSON with sorted keys, from one encoder (``json.dumps`` with options makes one
+each call)."""
+
+
 class HolderRecord:
     """Encodes what an acquire stores about its holder: the caller's metadata plus ``host``,
     ``pid`` and ``limit``, as compact JSON. The record of a plain acquire (no metadata) is
@@ -249,7 +240,7 @@ class HolderRecord:
         if weight != 1:
             record["weight"] = weight
         try:
-            text = json.dumps(record, separators=(",", ":"), sort_keys=True)
+            text = _RECORD_JSON(record)
         except (TypeError, ValueError, RecursionError) as exc:
             raise SemaphoreValidationError(f"metadata must be JSON-serialisable: {exc}") from exc
         if plain:

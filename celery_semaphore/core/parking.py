@@ -72,12 +72,21 @@ def park_args(
     Raises:
         SemaphoreValidationError: one of them is invalid; the message names it.
     """
-    seconds = default_lease if lease is None else lease
     arrival_ms = None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
-    return ParkArgs(
-        float(seconds), check.lease_ms(seconds), arrival_ms,
-        check.check_retries(max_queued, "max_queued"), check.lease_ms(room_ttl, "room_ttl"),
-    )  # fmt: skip
+    seconds, ms, queued, ttl_ms = _park_timing(lease, default_lease, max_queued, room_ttl)
+    return ParkArgs(seconds, ms, arrival_ms, queued, ttl_ms)
+
+
+def _check_park_timing(
+    lease: float | None, default_lease: float, max_queued: int, room_ttl: float
+) -> tuple[float, int, int, int]:
+    seconds = default_lease if lease is None else lease
+    return (float(seconds), check.lease_ms(seconds), check.check_retries(max_queued, "max_queued"),
+            check.lease_ms(room_ttl, "room_ttl"))  # fmt: skip
+
+
+_park_timing = check.Memoised(_check_park_timing)
+"""A park's lease, room size and room TTL checked, once per distinct value."""
 
 
 class WaitingRoom:

@@ -3,7 +3,8 @@
 This module is the policy: leases, renewal, and when a slot counts as lost. The atomic
 operations live in :mod:`celery_semaphore.core.scripts` (and its ``lua/`` files), the held
 slot in :mod:`celery_semaphore.core.slot`, the renewal thread in
-:mod:`celery_semaphore.core.heartbeat`. Nothing in ``celery_semaphore.core`` imports Celery.
+:mod:`celery_semaphore.core.heartbeat`, and holding a slot for a block (renewed, released,
+judged) in :mod:`celery_semaphore.core.guard`. Nothing in ``celery_semaphore.core`` imports Celery.
 
 Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
 by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
@@ -28,8 +29,8 @@ from ..errors import (
 from . import validation as check
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import RedisClient, client_from_url
-from .group import ManyKeys, SlotGroup
-from .heartbeat import renewer
+from .group import ManyKeys
+from .guard import guard as guard
 from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, hold_interval, semaphore_options
 from .process import new_token
@@ -41,7 +42,6 @@ from .tracing import acquire_span
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-S = TypeVar("S", bound=Slot | SlotGroup)
 
 DEFAULT_LEASE = 60.0
 
@@ -370,47 +370,3 @@ class Semaphore(ManyKeys):
         which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
         """
         return self.admin.force_release_all(key, self.limit)
-
-
-@contextlib.contextmanager
-def guard(
-    slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None
-) -> Iterator[S]:
-    """Renew ``slot`` while the block runs, then release it and judge whether it held.
-
-    The slot leaves the process's renewer (:mod:`celery_semaphore.core.heartbeat`) before
-    the release, so a renewal racing an intentional release is never mistaken for a loss.
-    The loss deadline is checked again when the block ends (a body that never yields the GIL
-    can starve the renewer), and the release's own answer is consulted.
-
-    Args:
-        slot (Slot | SlotGroup): a freshly acquired slot, or the slots of several keys
-            (each renewed, all released); released on every path out of the block.
-        interval (float | None): seconds between renewals; None for no renewal.
-        on_renew_error: see :meth:`Semaphore.hold`.
-
-    Raises:
-        SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
-    """
-    members = slot.slots if isinstance(slot, SlotGroup) else (slot,)
-    beat = None
-    if interval is not None:
-        beat = renewer()
-        for member in members:
-            beat.add(member, interval, on_renew_error)
-    failed = True
-    try:
-        yield slot
-        failed = False
-    finally:
-        if beat is not None:
-            for member in members:
-                beat.remove(member)
-        slot.check_deadline()
-        try:
-            slot.release()
-        except Exception:
-            # The lease runs out by itself; a failed release must not mask the body's outcome.
-            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
-    if not failed and slot.lost.is_set():
-        raise slot.lease_lost_error()

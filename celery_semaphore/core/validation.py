@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..errors import SemaphoreValidationError
 
@@ -167,3 +167,39 @@ def unknown_option(name: str, known: Collection[str]) -> SemaphoreValidationErro
     close = [bare] if bare in known else difflib.get_close_matches(bare, known, n=1, cutoff=0.8)
     hint = f" (did you mean {close[0]!r}?)" if close else f"; known options: {sorted(known)}"
     return SemaphoreValidationError(f"unknown semaphore option {name!r}{hint}")
+
+
+R = TypeVar("R")
+
+
+class Memoised(Generic[R]):
+    """``check(*args)``, run once per distinct arguments: callers pass the same few options
+    again and again, and the checks cost more than the rest of an acquire's client side.
+
+    The arguments' types are part of the memo, so ``True`` is never taken for a valid ``1``;
+    unhashable arguments (which the checks refuse) are checked each time. At most ``size``
+    distinct arguments are kept.
+
+    Args:
+        check (Callable[..., R]): the check; it raises on invalid arguments (nothing is
+            kept then) or returns what the caller needs of valid ones.
+        size (int): how many distinct arguments to keep.
+    """
+
+    def __init__(self, check: Callable[..., R], size: int = 256) -> None:
+        self._check = check
+        self._size = size
+        self._memo: dict[tuple[object, ...], R] = {}
+
+    def __call__(self, *args: Any) -> R:
+        """``check(*args)``, from the memo when these arguments were checked before."""
+        memo = (*args, *map(type, args))
+        try:
+            found = self._memo.get(memo)
+        except TypeError:
+            return self._check(*args)
+        if found is None:
+            found = self._check(*args)
+            if len(self._memo) < self._size:
+                self._memo[memo] = found
+        return found

@@ -57,9 +57,11 @@ def run_body(
     """
     interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
     interrupter = Interrupter(slot) if policy.interrupt else None
-    semaphore_acquired.send(
-        sender=task, limit=slot.limit, slot=slot, waited=waited, **names.fields()
-    )
+    # A signal with no receivers is not sent: its arguments would be built for nobody.
+    if semaphore_acquired.receivers:
+        semaphore_acquired.send(
+            sender=task, limit=slot.limit, slot=slot, waited=waited, **names.fields()
+        )
     send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
     started = time.monotonic()
     try:
@@ -77,13 +79,14 @@ def run_body(
             raise  # another semaphore's loss, inside the body: not ours to restate
         raise slot.lease_lost_error() from None
     finally:
-        semaphore_released.send(
-            sender=task,
-            limit=slot.limit,
-            slot=slot,
-            held=time.monotonic() - started,
-            lost=slot.lost.is_set(),
-            **names.fields(),
-        )
+        if semaphore_released.receivers:
+            semaphore_released.send(
+                sender=task,
+                limit=slot.limit,
+                slot=slot,
+                held=time.monotonic() - started,
+                lost=slot.lost.is_set(),
+                **names.fields(),
+            )
         if slot.lost.is_set():
             report_lease_lost(task, slot, names)

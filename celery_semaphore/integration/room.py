@@ -83,10 +83,9 @@ def is_give_up(request: Any) -> bool:
     return bool((request.headers or {}).get(GIVE_UP_HEADER)) and is_handoff(request)
 
 
-def payload_of(task: Task, headers: dict[str, Any]) -> bytes:
-    """The running task's message as Celery's ``retry()`` would publish it, serialized with
-    the task's serializer, plus ``headers``."""
-    request = task.request
+def payload_of(task: Task, request: Any, headers: dict[str, Any]) -> bytes:
+    """The running task's message (``request``) as Celery's ``retry()`` would publish it,
+    serialized with the task's serializer, plus ``headers``."""
     signature = task.signature_from_request(request, headers=headers)
     serializer = task.serializer or task.app.conf.task_serializer
     content_type, encoding, body = dumps(dict(signature), serializer=serializer)  # type: ignore[no-untyped-call]
@@ -230,7 +229,7 @@ def park_or_take(
     headers.update(
         {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
     )
-    payload = payload_of(task, headers)
+    payload = payload_of(task, request, headers)
     deadline = None if policy.shed_timeout is None else arrival + policy.shed_timeout
     options: dict[str, Any] = {"arrival": arrival, "metadata": metadata, "deadline": deadline,
                                "max_queued": policy.max_queued or 0}  # fmt: skip

@@ -237,12 +237,14 @@ class Runner:
         if UNBOUNDED:
             return fn(*args, **kwargs)
         task = get_current_task()
-        if task is None or run_function(task)[0] is not wrapper:
+        # The class attribute is run_function()'s answer for a plain function or a
+        # staticmethod, without getattr_static's walk of the MRO on every run.
+        if task is None or getattr(type(task), "run", None) is not wrapper:
             return self._call_plain(fn, args, kwargs)
         request = task.request
         if request.is_eager or request.called_directly:
             return self._call_waiting(task, fn, args, kwargs)
-        return self._call_in_worker(task, fn, args, kwargs)
+        return self._call_in_worker(task, request, fn, args, kwargs)
 
     def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         """The semaphore key for a call with these arguments (see :class:`KeyTemplate`); the
@@ -275,7 +277,7 @@ class Runner:
         names = Names.of(ask.keys, self.template.sources)
         budget = policy.wait_budget()
         started = time.monotonic()
-        slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task))
+        slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task, task.request))
         if slot is None:
             raise self._refused(
                 task,
@@ -290,23 +292,26 @@ class Runner:
         waited = time.monotonic() - started
         return run_body(task, slot, policy, waited, names, fn, args, kwargs)
 
-    def _call_in_worker(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    def _call_in_worker(
+        self, task: Task, request: Any, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> Any:
         names = Names.of(self.keys_for(args, kwargs), self.template.sources)
-        key, started, metadata = names.key, time.monotonic(), _task_metadata(task)
+        key, started = names.key, time.monotonic()
+        metadata = _task_metadata(task, request)
         limit = None
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy, _ = bound = self.resolve(task.app)
             ask = self._ask_for(task, bound, args, kwargs)
             limit = ask.limit
-            if is_give_up(task.request):
+            if is_give_up(request):
                 try:
                     give_up_or_end(task, semaphore, policy, ask.keys, limit)
                 except SemaphoreNotAcquiredError as exc:
                     raise self._refused(task, exc, names) from None
             slot = (
                 claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
-                if is_handoff(task.request)
+                if is_handoff(request)
                 else None
             )
             if slot is None:
@@ -321,7 +326,7 @@ class Runner:
                 raise self._refused(task, _full_error(key, limit), names)
             self._shed(task, policy, names, limit, "all slots held")
         waited = time.monotonic() - started
-        first = first_asked(task.request)
+        first = first_asked(request)
         if first is not None:  # parked or shed before: the wait counts from the first ask
             waited = max(waited, time.time() - first)
         try:
@@ -409,6 +414,5 @@ def _full_error(key: str, limit: int | None) -> SemaphoreNotAcquiredError:
     return SemaphoreNotAcquiredError(f"semaphore {key!r} has all {limit} slots held", key, limit)
 
 
-def _task_metadata(task: Task) -> dict[str, Any]:
-    request = task.request
+def _task_metadata(task: Task, request: Any) -> dict[str, Any]:
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}

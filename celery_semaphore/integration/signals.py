@@ -100,10 +100,16 @@ def send_event(task: Task | None, event: str, **fields: Any) -> None:
 
     Never raises: an event that cannot be published is logged, and the task goes on.
     """
-    if task is None or task.request.is_eager or task.request.called_directly:
+    if task is None:
+        return
+    request = task.request
+    if request.is_eager or request.called_directly:
         return
     app = task.app
-    if not (app.conf.worker_send_task_events or app.__dict__.get("_semaphore_task_events")):
+    # A worker records whether it sends task events (its -E or the setting) before it forks;
+    # reading the setting costs more than the rest of this check, so only outside a worker.
+    enabled = app.__dict__.get("_semaphore_task_events")
+    if not (app.conf.worker_send_task_events if enabled is None else enabled):
         return
     try:
         task.send_event(f"task-semaphore-{event}", retry=False, **fields)
