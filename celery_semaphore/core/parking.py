@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from ..errors import SemaphoreBackendError, SemaphoreValidationError
@@ -17,6 +17,7 @@ from .process import new_token
 from .room import DEFAULT_ROOM_TTL, HandoffRoute
 from .scripts import (
     Admitted,
+    Declined,
     Full,
     Keys,
     NotWaiting,
@@ -30,6 +31,9 @@ from .tracing import acquire_span
 
 OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
 """The ``semaphore.outcome`` of a park or claim's span (see :mod:`.tracing`)."""
+
+ROOMS_KEPT = 4096
+"""Keys a semaphore remembers as having a waiting room (then it forgets them all)."""
 
 MAX_BLOCK = 2.0
 """Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
@@ -102,6 +106,8 @@ class WaitingRoom:
     admin: SemaphoreAdmin
     client: Any
     _scripts: Scripts
+    _rooms: set[str]
+    """Keys a park last found with a waiting room (see :meth:`park`'s payload)."""
 
     def _redis_keys(self, key: str) -> Keys:
         raise NotImplementedError
@@ -130,7 +136,7 @@ class WaitingRoom:
         self,
         key: str,
         waiter: str,
-        payload: bytes,
+        payload: bytes | Callable[[], bytes],
         *,
         limit: int | None = None,
         weight: int = 1,
@@ -154,7 +160,11 @@ class WaitingRoom:
             key (str): the semaphore's key.
             waiter (str): the waiter's id, unique among the key's waiters (a Celery task id);
                 must not start with ``~`` or ``!``.
-            payload (bytes): what ``on_handoff`` gets to start the waiter again (opaque).
+            payload (bytes | Callable[[], bytes]): what ``on_handoff`` gets to start the
+                waiter again (opaque); or a function that makes it, called only if the
+                waiter is to park. Then, on a key that had no waiting room when this
+                semaphore last looked, a free slot is taken without the payload (one
+                round trip; a second, with it, when that key turns out to have a room).
             limit (int | None): as for :meth:`acquire`; the room hands slots out by the
                 limit its last parked waiter gave (or by a live limit, when one is set).
             weight (int): as for :meth:`acquire`. The room serves waiters in strict order:
@@ -246,7 +256,7 @@ class WaitingRoom:
         self,
         key: str,
         waiter: str,
-        payload: bytes,
+        payload: bytes | Callable[[], bytes],
         arrival: float | None,
         lease: float | None,
         metadata: Mapping[str, Any] | None,
@@ -261,7 +271,8 @@ class WaitingRoom:
         group: str = "",
     ) -> Slot | Parked | RoomFull | NotWaiting:
         key = check.check_key(key)
-        check_waiter(waiter, payload)
+        make = payload if callable(payload) else None
+        check_waiter(waiter, b"" if make is not None else payload)
         if group != "":
             check.check_key(group, "group")
         seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
@@ -272,20 +283,43 @@ class WaitingRoom:
         info = self._metadata(metadata, limit, weight)
         keys = self._redis_keys(key)
         token = new_token()
-        sent_at = time.monotonic()
         with acquire_span(key, limit) as record, backend_errors(key, limit):
+            if make is not None and key not in self._rooms:
+                sent_at = time.monotonic()
+                taken = self._scripts.take(keys, limit, ms, token, info, weight)
+                if isinstance(taken, Admitted):
+                    record(1, OUTCOMES[Admitted])
+                    return self._slot(keys, key, token, seconds, taken, sent_at, weight)
+            if make is not None:
+                payload = make()
+                check_waiter(waiter, payload)
+            assert isinstance(payload, bytes)
+            sent_at = time.monotonic()
             result, handed = self._scripts.park(
                 keys, limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline_ms,
                 self.handoffs.grace_ms, delivery, weight, group,
             )  # fmt: skip
+            assert not isinstance(result, Declined)
             record(1, OUTCOMES[type(result)])
+        self._saw_room(key, not (isinstance(result, Admitted) and result.roomless))
         self.handoffs.deliver(key, handed)
         if isinstance(result, Parked):
             self.admin.index_room(key, ttl_ms)
         if isinstance(result, Admitted):
             return self._slot(keys, key, token, seconds, result, sent_at, weight)
         return result
+
+    def _saw_room(self, key: str, room: bool) -> None:
+        """Remember whether ``key`` has a waiting room, as a park just found it; a take of a
+        key remembered with one is not tried (it would find the room and cost a round
+        trip)."""
+        if not room:
+            self._rooms.discard(key)
+            return
+        if len(self._rooms) >= ROOMS_KEPT:
+            self._rooms.clear()
+        self._rooms.add(key)
 
     def _wait_for_slot(
         self,

@@ -54,11 +54,19 @@ class NotWaiting:
 @dataclass(frozen=True)
 class Admitted:
     """acquire.lua took a slot (or found the token already holding one) under ``limit``, the
-    key's limit that applied (a live one, when set)."""
+    key's limit that applied (a live one, when set). From park.lua, ``roomless`` says the
+    key had no waiting room at all (the waiter took a free slot without joining one)."""
 
     expires_at_ms: int
     now_ms: int
     limit: int = 0
+    roomless: bool = False
+
+
+@dataclass(frozen=True)
+class Declined:
+    """park.lua in take mode found a room on the key, or no free slot (or the token there
+    already), and did nothing: the caller parks with its payload instead."""
 
 
 @dataclass(frozen=True)
@@ -128,15 +136,18 @@ def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
 
 def parse_park(
     reply: Any, limit: int, lease_ms: int
-) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
     """park.lua's reply, for a call that gave ``limit`` and ``lease_ms``: what became of
-    the waiter, and the hand-offs (a bare ``now_ms``: a new slot, and none)."""
+    the waiter, and the hand-offs (a bare ``now_ms``: a new slot on a key with no room, and
+    none)."""
     if isinstance(reply, int):
-        return Admitted(reply + lease_ms, reply, limit), []
+        return Admitted(reply + lease_ms, reply, limit, roomless=True), []
     status, value, now_ms, limit = (int(v) for v in reply[:4])
-    result: Admitted | Parked | RoomFull | NotWaiting
-    if status == 1:
-        result = Admitted(value, now_ms, limit)
+    result: Admitted | Parked | RoomFull | NotWaiting | Declined
+    if status in (1, 2):
+        result = Admitted(value, now_ms, limit, roomless=status == 2)
+    elif status == -3:
+        result = Declined()
     elif status == 0:
         result = Parked(value, now_ms, limit)
     elif status == -1:

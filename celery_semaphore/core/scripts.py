@@ -41,6 +41,7 @@ from .names import Keys as Keys
 from .names import check_cluster_key as check_cluster_key
 from .names import redis_keys as redis_keys
 from .replies import Admitted as Admitted
+from .replies import Declined as Declined
 from .replies import Full as Full
 from .replies import Handoff as Handoff
 from .replies import NotWaiting as NotWaiting
@@ -204,15 +205,26 @@ class Scripts:
         delivery: str = "",
         weight: int = 1,
         group: str = "",
-    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
+    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
         """Take a slot in arrival order or park (see park.lua's contract)."""
         args = (
-            limit, lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
-            payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
-            deadline_ms, grace_ms, delivery, weight, group,
+            limit, lease_ms, token, metadata, weight, "claim" if claim_only else "park",
+            waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
+            max_queued, deadline_ms, grace_ms, delivery, group, payload,
         )  # fmt: skip
         reply = self._evalsha("park", self._encoded(keys)[SCRIPT_KEYS["park"]], args)
         return parse_park(reply, limit, lease_ms)
+
+    def take(
+        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
+    ) -> Admitted | Declined:
+        """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
+        mode): what a park would do on such a key, without the payload it would park with."""
+        args = (b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, "take")
+        reply = self._evalsha("park", self._encoded(keys)[SCRIPT_KEYS["park"]], args)
+        result, _ = parse_park(reply, limit, lease_ms)
+        assert isinstance(result, (Admitted, Declined))
+        return result
 
     def park_many(
         self,

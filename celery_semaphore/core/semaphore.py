@@ -116,6 +116,7 @@ class Semaphore(ManyKeys):
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._record = HolderRecord(self.limit)
+        self._rooms: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"

@@ -220,26 +220,34 @@ def park_or_take(
     sweep publishes it marked to fail (see :func:`give_up_or_end`).
     """
     request = task.request
-    headers = retry_headers(request)
     attempt = request.retries or 0
+    marks = request.headers or {}
     # A retry the task asked for itself carries the headers on: it is a new arrival.
-    same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
+    same_attempt = marks.get(SHED_ATTEMPT_HEADER) == attempt
     now = time.time() if asked is None else asked
-    arrival = float(headers.get(FIRST_SHED_HEADER) or now) if same_attempt else now
-    headers.update(
-        {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
-    )
-    payload = payload_of(task, request, headers)
+    arrival = float(marks.get(FIRST_SHED_HEADER) or now) if same_attempt else now
+
+    def payload() -> bytes:
+        headers = retry_headers(request)
+        headers.update(
+            {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
+        )
+        return payload_of(task, request, headers)
+
     deadline = None if policy.shed_timeout is None else arrival + policy.shed_timeout
     options: dict[str, Any] = {"arrival": arrival, "metadata": metadata, "deadline": deadline,
                                "max_queued": policy.max_queued or 0}  # fmt: skip
     result: Slot | SlotGroup | Parked | RoomFull
     if many:
-        result = semaphore.park_many(many, request.id, payload, **options)
+        result = semaphore.park_many(many, request.id, payload(), **options)
     else:
+        # The message is serialized only if the run is to park: a run that finds a free slot
+        # on a key with no room takes it without (unless it has waited in the worker for a
+        # full key already, asked, and would only pay one more round trip for the try).
         result = semaphore.park(
-            key, request.id, payload, limit=limit, weight=weight, group=group, **options
-        )
+            key, request.id, payload if asked is None else payload(), limit=limit,
+            weight=weight, group=group, **options,
+        )  # fmt: skip
     if isinstance(result, (Slot, SlotGroup)):
         return result
     if isinstance(result, RoomFull):

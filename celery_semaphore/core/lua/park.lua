@@ -7,29 +7,33 @@
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
 -- ARGV[3]  token        unique per acquisition
 -- ARGV[4]  metadata     JSON text describing the holder
--- ARGV[5]  waiter       the waiter's id (a task id); never starts with "~" or "!"
--- ARGV[6]  arrival_ms   when it first asked (epoch ms), or "" for now; a waiter already
+-- ARGV[5]  weight       how many units of the limit the waiter takes (integer >= 1)
+-- ARGV[6]  mode         "park"; "claim" (take only a reservation; never park anew); or
+--                       "take" (take a free slot of a key with no room, else do nothing:
+--                       the caller then parks with the rest of the arguments; only ARGV[1]
+--                       to ARGV[6] are sent)
+-- ARGV[7]  waiter       the waiter's id (a task id); never starts with "~" or "!"
+-- ARGV[8]  arrival_ms   when it first asked (epoch ms), or "" for now; a waiter already
 --                       parked keeps its first arrival
--- ARGV[7]  payload      what to hand to whoever publishes it (opaque), or "" to keep the
---                       parked one
--- ARGV[8]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
--- ARGV[9]  room_ttl_ms  how long an idle room lives (integer >= 1)
--- ARGV[10] max_queued   refuse to park past this many waiters (0: no limit)
--- ARGV[11] mode         "park", or "claim" (take only a reservation; never park anew)
+-- ARGV[9]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
+-- ARGV[10] room_ttl_ms  how long an idle room lives (integer >= 1)
+-- ARGV[11] max_queued   refuse to park past this many waiters (0: no limit)
 -- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0
 -- ARGV[13] grace_ms     a reservation its run has not claimed within this long may be taken
 --                       by this waiter, which is here now (0: never)
 -- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
 --                       recorded with the claim
--- ARGV[15] weight       how many units of the limit the waiter takes (integer >= 1)
--- ARGV[16] group        a fair-turn group ("" for none): a waiter of a group parks at its
+-- ARGV[15] group        a fair-turn group ("" for none): a waiter of a group parks at its
 --                       turn, one past its group's last, and no earlier than the room's
 --                       head, instead of at its arrival; so a group with many waiters takes
 --                       turns with one that has few
+-- ARGV[16] payload      what to hand to whoever publishes it (opaque), or "" to keep the
+--                       parked one
 --
--- Returns now_ms                                            the waiter took a new slot
---                                                     under ARGV[1] (expiring at now_ms +
---                                                     lease_ms) and nothing was handed off
+-- Returns now_ms                                            the key had no room and the
+--                                                     waiter took a new slot under ARGV[1]
+--                                                     (expiring at now_ms + lease_ms)
+--         {2, expires_at_ms, now_ms, limit}                  the same, under a live limit
 --         {1, expires_at_ms, now_ms, limit, hand-offs...}   the waiter holds a slot (token)
 --         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
 --         {-1, queued, now_ms, limit}                        the room is full (max_queued)
@@ -38,6 +42,9 @@
 --                                                     very delivery claimed a slot before (the
 --                                                     broker delivered it again: its run was
 --                                                     lost), 0 for another copy (a duplicate)
+--         {-3, 0, 0, 0}                                      take mode: the key has a room, or no
+--                                                     free slot, or the token is there
+--                                                     already; nothing was done
 -- limit is the one that applied; hand-offs are {waiter, payload} pairs for slots freed here
 -- and reserved for older waiters; the caller publishes them.
 --
@@ -46,15 +53,17 @@
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local given = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
-local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[5]
-local weight = tonumber(ARGV[15]) or 1
+local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[7]
+local weight = tonumber(ARGV[5]) or 1
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 -- A key with no room has nobody parked or reserved: the waiter would be alone in the room,
 -- so it takes a free slot as a plain acquire would, without joining the room, and only a
 -- full key (or a token already there) goes on to the room's steps, below, which are not
--- even defined on this path.
-if ARGV[11] == 'park' and redis.call('EXISTS', room, parked) == 0 then
+-- even defined on this path. The take mode goes no further: a caller that finds a free slot
+-- there has not made or sent the payload it would park with.
+local mode = ARGV[6]
+if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
   local operator_limit = tonumber(redis.call('HGET', limits, 'limit'))
   local limit = operator_limit or given
   local t = redis.call('TIME')
@@ -67,20 +76,21 @@ if ARGV[11] == 'park' and redis.call('EXISTS', room, parked) == 0 then
       redis.call('PEXPIRE', slots, lease_ms)
       redis.call('PEXPIRE', holders, lease_ms)
     end
-    if operator_limit then return {1, now + lease_ms, now, limit} end
+    if operator_limit then return {2, now + lease_ms, now, limit} end
     return now
   end
 end
+if mode == 'take' then return {-3, 0, 0, 0} end
 --[[room.lua]]
 local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local limit = live_limit(limits, given)
-local payload, claim_ms = ARGV[7], tonumber(ARGV[8])
-local room_ttl_ms, max_queued, mode = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+local payload, claim_ms = ARGV[16], tonumber(ARGV[9])
+local room_ttl_ms, max_queued = tonumber(ARGV[10]), tonumber(ARGV[11])
 local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
-local group = ARGV[16] or ''
+local group = ARGV[15] or ''
 
 local now = room_now_ms()
-local arrival = tonumber(ARGV[6]) or now
+local arrival = tonumber(ARGV[8]) or now
 room_prune(slots, holders, room, parked, now)
 -- The room hands slots out by the limit its callers give now (one computed per run may
 -- change): every park and claim brings it up to date.
