@@ -63,6 +63,18 @@ def noop(n: int) -> int:
     return n
 
 
+_trivial = _client.register_script("return 1")
+
+
+@app.task(name="noop_two_trips")
+def noop_two_trips(n: int) -> int:
+    """The same body after two EVALSHA of a trivial script on the semaphore's Redis: the two
+    round trips a bounded run makes, and nothing else of it (bench_overhead.py's limit)."""
+    _trivial(keys=["bench:trivial"], args=[1])
+    _trivial(keys=["bench:trivial"], args=[1])
+    return n
+
+
 def _turn_body(tenant: str, seconds: float) -> str:
     from celery import current_task
 
