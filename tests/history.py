@@ -192,13 +192,14 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
-    def _limit(self, key: str) -> str:
+    def limit_of(self, key: str) -> str:
+        """The limit of ``key``, with the range it spanned when it changed."""
         top = self.limits[key]
         low = self.lowest.get(key, top)
         return str(top) if low == top else f"{top} (limit {low}-{top} over the run)"
 
     def summary(self) -> str:
-        peaks = ", ".join(f"{k} {p} of {self._limit(k)}" for k, p in sorted(self.peaks.items()))
+        peaks = ", ".join(f"{k} {p} of {self.limit_of(k)}" for k, p in sorted(self.peaks.items()))
         repeated = "".join(f", {n} run {why}" for why, n in sorted(self.repeated.items()))
         excused = "".join(f", {n} {why}" for why, n in sorted(self.excused.items()))
         return (f"peak in flight (slot kept): {peaks or 'none'}; {self.runs} runs of "
