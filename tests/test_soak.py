@@ -165,9 +165,9 @@ class Fleet:
                 if w.proc.poll() is None and w.proc.pid not in self.stopping]  # fmt: skip
 
     def stop_warm(self, worker: Worker) -> None:
-        """SIGTERM ``worker`` and let it shut down warm while the soak goes on: billiard may
-        keep a pool process waiting 30 s for its last result to be read (it is not, once the
-        main process has stopped its loop), then it exits anyway."""
+        """SIGTERM ``worker`` and let it shut down warm while the soak goes on: billiard makes
+        a pool process wait up to 30 s at exit for the main process to read its last results,
+        which a main process already shutting down may never do."""
         worker.proc.send_signal(signal.SIGTERM)
         self.stopping[worker.proc.pid] = (worker, time.monotonic())
 
@@ -323,7 +323,7 @@ class Chaos:
         stored = parked | handed
         queued |= _queued_task_ids(self.broker)  # a message moves from the queue to unacked
         self.unacked |= unacked
-        self.lost[POPPED] |= pending - queued - unacked - stored
+        self.lost[POPPED] |= pending - queued - unacked - stored - self.may_miss
         with suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
         worker.proc.wait(timeout=30)
@@ -339,8 +339,8 @@ class Chaos:
 
     def _worker_stopped(self) -> None:
         """A warm shutdown: running tasks finish, the prefetched go back to the broker. A
-        task that finishes as the worker stops may never be acknowledged (see
-        :meth:`Fleet.stop_warm`): its message goes back to the broker too."""
+        task whose message was out then may run again (at least once): its result may not be
+        read in time, and then its delivery is not acknowledged (see :meth:`Fleet.stop_warm`)."""
         worker = self._victim()
         self.unacked |= set(unacked_task_ids(self.broker))
         self.fleet.stop_warm(worker)
@@ -667,15 +667,16 @@ def test_soak(
     whole = chaos.counts["worker killed"] + chaos.counts["stopped workers SIGKILLed after a minute"]
     assert report.excused.get(POPPED, 0) <= whole, report.excused
     # A task's state is its last run's: a slot lost in a freeze or a restart fails it. A task
-    # a restart took never ran, and stays PENDING; so does one whose body ended in a process
-    # killed before its result was stored, if the restart took its second delivery.
+    # a restart took never ran, and keeps its state: PENDING, or RETRY if it was shed before
+    # it parked (the store was unreachable); so does one whose body ended in a process killed
+    # before its result was stored, if the restart took its second delivery.
     killed_after_body = {r.task_id for r in History.load(client, BODIES).completed
                          if r.pid in chaos.killed_pids}  # fmt: skip
 
     def explained(task_id: str, state: str) -> bool:
         if state in ("SUCCESS", "FAILURE SemaphoreLeaseLostError"):
             return True
-        if state != "PENDING":
+        if state not in ("PENDING", "RETRY"):
             return False
         if task_id in report.missing:  # the checker has judged why
             return True
