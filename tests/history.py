@@ -365,7 +365,8 @@ class History:
           renewal, or its body ends first).
         * ``tasks``: the task ids expected to run; each must have exactly one completed run,
           and no other task may have one. Without it, each task that ran has one.
-          ``may_miss``: why some expected tasks may have none, ``{reason: task ids}``.
+          ``may_miss``: why some expected tasks may have none, ``{reason: task ids}``; the
+          report counts each of them once, under the first reason that names it.
         * ``repeats``: why some tasks may complete more often, ``{reason: task ids}``; each
           reason that names a task allows it one more completed run.
         * ``killed``: tasks the test killed once mid-body; each must have one run that never
@@ -430,10 +431,13 @@ class History:
                 for reason in why[task_id][: len(runs) - 1]:
                     repeated[reason] += 1
         missing = sorted((expected or set()) - set(completed))
-        excused = Counter({reason: len(set(ids) & set(missing))
-                           for reason, ids in (may_miss or {}).items()})  # fmt: skip
-        pardoned = {t for ids in (may_miss or {}).values() for t in ids}
-        for task_id in (t for t in missing if t not in pardoned):
+        reasons = {reason: set(ids) for reason, ids in (may_miss or {}).items()}
+        excused: Counter[str] = Counter()
+        for task_id in missing:
+            why_missing = next((r for r, ids in reasons.items() if task_id in ids), None)
+            if why_missing is not None:  # counted once, under the first reason that names it
+                excused[why_missing] += 1
+                continue
             started = [r for r in self.runs if r.task_id == task_id]
             detail = "; ".join(r.describe(origin) for r in started) or "never started"
             problems.append(f"task {task_id}: expected, but no run of it completed ({detail})")
