@@ -31,8 +31,8 @@ What is checked, by the bodies' own records (tests/history.py):
   (kombu's Redis transport records it as unacknowledged only afterwards). A run that sheds is
   never lost to a restart: its message stays in the broker.
 * A task runs once, or again when at-least-once delivery says so: its process was killed
-  after its body ended or while it ran it, or its message was unacknowledged when a worker
-  was killed or stopped.
+  after its body ended or while it ran it, or it had begun in a worker killed or stopped
+  before acknowledging its message.
 * Every run that started ended, but in a killed process; a slot is reported lost only in a
   freeze or a restart; no slot is held and no run parked once the soak has drained.
 
@@ -120,7 +120,7 @@ PARKED = "parked when the store restarted"
 HANDED = "handed a slot the store lost in a restart"
 CLAIMED = "redelivered after a restart with a hand-off claimed before it"
 POPPED = "taken off the queue by a worker killed whole before it recorded the message"
-UNACKED = "its message was unacknowledged when a worker was killed or stopped"
+UNACKED = "its worker was killed or stopped before acknowledging it"
 
 
 @dataclass
@@ -218,8 +218,9 @@ class Chaos:
     """The tasks sent and not yet finished."""
     counts: Counter[str] = field(default_factory=Counter)
     killed_pids: set[int] = field(default_factory=set)
-    unacked: set[str] = field(default_factory=set)
-    """Tasks whose message was unacknowledged when a worker was killed or stopped."""
+    held: list[tuple[set[int], set[str]]] = field(default_factory=list)
+    """For each worker killed or stopped: its processes, and the tasks whose messages were
+    unacknowledged then (by it or by any other worker)."""
     lost: dict[str, set[str]] = field(
         default_factory=lambda: {PARKED: set(), HANDED: set(), CLAIMED: set(), POPPED: set()}
     )
@@ -248,6 +249,13 @@ class Chaos:
     def dealt_all(self) -> bool:
         """At least one deal is done: every kind of fault has happened."""
         return self.dealt >= len(DECK) and not self.deck
+
+    def unacked(self, deliveries: list[tuple[str, int]]) -> set[str]:
+        """The tasks that a worker killed or stopped had begun to run (``deliveries``: task
+        id and pid, from :func:`record_deliveries`) while their messages were unacknowledged:
+        each may run again, at least once."""
+        return {task_id for pids, unacked in self.held for task_id, pid in deliveries
+                if pid in pids and task_id in unacked}  # fmt: skip
 
     @property
     def may_miss(self) -> set[str]:
@@ -322,7 +330,7 @@ class Chaos:
         parked, handed, _ = self._stored()  # after unacked: a run parks, then acknowledges
         stored = parked | handed
         queued |= _queued_task_ids(self.broker)  # a message moves from the queue to unacked
-        self.unacked |= unacked
+        self.held.append((set(pids), unacked))
         self.lost[POPPED] |= pending - queued - unacked - stored - self.may_miss
         with suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
@@ -342,7 +350,8 @@ class Chaos:
         task whose message was out then may run again (at least once): its result may not be
         read in time, and then its delivery is not acknowledged (see :meth:`Fleet.stop_warm`)."""
         worker = self._victim()
-        self.unacked |= set(unacked_task_ids(self.broker))
+        pids = {worker.proc.pid, *child_pids(worker.proc.pid)}
+        self.held.append((pids, set(unacked_task_ids(self.broker))))
         self.fleet.stop_warm(worker)
         self.fleet.start(worker.kind)
 
@@ -644,11 +653,12 @@ def test_soak(
         states = _states(app, ids)
     # Killed runs are run again (at least once): a body killed mid-run never ended, and the
     # task a killed process was running, or a killed worker held unacknowledged, may run twice.
-    report = History.load(client, BODIES).check(
+    bodies = History.load(client, BODIES)
+    report = bodies.check(
         chaos.schedules(),
         tasks=ids,
         killed_pids=chaos.killed_pids,
-        repeats={UNACKED: chaos.unacked},
+        repeats={UNACKED: chaos.unacked(bodies.deliveries)},
         may_lose=MAY_LOSE,
         may_miss=chaos.lost,
         wiped=chaos.wipes,
@@ -670,8 +680,7 @@ def test_soak(
     # a restart took never ran, and keeps its state: PENDING, or RETRY if it was shed before
     # it parked (the store was unreachable); so does one whose body ended in a process killed
     # before its result was stored, if the restart took its second delivery.
-    killed_after_body = {r.task_id for r in History.load(client, BODIES).completed
-                         if r.pid in chaos.killed_pids}  # fmt: skip
+    killed_after_body = {r.task_id for r in bodies.completed if r.pid in chaos.killed_pids}
 
     def explained(task_id: str, state: str) -> bool:
         if state in ("SUCCESS", "FAILURE SemaphoreLeaseLostError"):
