@@ -6,7 +6,9 @@ Redis client of their own, so the tests judge concurrency and runs without the l
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import time
 from typing import Any
 
@@ -14,6 +16,7 @@ import redis
 from celery import Celery
 
 from celery_semaphore import SemaphoreTask, bounded, current_slot
+from celery_semaphore.core.group import SlotGroup
 
 from . import history
 from .history import BODIES
@@ -21,10 +24,16 @@ from .history import BODIES
 # Celery's settings for not losing a task whose pool process is killed: the message is
 # acknowledged only when the run ends, requeued if its process dies, and redelivered if a
 # worker lost it (a short visibility timeout suits the soak's short bodies and countdowns).
+# A worker killed whole leaves its messages unacknowledged: they come back once the timeout
+# has passed, at the next look, which kombu 5.7 takes every 100 s unless told otherwise.
 AT_LEAST_ONCE: dict[str, Any] = {
     "task_acks_late": True,
     "task_reject_on_worker_lost": True,
-    "broker_transport_options": {"visibility_timeout": 20},
+    "broker_transport_options": {
+        "visibility_timeout": 20,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
 }
 
 
@@ -139,15 +148,6 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(0.02)
         return flag
 
-    @app.task(base=SemaphoreTask, semaphore="soak", limit=4, lease=2.0, heartbeat=0.2,
-              shared=False, name="csem.soak")  # fmt: skip
-    def soak(n: int, seconds: float) -> int:
-        slot = current_slot()
-        assert slot is not None
-        with history.run(recorder, BODIES, "soak", slot=slot, mark_start=True):
-            time.sleep(seconds)
-        return n
-
     @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", claim_timeout=5.0,
               shared=False, name="csem.queued")  # fmt: skip
     def queued(n: int, duration: float = 0.1) -> int:
@@ -221,7 +221,7 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
     )
 
 
-# The waiting room's fault tests (tests/test_room_faults.py and the soak's backlog phase).
+# The waiting room's fault tests (tests/test_room_faults.py).
 
 GATE_OPEN = "test:gate:open"
 """While this key is missing, ``csem.gate`` runs asked to ``hold`` keep their slot."""
@@ -242,9 +242,6 @@ def add_room_fault_tasks(app: Celery) -> Celery:
       ``csem.gate_no_result`` is the same with ``ignore_result=True``.
     * ``csem.block_until(flag)``: unbounded; records its pid under :data:`BLOCKING` and
       keeps its pool process busy until the test sets ``flag`` (at most 60 s).
-    * ``csem.soak_queued(n, seconds)``: the soak's task in the waiting room (key
-      "soak-queue", limit 4, lease 2 s, heartbeat 0.2 s, ``claim_timeout`` 2 s); records its
-      start and end in the history :data:`BODIES`, with whether its slot was lost.
     """
     recorder = redis.Redis.from_url(app.conf.result_backend)
 
@@ -269,14 +266,70 @@ def add_room_fault_tasks(app: Celery) -> Celery:
             time.sleep(0.02)
         return flag
 
-    @app.task(base=SemaphoreTask, semaphore="soak-queue", limit=4, lease=2.0, heartbeat=0.2,
-              on_full="queue", claim_timeout=2.0, shared=False,
-              name="csem.soak_queued")  # fmt: skip
-    def soak_queued(n: int, seconds: float) -> int:
+    return app
+
+
+# The soak's tasks (tests/test_soak.py).
+
+SOAK_LIMITS = {"soak:provider": 6, "soak:tenant": 3, "soak:shed": 3}
+"""The soak's keys and their limits in the code: a provider's pool, a tenant's share of it,
+and a key whose runs shed instead of waiting."""
+SOAK_LEASE = 2.0
+"""The soak's lease: a frozen store lets it lapse within seconds."""
+SOAK_CLAIM_TIMEOUT = 2.0
+"""How long a hand-off's slot waits for its run in the soak: one lost in a killed worker
+is handed out again within seconds."""
+
+
+def add_soak_tasks(app: Celery) -> Celery:
+    """Add the soak's tasks to ``app`` (one of :func:`make_app`'s). Each takes ``(n, seconds)``
+    and sleeps ``seconds`` in its body, which records its start and end in the history
+    :data:`BODIES` (with whether its slot was lost, and ``admitted``: when the store granted
+    the slot, epoch seconds by its clock); a body killed midway is a run that never ended.
+    Lease :data:`SOAK_LEASE`, heartbeat 0.2 s, ``claim_timeout`` :data:`SOAK_CLAIM_TIMEOUT`:
+
+    * ``csem.soak_one``: key "soak:provider", in the waiting room.
+    * ``csem.soak_both``: keys "soak:provider" and "soak:tenant" at once, in the room.
+    * ``csem.soak_heavy(n, seconds, units)``: ``units`` of "soak:provider", in the room.
+    * ``csem.soak_shed``: key "soak:shed", ``on_full="retry"`` (shed with a countdown).
+    """
+    recorder = redis.Redis.from_url(app.conf.result_backend)
+    provider, tenant, shedding = SOAK_LIMITS
+    options: dict[str, Any] = {"base": SemaphoreTask, "lease": SOAK_LEASE, "heartbeat": 0.2,
+                               "claim_timeout": SOAK_CLAIM_TIMEOUT, "shared": False}  # fmt: skip
+
+    def body(keys: list[str], seconds: float, units: int = 1) -> None:
         slot = current_slot()
         assert slot is not None
-        with history.run(recorder, BODIES, "soak-queue", slot=slot, mark_start=True):
+        first = slot.slots[0] if isinstance(slot, SlotGroup) else slot
+        data = {"admitted": first.acquired_at}
+        with history.run(recorder, BODIES, keys, weight=units, slot=slot, mark_start=True,
+                         data=data):  # fmt: skip
             time.sleep(seconds)
+
+    @app.task(semaphore=provider, limit=SOAK_LIMITS[provider], on_full="queue",
+              name="csem.soak_one", **options)  # fmt: skip
+    def soak_one(n: int, seconds: float) -> int:
+        body([provider], seconds)
+        return n
+
+    @app.task(semaphore=[(provider, SOAK_LIMITS[provider]), (tenant, SOAK_LIMITS[tenant])],
+              on_full="queue", name="csem.soak_both", **options)  # fmt: skip
+    def soak_both(n: int, seconds: float) -> int:
+        body([provider, tenant], seconds)
+        return n
+
+    @app.task(semaphore=provider, limit=SOAK_LIMITS[provider], on_full="queue",
+              weight=lambda n, seconds, units: units, name="csem.soak_heavy",
+              **options)  # fmt: skip
+    def soak_heavy(n: int, seconds: float, units: int) -> int:
+        body([provider], seconds, units)
+        return n
+
+    @app.task(semaphore=shedding, limit=SOAK_LIMITS[shedding], on_full="retry",
+              name="csem.soak_shed", **options)  # fmt: skip
+    def soak_shed(n: int, seconds: float) -> int:
+        body([shedding], seconds)
         return n
 
     return app
@@ -305,13 +358,14 @@ def stall_first_handoff_publish(redis_url: str) -> None:
 
 if "CSEM_TEST_REDIS_URL" in os.environ:
     add_room_fault_tasks(app)
+    add_soak_tasks(app)
     if os.environ.get("CSEM_TEST_STALL_HANDOFF"):
         stall_first_handoff_publish(os.environ["CSEM_TEST_REDIS_URL"])
+    if os.environ.get("CSEM_TEST_STACKS_ON_SIGUSR2"):
+        # A worker that will not stop: every process of it can be made to print its stacks.
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     if os.environ.get("CSEM_TEST_RECORD_DELIVERIES"):
         # The soak kills pool processes: the checker must know what each was running.
         history.record_deliveries(
             redis.Redis.from_url(os.environ["CSEM_TEST_REDIS_URL"]), BODIES, "csem.soak"
         )
-    if os.environ.get("CSEM_TEST_ON_FULL"):
-        # The app-wide default; tasks that name on_full keep theirs.
-        app.conf.semaphore_on_full = os.environ["CSEM_TEST_ON_FULL"]

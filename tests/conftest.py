@@ -53,11 +53,40 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-tasks", type=int, default=1000, help="tasks in the soak test")
+    parser.addoption(
+        "--soak-minutes",
+        type=float,
+        default=0.0,
+        help="keep the soak sending tasks and injecting faults for this long (then drain)",
+    )
+    parser.addoption("--soak-seed", type=int, default=1234, help="the soak's random seed")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A soak bigger than CI's outlives the suite's 5-minute timeout: give it time of its
+    own (its loop has deadlines of its own, well within it)."""
+    minutes = float(config.getoption("--soak-minutes"))
+    tasks = int(config.getoption("--soak-tasks"))
+    if minutes or tasks > 1000:
+        seconds = 60 * minutes + 900 if minutes else 900 + 0.5 * tasks
+        for item in items:
+            if item.get_closest_marker("soak"):
+                item.add_marker(pytest.mark.timeout(seconds))
 
 
 @pytest.fixture
 def soak_tasks(request: pytest.FixtureRequest) -> int:
     return int(request.config.getoption("--soak-tasks"))
+
+
+@pytest.fixture
+def soak_minutes(request: pytest.FixtureRequest) -> float:
+    return float(request.config.getoption("--soak-minutes"))
+
+
+@pytest.fixture
+def soak_seed(request: pytest.FixtureRequest) -> int:
+    return int(request.config.getoption("--soak-seed"))
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,64 @@ def test_a_schedule_of_limits_judges_each_start_by_the_limit_then(client: redis.
     assert h.check({"k": [(0.0, 1), (5.0, 3)]}).problems[0].startswith("key 'k': 2 in flight")
 
 
+def test_a_limit_schedule_raises_when_sent_and_lowers_a_grace_after_the_answer() -> None:
+    """A raise may admit as soon as it is sent; a lowering binds only ``grace`` after it was
+    answered, since a slot granted just before may begin its body that much later."""
+    changes = [(10.0, 10.5, 6), (20.0, 20.5, 2), (22.0, 22.5, 3)]
+    schedule = history.limit_schedule(4, changes, grace=3.0)
+    assert schedule == [(float("-inf"), 4), (10.0, 6), (23.5, 3)]
+    # The lowering to 2 never binds alone: the raise to 3 came within its grace.
+    assert history.limit_schedule(4, [(10.0, 10.5, 2)], grace=1.0) == [
+        (float("-inf"), 4), (11.5, 2)]  # fmt: skip
+
+
+def test_a_lowered_limit_judges_later_starts_with_the_older_holders_counted(
+    client: redis.Redis,
+) -> None:
+    """Lowering evicts nobody: holders admitted before keep running, and a run may start
+    after the lowering only when the weight in flight, theirs included, fits the new limit."""
+    schedule = history.limit_schedule(3, [(5.0, 5.1, 1)], grace=1.0)
+    fits = _record(client, ("k", "a", 4, 9), ("k", "b", 4.5, 5.5), ("k", "c", 5.8, 7))
+    assert fits.check({"k": schedule}).ok  # c started within the grace, under the old limit
+    late = _record(client, ("k", "d", 6.5, 7))
+    [problem] = late.check({"k": schedule}).problems
+    assert problem.startswith("key 'k': 3 in flight (limit 1)")  # a and c still held
+
+
+def test_a_run_of_several_keys_counts_under_each_and_once_per_task(client: redis.Redis) -> None:
+    h = _record(client, ("a", "x", 0, 2), ("a", "y", 1, 3), keys=["a", "b"])
+    assert [r.keys for r in h.runs] == [("a", "b"), ("a", "b")]
+    assert h.of("b").peak() == 2
+    assert h.check({"a": 2, "b": 2}, tasks=["x", "y"]).ok
+    problems = h.check({"a": 2, "b": 1}).problems
+    assert problems == ["key 'b': 2 in flight (limit 1) at +1.000s when y started: x, y"]
+    assert "key 'b': 2 run(s) but no limit given" in h.check({"a": 2}).problems
+
+
+def test_a_wipe_ends_the_slots_granted_before_it(client: redis.Redis) -> None:
+    """A restart without persistence: slots the store granted before it are gone, so bodies
+    that run on count only until then, and runs granted slots after it are judged alone."""
+    _record(client, ("k", "a", 0, 6), ("k", "b", 4.9, 5.2), data={"admitted": 100.0})
+    h = _record(client, ("k", "c", 5.5, 7), ("k", "d", 5.6, 7), data={"admitted": 105.5})
+    assert not h.check({"k": 2}).ok  # a, c and d overlap
+    report = h.check({"k": 2}, wiped=[(5.0, 105.0)])
+    assert report.ok, report
+    assert report.peaks == {"k": 2}  # a and b before the wipe, c and d after
+    problems = h.check({"k": 1}, wiped=[(5.0, 105.0)]).problems
+    assert [p.split(" when ")[1].split(":")[0] for p in problems] == ["b started", "d started"]
+
+
+def test_tasks_may_be_missing_only_for_a_reason_named(client: redis.Redis) -> None:
+    h = _record(client, ("k", "a", 0, 1))
+    assert [p.split(":")[0] for p in h.check({"k": 1}, tasks=["a", "b", "c"]).problems] == [
+        "task b", "task c"]  # fmt: skip
+    why = {"parked at a restart": ["b"], "handed a slot at a restart": ["b", "x"]}
+    report = h.check({"k": 1}, tasks=["a", "b", "c"], may_miss=why)
+    assert [p.split(":")[0] for p in report.problems] == ["task c"]
+    assert report.excused == {"parked at a restart": 1}  # b once, under the first reason
+    assert "tasks missing: 2, 1 parked at a restart" in report.summary()
+
+
 def test_runs_per_task_missing_unexpected_and_named_repeats(client: redis.Redis) -> None:
     h = _record(client, ("k", "a", 0, 1), ("k", "a", 2, 3), ("k", "x", 4, 5))
     problems = h.check({"k": 1}, tasks=["a", "b"]).problems

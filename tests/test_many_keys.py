@@ -237,3 +237,21 @@ def test_a_run_that_moves_rooms_keeps_its_give_up_time(
     assert give_up == round(deadline * 1000)
     assert provider is not None
     assert provider.release()
+
+
+def test_fair_turns_and_a_raised_live_limit_hand_off_on_a_cluster(cluster: ClusterServers) -> None:
+    """A raise on a cluster hands the freed slots out in the same call, by fair turns."""
+    published = Published()
+    sem = Semaphore(cluster.url, limit=1, on_handoff=published)
+    held = sem.acquire("{llm}openai")
+    assert held is not None
+    for n in range(3):
+        assert isinstance(sem.park("{llm}openai", f"a-{n}", b"", group="tenant:a"), Parked)
+    assert isinstance(sem.park("{llm}openai", "b-0", b"", group="tenant:b"), Parked)
+    sem.set_limit("{llm}openai", 3)  # two slots freed: the head, then the other tenant's turn
+    assert published.waiters == ["a-0", "b-0"]
+    assert [w.waiter for w in sem.admin.room("{llm}openai")] == ["a-1", "a-2"]
+    assert held.release()
+    assert published.waiters == ["a-0", "b-0", "a-1"]
+    sem.set_limit("{llm}openai", None)
+    sem.client.close()
