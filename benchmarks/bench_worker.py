@@ -23,7 +23,8 @@ def prefork_worker(
 ) -> Iterator[Celery]:
     """Start ``celery -A backlog_app worker -P prefork -c concurrency`` on ``broker_url``
     (also its result backend) with its semaphores on ``store_url``, wait until it answers a
-    ping, and yield a client app on the same broker. ``env`` adds BENCH_* variables."""
+    ping, and yield a client app on the same broker (its ``worker_pid`` is the worker's main
+    process). ``env`` adds BENCH_* variables."""
     environ = {**os.environ, **env, "BENCH_BROKER_URL": broker_url,
                "BENCH_SEMAPHORE_URL": store_url, "PYTHONPATH": str(HERE)}  # fmt: skip
     command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
@@ -31,6 +32,7 @@ def prefork_worker(
                "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
     worker = subprocess.Popen(command, cwd=HERE, env=environ, stdout=subprocess.DEVNULL)
     app = Celery("bench-client", broker=broker_url, backend=broker_url, set_as_current=False)
+    app.worker_pid = worker.pid  # type: ignore[attr-defined]
     try:
         deadline = time.monotonic() + 120
         while not app.control.ping(timeout=0.5):
