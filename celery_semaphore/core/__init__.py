@@ -1,9 +1,10 @@
 """The lease algorithm: a counting semaphore in Redis whose slots are held by leases.
 
 Nothing here imports Celery. The layers, bottom up: ``validation`` (argument checks),
-``clients`` (redis-py clients from URLs), ``scripts`` and ``lua/`` (one atomic script per
-operation), ``slot`` (a held lease), ``heartbeat`` (renewal), ``semaphore`` (acquire, hold,
-run), ``admin`` (holders and force release without a limit), ``tracing``.
+``clients`` (redis-py clients from URLs), ``scripts``, ``calls``, ``names`` and ``lua/`` (one
+atomic script per operation), ``slot`` (a held lease), ``heartbeat`` (renewal), ``guard``
+(a slot held for a block), ``semaphore`` (acquire, hold, run), ``admin`` (holders and force
+release without a limit), ``tracing``.
 """
 
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
