@@ -423,11 +423,16 @@ class SemaphoreMachine(RuleBasedStateMachine):
 
     # -- the waiting room ---------------------------------------------------------------
 
-    def _park(self, key: str, name: str, lease: float, max_queued: int, payload: bytes) -> None:
+    def _park(
+        self, key: str, name: str, lease: float, max_queued: int, payload: bytes, lazy: bool
+    ) -> None:
         arrival = self._arrival()
+        # A payload given as a function is made only to park: on a key its semaphore last saw
+        # with no room, a free slot is first taken without it (park.lua's take mode).
+        given: bytes | Callable[[], bytes] = (lambda: payload) if lazy else payload
         call, result, answered = self._run(
             lambda: self.sems[key].park(
-                key, name, payload, arrival=arrival, lease=lease, max_queued=max_queued
+                key, name, given, arrival=arrival, lease=lease, max_queued=max_queued
             )
         )
         old = self.model.waiters.get(name)
@@ -451,22 +456,23 @@ class SemaphoreMachine(RuleBasedStateMachine):
         runs=st.integers(1, 3),
         lease=st.sampled_from(LEASES),
         max_queued=st.sampled_from((0, 0, 2)),
+        lazy=st.booleans(),
     )
-    def park(self, key: str, runs: int, lease: float, max_queued: int) -> None:
+    def park(self, key: str, runs: int, lease: float, max_queued: int, lazy: bool = False) -> None:
         """A burst of ``runs`` new waiters parks, one call each: the first take the free
         slots, the rest wait."""
         for _ in range(runs):
             name = f"w{self.parks}"
             self.parks += 1
-            self._park(key, name, lease, max_queued, f"{name}/0".encode())
+            self._park(key, name, lease, max_queued, f"{name}/0".encode(), lazy)
 
-    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES))
-    def park_again(self, pick: int, lease: float) -> None:
+    @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES), lazy=st.booleans())
+    def park_again(self, pick: int, lease: float, lazy: bool = False) -> None:
         w = self._pick_waiter(pick, sure=True)
         if w is None:
             return
         self.parks += 1
-        self._park(w.key, w.name, lease, 0, f"{w.name}/{self.parks}".encode())
+        self._park(w.key, w.name, lease, 0, f"{w.name}/{self.parks}".encode(), lazy)
 
     @rule(
         pick=st.integers(0, 63),
