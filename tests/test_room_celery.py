@@ -16,6 +16,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask
 from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.integration.handoff_queues import SUFFIX
 from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
@@ -198,32 +199,43 @@ def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
 
 
 @pytest.mark.parametrize(
-    ("broker", "handoffs", "backlog"),
+    ("broker", "queues", "handoffs", "backlog", "ahead"),
     [
-        # kombu's Redis transport serves a queue's priority lists in the order 0, 3, 6, 9.
-        ("redis", None, 9),
-        ("redis", 0, 9),
+        # The default: the hand-off goes to the hand-off queue beside the backlog's.
+        ("redis", True, None, 0, True),
+        # Without hand-off queues, behind the backlog unless at a priority served first
+        # (kombu's Redis transport serves a queue's priority lists in the order 0, 3, 6, 9).
+        ("redis", False, None, 9, False),
+        ("redis", False, 0, 9, True),
         # RabbitMQ serves the highest first, on a queue declared with x-max-priority.
-        pytest.param("rabbitmq", 9, 0, marks=pytest.mark.skipif(
+        pytest.param("rabbitmq", True, None, 0, True, marks=pytest.mark.skipif(
+            not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
+        pytest.param("rabbitmq", False, 9, 0, True, marks=pytest.mark.skipif(
             not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
     ],
 )  # fmt: skip
-def test_a_hand_off_at_a_high_priority_is_fetched_ahead_of_the_backlog(
+def test_a_hand_off_is_fetched_ahead_of_the_backlog(
     broker: str,
+    queues: bool,
     handoffs: int | None,
     backlog: int,
+    ahead: bool,
     redis_server: RedisServer,
     client: redis.Redis,
 ) -> None:
     """Three runs park behind a held slot; with the worker stopped, a backlog of 20 more is
-    sent; then the slot is released, which publishes the oldest parked run. With
-    ``semaphore_handoff_priority`` above the backlog's, the restarted worker fetches that
-    hand-off first: its run starts while most of the backlog is still in the broker.
-    Without it, the hand-off keeps its run's priority and waits behind the backlog, all of
-    which parks before the run starts."""
+    sent; then the slot is released, which publishes the oldest parked run. Sent to the
+    hand-off queue (the default), or with ``semaphore_handoff_priority`` above the backlog's,
+    the restarted worker fetches that hand-off among its first messages: its run starts
+    while most of the backlog is still in the broker. Without either, the hand-off waits
+    behind the backlog, all of which parks before the run starts."""
     # No grace: on a slow machine the backlog may take over a second to park, and a run
     # that parks in person past the grace would take the hand-off's slot before it came.
-    conf: dict[str, object] = {"semaphore_handoff_priority": handoffs, "semaphore_handoff_grace": 0}
+    conf: dict[str, object] = {
+        "semaphore_handoff_priority": handoffs,
+        "semaphore_handoff_queues": queues,
+        "semaphore_handoff_grace": 0,
+    }
     if broker == "rabbitmq":
         conf.update(broker_url=AMQP_URL, task_queue_max_priority=10,
                     task_default_queue=f"csem-first-{uuid.uuid4().hex[:8]}")  # fmt: skip
@@ -248,14 +260,15 @@ def test_a_hand_off_at_a_high_priority_is_fetched_ahead_of_the_backlog(
             for r in parked[1:] + waiting:
                 r.get(timeout=60)
         in_room = [int(n) for n in client.lrange("first:parked", 0, -1)]
-        print(f"\n{broker}, hand-offs at {handoffs}: runs parked at each start {in_room}")
-        if handoffs is None:
-            assert in_room[0] == 22, in_room  # the whole backlog parked first
-        else:
+        print(f"\n{broker}, queues {queues}, priority {handoffs}: parked at each start {in_room}")
+        if ahead:
             assert in_room[0] <= 2 + 10, in_room  # two parked before, a few prefetched
+        else:
+            assert in_room[0] == 22, in_room  # the whole backlog parked first
     finally:
         gc.collect()
         if broker == "rabbitmq":
             with app.connection_for_write() as conn:
-                conn.default_channel.queue_delete(app.conf.task_default_queue)
+                for name in (app.conf.task_default_queue, app.conf.task_default_queue + SUFFIX):
+                    conn.default_channel.queue_delete(name)
         app.close()

@@ -37,6 +37,8 @@ from ..core.scripts import Handoff, NotWaiting, Parked, RoomFull
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
+from .handoff_queues import SUFFIX as HANDOFF_QUEUE_SUFFIX
+from .handoff_queues import handoff_queue, handoff_queue_for
 from .policy import Policy
 from .settings import app_settings
 from .shedding import (
@@ -85,8 +87,11 @@ def is_give_up(request: Any) -> bool:
 
 def payload_of(task: Task, request: Any, headers: dict[str, Any]) -> bytes:
     """The running task's message (``request``) as Celery's ``retry()`` would publish it,
-    serialized with the task's serializer, plus ``headers``."""
-    signature = task.signature_from_request(request, headers=headers)
+    serialized with the task's serializer, plus ``headers``, routed to the hand-off queue of
+    the queue it came from when its worker consumes one (see
+    :mod:`~celery_semaphore.integration.handoff_queues`)."""
+    queue = handoff_queue_for(task.app, request.delivery_info)
+    signature = task.signature_from_request(request, headers=headers, queue=queue)
     serializer = task.serializer or task.app.conf.task_serializer
     content_type, encoding, body = dumps(dict(signature), serializer=serializer)  # type: ignore[no-untyped-call]
     data = body.encode(encoding) if isinstance(body, str) else body
@@ -106,10 +111,13 @@ def publisher_for(app: Celery) -> Publisher:
             headers[HANDOFF_ID_HEADER] = uuid.uuid4().hex
             if handoff.give_up:
                 headers[GIVE_UP_HEADER] = True
-            # Celery before 5.5 stops listening for a task's result when any AsyncResult of
-            # that id is collected, including a get() waiting in this process: keep ours.
             if priority is not None:
                 signature.options["priority"] = priority
+            queue = signature.options.get("queue")
+            if isinstance(queue, str) and queue.endswith(HANDOFF_QUEUE_SUFFIX):
+                signature.options["queue"] = handoff_queue(app, queue)
+            # Celery before 5.5 stops listening for a task's result when any AsyncResult of
+            # that id is collected, including a get() waiting in this process: keep ours.
             _PUBLISHED.append(signature.apply_async())
             logger.debug(
                 "semaphore %r: %s task %s",

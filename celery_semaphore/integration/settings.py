@@ -12,6 +12,7 @@ task option              app setting                  default    meaning
 (none)                   ``semaphores``               {}         semaphores declared by name
 (none)                   ``semaphore_flower_set_limit`` True     Flower page may set limits
 (none)                   ``semaphore_handoff_priority`` None     hand-offs' message priority
+(none)                   ``semaphore_handoff_queues`` True       hand-offs skip the backlog
 ``limit``                (declared, else required)               slots per key (or per run)
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
@@ -68,6 +69,9 @@ class AppSettings:
         handoff_priority (int | None): ``semaphore_handoff_priority``: the message priority
             a handed-off run is published with (None: the run's own), so that the broker can
             deliver hand-offs ahead of a backlog sent at a lower priority.
+        handoff_queues (bool): ``semaphore_handoff_queues``: whether workers consume a
+            hand-off queue beside each of their queues, so that hand-offs do not wait behind
+            a backlog (see :mod:`~celery_semaphore.integration.handoff_queues`).
     """
 
     store: Store
@@ -76,6 +80,7 @@ class AppSettings:
     declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     flower_set_limit: bool = True
     handoff_priority: int | None = None
+    handoff_queues: bool = True
 
     @property
     def url(self) -> str:
@@ -95,7 +100,8 @@ def app_settings(app: Celery) -> AppSettings:
         return cached
     conf = app.conf
     known = {"semaphore_url", "semaphore_prefix", "semaphore_flower_set_limit",
-             "semaphore_handoff_priority", *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
+             "semaphore_handoff_priority", "semaphore_handoff_queues",
+             *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
     unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
     if unknown:
         raise SemaphoreValidationError(
@@ -110,20 +116,24 @@ def app_settings(app: Celery) -> AppSettings:
     except SemaphoreValidationError as exc:
         raise SemaphoreValidationError(f"app.conf.semaphore_{exc}", None, None) from None
     declared = declared_semaphores(conf.get("semaphores"))
-    flower_set_limit = conf.get("semaphore_flower_set_limit")
-    if flower_set_limit is None:
-        flower_set_limit = True
-    # Only a real bool: "false" from an environment-driven config would otherwise read True.
-    if not isinstance(flower_set_limit, bool):
-        raise SemaphoreValidationError(
-            f"app.conf.semaphore_flower_set_limit must be True or False, got {flower_set_limit!r}"
-        )
     priority = _priority(conf.get("semaphore_handoff_priority"))
     settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared,
-                           flower_set_limit=flower_set_limit,
-                           handoff_priority=priority)  # fmt: skip
+                           flower_set_limit=_flag(conf, "semaphore_flower_set_limit"),
+                           handoff_priority=priority,
+                           handoff_queues=_flag(conf, "semaphore_handoff_queues"))  # fmt: skip
     app._semaphore_settings = settings
     return settings
+
+
+def _flag(conf: Any, name: str) -> bool:
+    """Setting ``name``, True unless set; only a real bool, since "false" from an
+    environment-driven config would otherwise read True."""
+    value = conf.get(name)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise SemaphoreValidationError(f"app.conf.{name} must be True or False, got {value!r}")
+    return value
 
 
 def _priority(value: object) -> int | None:

@@ -34,6 +34,7 @@ from ..core.admin import Holder, SemaphoreAdmin
 from ..core.room import HandoffRoute
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
+from .handoff_queues import consume_handoff_queues
 from .room import publisher_for
 from .runner import refusal_of, runner_of
 from .settings import app_settings, client_for, task_policy
@@ -286,8 +287,10 @@ def _pid_gone(pid: int) -> bool:
 
 
 class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep: checks the bounded tasks, frees dead runs' slots, feeds
-    ``inspect stats``.
+    """Worker bootstep: checks the bounded tasks, frees dead runs' slots, sweeps the waiting
+    rooms, feeds ``inspect stats``, and makes the worker consume a hand-off queue beside each
+    of its queues when the app has a queueing task (see
+    :mod:`~celery_semaphore.integration.handoff_queues`).
 
     Creating the step resolves every bounded task's options against the app's
     ``semaphore_*`` settings, so a bad setting, or a task option that conflicts with one,
@@ -340,6 +343,11 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if unreachable is not None:
             # An unreachable store is no reason not to start: runs are shed until it is back.
             logger.warning("semaphore store unreachable at start-up: %s", unreachable)
+        # Before the consumer starts, so that it consumes them with the worker's own queues.
+        if self.queues and app_settings(app).handoff_queues:
+            added = consume_handoff_queues(app)
+            if added:
+                logger.info("consuming hand-off queues %s", ", ".join(added))
 
     def start(self, worker: Any) -> None:
         self.releaser = DeadRunReleaser(worker.app, worker.timer)

@@ -1,0 +1,102 @@
+"""Hand-off queues: a handed-off run does not wait behind the backlog of its own queue.
+
+A hand-off is a message like any other. Published to the queue its run came from, it would
+wait behind every message queued there before it: under a burst, the first slots to free
+would stand empty until the workers had fetched and parked the rest of the burst (about a
+second for 200 runs on a 2-core machine), and behind a standing backlog of other work for
+as long as that backlog lasts.
+
+So every worker of an app with a queueing task also consumes, beside each direct queue it
+consumes, a *hand-off queue* named ``<queue>.semaphore-handoffs``; a run that parks records
+the hand-off queue of the queue it was delivered from, and its hand-off is published there.
+A worker fetches from its queues in turn (kombu's Redis transport moves the queue it just
+took a message from to the end of its next BRPOP; RabbitMQ delivers from every queue a
+consumer holds as its prefetch allows), so a hand-off is fetched within a message or two of
+its publish, whatever waits in the run's own queue.
+
+A run keeps its own routing when its queue cannot be told from its delivery (a topic or
+fanout exchange, or two consumed queues bound with one key) or when its worker consumes no
+hand-off queue for it (``semaphore_handoff_queues = False``, or an app with no queueing
+task).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from celery import Celery
+from kombu.entity import Queue
+
+SUFFIX = ".semaphore-handoffs"
+"""What a hand-off queue's name adds to the name of the queue it serves."""
+
+
+def consume_handoff_queues(app: Celery) -> list[str]:
+    """Make a worker of ``app`` consume a hand-off queue beside each direct queue it
+    consumes. Call it after the worker selected its queues (``-Q``) and before its consumer
+    starts: a worker bootstep's constructor.
+
+    Each hand-off queue is made as Celery makes a queue a task names that is not declared
+    (``task_create_missing_queue_type`` and its exchange type apply), and declared by the
+    consumer when it starts, like any other.
+
+    Returns:
+        list[str]: the names of the hand-off queues added.
+    """
+    queues = app.amqp.queues
+    added = []
+    for queue in list(queues.consume_from.values()):
+        name = queue.name + SUFFIX
+        if queue.name.endswith(SUFFIX) or not _direct(queue) or name in queues.consume_from:
+            continue
+        queues.select_add(queues.new_missing(name))
+        added.append(name)
+    return added
+
+
+def handoff_queue_for(app: Celery, delivery_info: Mapping[str, Any] | None) -> str | None:
+    """The hand-off queue for a run delivered as ``delivery_info`` says (a Celery request's
+    ``delivery_info``: the exchange and routing key it was published with), in a worker of
+    ``app``.
+
+    Returns:
+        str | None: the name of the hand-off queue this worker consumes for the one queue the
+        run can have come from (a hand-off queue itself, for a run a hand-off started); None
+        when that queue cannot be told or has no hand-off queue here.
+    """
+    consumed = app.amqp.queues.consume_from
+    exchange = (delivery_info or {}).get("exchange") or ""
+    routing_key = (delivery_info or {}).get("routing_key")
+    found = [q.name for q in consumed.values() if _delivers(q, exchange, routing_key)]
+    if len(found) != 1:
+        return None
+    name = found[0] if found[0].endswith(SUFFIX) else found[0] + SUFFIX
+    return name if name in consumed else None
+
+
+def handoff_queue(app: Celery, name: str) -> Queue:
+    """The queue ``name`` as ``app`` would route to it: the worker's own declaration, or one
+    made as Celery makes a missing queue (even with ``task_create_missing_queues`` off, so
+    that a process that never consumed it, such as a sweeping worker of other queues, can
+    still publish to it)."""
+    queues = app.amqp.queues
+    found: Queue | None = queues.get(name)
+    return found if found is not None else queues.new_missing(name)
+
+
+def _direct(queue: Queue) -> bool:
+    return queue.exchange is None or queue.exchange.type == "direct"
+
+
+def _delivers(queue: Queue, exchange: str, routing_key: str | None) -> bool:
+    """Whether a message published to ``exchange`` with ``routing_key`` reaches ``queue``
+    (the default exchange routes by queue name; a direct exchange by binding key)."""
+    if not exchange:
+        return queue.name == routing_key
+    return (
+        _direct(queue)
+        and queue.exchange is not None
+        and queue.exchange.name == exchange
+        and queue.routing_key == routing_key
+    )
