@@ -87,6 +87,8 @@ def test_unknown_decorator_option_is_named() -> None:
         ("semaphore_handoff_priority", "0"),
         ("semaphore_handoff_priority", True),
         ("semaphore_handoff_priority", 1.5),
+        ("semaphore_handoff_queues", "false"),
+        ("semaphore_handoff_queues", 1),
     ],
 )
 def test_bad_app_setting_is_named(setting: str, value: Any) -> None:

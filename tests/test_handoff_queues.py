@@ -1,0 +1,80 @@
+"""Which queue a hand-off goes to: the hand-off queue a worker consumes beside the queue its
+run came from (celery_semaphore.integration.handoff_queues). The routing rules, read off a
+real Celery app's queue declarations; tests/test_room_celery.py sends hand-offs through both
+brokers."""
+
+from __future__ import annotations
+
+import pytest
+from celery import Celery
+from kombu import Exchange, Queue
+from kombu.common import Broadcast
+
+from celery_semaphore.integration.handoff_queues import (
+    SUFFIX,
+    consume_handoff_queues,
+    handoff_queue,
+    handoff_queue_for,
+)
+
+URL = "redis://127.0.0.1:1/0"  # never connected to: only declarations are read
+
+
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("lanes", broker=URL, set_as_current=False)
+    app.conf.task_queues = [
+        Queue("plain"),
+        Queue("keyed", Exchange("ex", "direct"), routing_key="k"),
+        Queue("twin", Exchange("ex", "direct"), routing_key="shared"),
+        Queue("twin2", Exchange("ex", "direct"), routing_key="shared"),
+        Queue("topical", Exchange("tx", "topic"), routing_key="t.#"),
+        Broadcast("everyone"),
+        Queue("not-consumed"),
+    ]
+    app.amqp.queues.select(["plain", "keyed", "twin", "twin2", "topical", "everyone"])
+    return app
+
+
+def test_a_worker_consumes_a_hand_off_queue_beside_each_direct_queue_once(app: Celery) -> None:
+    added = consume_handoff_queues(app)
+    assert sorted(added) == [f"{q}{SUFFIX}" for q in ("keyed", "plain", "twin", "twin2")]
+    consumed = app.amqp.queues.consume_from
+    assert f"plain{SUFFIX}" in consumed
+    assert f"not-consumed{SUFFIX}" not in consumed  # only the queues this worker consumes
+    assert consume_handoff_queues(app) == []  # hand-off queues get none of their own
+
+
+@pytest.mark.parametrize(
+    ("exchange", "routing_key", "expected"),
+    [
+        ("", "plain", f"plain{SUFFIX}"),  # Celery publishes to a direct queue this way
+        ("ex", "k", f"keyed{SUFFIX}"),
+        ("", f"plain{SUFFIX}", f"plain{SUFFIX}"),  # a run a hand-off started
+        ("ex", "shared", None),  # two queues take this key: which one it came from is unknown
+        ("tx", "t.1", None),  # a topic exchange
+        ("everyone", "", None),  # a broadcast
+        ("", "not-consumed", None),
+        (None, None, None),
+    ],
+)
+def test_a_run_is_handed_off_to_the_hand_off_queue_of_the_queue_it_came_from(
+    app: Celery, exchange: str | None, routing_key: str | None, expected: str | None
+) -> None:
+    consume_handoff_queues(app)
+    info = {"exchange": exchange, "routing_key": routing_key}
+    assert handoff_queue_for(app, info) == expected
+
+
+def test_without_hand_off_queues_a_run_keeps_its_own_routing(app: Celery) -> None:
+    # The worker consumes none (semaphore_handoff_queues = False, or no queueing task).
+    assert handoff_queue_for(app, {"exchange": "", "routing_key": "plain"}) is None
+    assert handoff_queue_for(app, None) is None
+
+
+def test_a_process_that_never_consumed_a_hand_off_queue_can_publish_to_it() -> None:
+    app = Celery("publisher", broker=URL, set_as_current=False)
+    app.conf.task_create_missing_queues = False
+    queue = handoff_queue(app, f"plain{SUFFIX}")
+    assert (queue.name, queue.routing_key) == (f"plain{SUFFIX}", f"plain{SUFFIX}")
+    assert queue.exchange.type == "direct"
