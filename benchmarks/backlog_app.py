@@ -25,6 +25,8 @@ if "BENCH_HANDOFF_GRACE" in os.environ:  # the order-or-fill table of the perfor
     app.conf.semaphore_handoff_grace = float(os.environ["BENCH_HANDOFF_GRACE"])
 if "BENCH_HANDOFF_PRIORITY" in os.environ:  # hand-offs ahead of the backlog
     app.conf.semaphore_handoff_priority = int(os.environ["BENCH_HANDOFF_PRIORITY"])
+if os.environ.get("BENCH_HANDOFF_QUEUES") == "0":  # hand-offs behind the backlog
+    app.conf.semaphore_handoff_queues = False
 _client = redis.Redis.from_url(STORE)
 
 
