@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from celery_semaphore.core.scripts import Handoff
+from celery_semaphore.integration.handoff_queues import SUFFIX
 
 from . import history
 from .history import BODIES
@@ -156,6 +157,16 @@ def child_pids(pid: int) -> list[int]:
     """The pids of ``pid``'s child processes (a prefork worker's pool processes)."""
     found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
     return [int(p) for p in found.stdout.split()]
+
+
+QUEUES = ("celery", "celery" + SUFFIX)
+"""Where a task's message waits in the tests' Redis broker: the default queue, and beside it
+the hand-off queue workers consume for it."""
+
+
+def queued(client: Any) -> int:
+    """How many task messages wait in the broker (``client``), in :data:`QUEUES`."""
+    return sum(int(client.llen(queue)) for queue in QUEUES)
 
 
 def unacked_task_ids(client: Any) -> list[str]:

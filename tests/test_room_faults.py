@@ -31,7 +31,14 @@ from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import BLOCKING, GATE_OPEN, STALLED_PUBLISH, add_room_fault_tasks, make_app
-from .helpers import child_pids, prefork_worker_process, unacked_task_ids, wait_for
+from .helpers import (
+    QUEUES,
+    child_pids,
+    prefork_worker_process,
+    queued,
+    unacked_task_ids,
+    wait_for,
+)
 from .history import BODIES, History
 
 KEY = "gate"
@@ -89,7 +96,7 @@ def _drained(sem: Semaphore) -> bool:
 
 def _broker_idle(client: redis.Redis) -> bool:
     """No task message waits in the broker's queue or is out for delivery."""
-    return client.llen("celery") == 0 and unacked_task_ids(client) == []
+    return queued(client) == 0 and unacked_task_ids(client) == []
 
 
 @contextmanager
@@ -176,7 +183,7 @@ def _strand_a_hand_off(
         assert wait_for(lambda: client.llen(BLOCKING) == 2, timeout=60)
         assert held.release()  # reserves the slot for the run and publishes its hand-off
         assert wait_for(
-            lambda: client.llen("celery") == 0 and set(unacked_task_ids(client)) == {waiter.id},
+            lambda: queued(client) == 0 and set(unacked_task_ids(client)) == {waiter.id},
             timeout=60,
         )
         _kill_worker(worker_a)
@@ -374,9 +381,9 @@ def test_a_restart_without_persistence_loses_the_parked_runs(
             waiting = [r.state for r in parked]  # what a parked run's result says
             assert not any(r.ready() for r in parked)
         # No worker is up: the release hands the slot to run 0, whose message then waits in
-        # the broker across the restart.
+        # the broker (in the hand-off queue) across the restart.
         assert held.release()
-        assert wait_for(lambda: client.llen("celery") == 1, timeout=30)
+        assert wait_for(lambda: client.llen(QUEUES[1]) == 1, timeout=30)
         own_redis.restart()
         assert _room(sem) == []
         assert sem.count(KEY) == 0

@@ -81,7 +81,7 @@ from .celery_apps import (
     add_soak_tasks,
     make_app,
 )
-from .helpers import child_pids, stop_process, unacked_task_ids, wait_for
+from .helpers import QUEUES, child_pids, queued, stop_process, unacked_task_ids, wait_for
 from .history import BODIES, History, Report, Wipe, history_key, limit_schedule
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,8 +201,10 @@ def _text(raw: bytes | str) -> str:
 
 
 def _queued_task_ids(client: redis.Redis) -> set[str]:
-    """The task ids of the messages waiting in the broker's default queue."""
-    return {json.loads(raw)["headers"]["id"] for raw in client.lrange("celery", 0, -1)}
+    """The task ids of the messages waiting in the broker's default queue and its hand-off
+    queue."""
+    return {json.loads(raw)["headers"]["id"]
+            for queue in QUEUES for raw in client.lrange(queue, 0, -1)}  # fmt: skip
 
 
 @dataclass
@@ -489,7 +491,7 @@ def _quiet(client: redis.Redis, sem: Semaphore, done: set[str]) -> bool:
     worker shutting down may hold one it never acknowledged, for up to 30 s: see
     :meth:`Fleet.stop_warm`), nothing parked, no slot held or handed."""
     return (
-        client.llen("celery") == 0
+        queued(client) == 0
         and set(unacked_task_ids(client)) <= done
         and all(sem.admin.room(key) == [] and sem.count(key) == 0 for key in SOAK_LIMITS)
     )
