@@ -102,7 +102,11 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
         assert kept.get(timeout=60) == 2
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
         assert wait_for(lambda: sem.admin.room("queued") == [], timeout=30)
-        assert wait_for(lambda: sem.count("queued") == 0, timeout=30)
+        # Seen once in CI: a slot still counted here 30 s on; the holders say whose.
+        assert wait_for(lambda: sem.count("queued") == 0, timeout=30), (
+            [(h.token, h.metadata, h.expires_in) for h in sem.admin.holders("queued")],
+            (doomed.id, kept.id),
+        )
     assert _ran(client, kept.id) == [2]
 
 
