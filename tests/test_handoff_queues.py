@@ -43,6 +43,9 @@ def test_a_worker_consumes_a_hand_off_queue_beside_each_direct_queue_once(app: C
     assert f"plain{SUFFIX}" in consumed
     assert f"not-consumed{SUFFIX}" not in consumed  # only the queues this worker consumes
     assert consume_handoff_queues(app) == []  # hand-off queues get none of their own
+    # Each just before its own queue: a consumer that serves its queues in a fixed order
+    # serves hand-offs first.
+    assert list(consumed)[:4] == [f"plain{SUFFIX}", "plain", f"keyed{SUFFIX}", "keyed"]
 
 
 @pytest.mark.parametrize(

@@ -45,13 +45,27 @@ def consume_handoff_queues(app: Celery) -> list[str]:
         list[str]: the names of the hand-off queues added.
     """
     queues = app.amqp.queues
+    mine = list(queues.consume_from.values())
     added = []
-    for queue in list(queues.consume_from.values()):
+    for queue in mine:
         name = queue.name + SUFFIX
         if queue.name.endswith(SUFFIX) or not _direct(queue) or name in queues.consume_from:
             continue
         queues.select_add(queues.new_missing(name))
         added.append(name)
+    # Each hand-off queue goes just before its own queue, since the consumer takes its
+    # queues in this order: a transport that serves them in a fixed order (kombu's Redis
+    # transport with queue_order_strategy "priority") then serves hand-offs first.
+    consumed = queues.consume_from
+    ordered = []
+    for queue in mine:
+        if queue.name + SUFFIX in added:
+            ordered.append(consumed[queue.name + SUFFIX])
+        ordered.append(queue)
+    for queue in ordered:
+        del consumed[queue.name]
+    for queue in ordered:
+        consumed[queue.name] = queue
     return added
 
 
