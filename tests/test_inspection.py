@@ -25,7 +25,7 @@ from celery_semaphore import signals as sem_signals
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import wait_for
+from .helpers import prefork_worker_process, wait_for
 from .history import BODIES, History
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,30 @@ def worker(redis_server: RedisServer) -> Iterator[tuple[Celery, str]]:
     app = make_app(redis_server.url, worker_send_task_events=True)
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False) as w:
         yield app, w.hostname
+
+
+def test_stats_count_the_runs_parked_and_shed(redis_server: RedisServer, tmp_path: Path) -> None:
+    # A prefork worker: the counts are made in its pool processes and read by its main one.
+    app = make_app(redis_server.url)
+    sem = Semaphore(redis_server.url, limit=3)
+    held = [sem.acquire(key) for key in ("queued", "provider") for _ in range(3)]
+    assert all(held)
+    with prefork_worker_process(app, tmp_path / "worker.log", concurrency=2):
+        [hostname] = [name for reply in app.control.ping(timeout=1) for name in reply]
+
+        def counters() -> dict[str, int]:
+            stats = app.control.inspect(timeout=5, destination=[hostname]).stats()
+            return dict(stats[hostname]["semaphore"]["counters"])
+
+        for n in range(2):
+            app.tasks["csem.queued"].delay(n, 0.0)
+        shed = app.tasks["csem.provider_call"].delay(9, 0.0)  # shed until a slot frees
+        # Counts are written in batches, within about a second: wait for them.
+        assert wait_for(lambda: counters()["parked"] == 2, timeout=30), counters()
+        assert wait_for(lambda: counters()["shed"] >= 1, timeout=30), counters()
+        for slot in held:
+            slot.release()  # type: ignore[union-attr]
+        shed.get(timeout=60)
 
 
 def test_status_shows_every_semaphore_and_its_holders(redis_server: RedisServer) -> None:

@@ -3,14 +3,22 @@ slot.
 
 A prefork worker's tasks run in child processes while ``celery inspect stats`` is answered by
 the main process, so the counters live in Redis, in one hash per worker node
-(``<prefix>:stats:<node name>``, expiring a day after its last update). They are only
-touched on the slow paths (a shed, a park, a lost slot, a dead run's release), never per
-acquire.
+(``<prefix>:stats:<node name>``, expiring a day after its last update). A count is not
+written when it happens: each process adds it up and writes what it has at most once every
+:data:`FLUSH_DELAY` seconds, in one round trip, from a timer thread that lives only while
+something is left to write. So a burst of parks (the waiting room's common path) costs
+no round trip of its own, and a count shows up within about a second. A pool process
+that is killed, or that exits without running its ``atexit`` hooks, loses what it had not
+written yet: these are telemetry, never what a slot depends on.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import logging
+import os
+import threading
 from typing import Any
 
 import redis
@@ -21,6 +29,8 @@ from .settings import app_settings, client_for
 logger = logging.getLogger(__name__)
 
 FIELDS = ("shed", "parked", "lease_lost", "dead_released")
+FLUSH_DELAY = 1.0
+"""Seconds a process holds its counts before writing them to Redis."""
 _TTL = 24 * 3600
 
 
@@ -29,18 +39,69 @@ def stats_key(prefix: str, worker: str) -> str:
     return f"{prefix}:stats:{worker}"
 
 
+class _Pending:
+    """This process's counts not yet written, by app and worker node."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[tuple[Celery, str], collections.Counter[str]] = {}
+        self.timer: threading.Timer | None = None
+
+    def add(self, app: Celery, worker: str, field: str, by: int) -> None:
+        with self.lock:
+            self.counts.setdefault((app, worker), collections.Counter())[field] += by
+            if self.timer is None:
+                timer = threading.Timer(FLUSH_DELAY, self.flush)
+                timer.daemon = True
+                timer.start()
+                self.timer = timer
+
+    def flush(self) -> None:
+        """Write every count held, one round trip per app. Never raises."""
+        with self.lock:
+            counts, self.counts, self.timer = self.counts, {}, None
+        by_app: dict[Celery, list[tuple[str, collections.Counter[str]]]] = {}
+        for (app, worker), fields in counts.items():
+            by_app.setdefault(app, []).append((worker, fields))
+        for app, workers in by_app.items():
+            try:
+                prefix = app_settings(app).prefix
+                pipe = client_for(app).pipeline(transaction=False)
+                for worker, fields in workers:
+                    key = stats_key(prefix, worker)
+                    for field, by in fields.items():
+                        pipe.hincrby(key, field, by)
+                    pipe.expire(key, _TTL)
+                pipe.execute()
+            except Exception:
+                logger.warning("could not write the semaphore counters", exc_info=True)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's counts and timer are the parent's to write."""
+        self.lock = threading.Lock()
+        self.counts, self.timer = {}, None
+
+
+_PENDING = _Pending()
+atexit.register(_PENDING.flush)
+os.register_at_fork(after_in_child=_PENDING.forget)
+
+
 def bump(app: Celery, worker: str | None, field: str, by: int = 1) -> None:
-    """Add ``by`` to counter ``field`` of ``worker`` (a node name). Never raises."""
+    """Add ``by`` to counter ``field`` of ``worker`` (a node name), written to Redis within
+    :data:`FLUSH_DELAY` seconds. Never raises, and makes no round trip."""
     if not worker:
         return
     try:
-        key = stats_key(app_settings(app).prefix, worker)
-        pipe = client_for(app).pipeline(transaction=False)
-        pipe.hincrby(key, field, by)
-        pipe.expire(key, _TTL)
-        pipe.execute()
-    except Exception:
-        logger.warning("could not count %s for worker %s", field, worker, exc_info=True)
+        _PENDING.add(app, worker, field, by)
+    except RuntimeError:  # no thread to be had: the count waits for the next one's timer
+        logger.warning("could not schedule the semaphore counters' write", exc_info=True)
+
+
+def flush() -> None:
+    """Write this process's pending counts now (a worker's main process does this before it
+    answers ``inspect stats``, so its own counts are never behind). Never raises."""
+    _PENDING.flush()
 
 
 def read(app: Celery, worker: str) -> dict[str, int]:

@@ -98,6 +98,7 @@ def worker_report(app: Celery, worker: str) -> dict[str, Any]:
         the semaphore store cannot be read (never raises: it answers remote control).
     """
     try:
+        stats.flush()
         return {"held": held_by_worker(app, worker), "counters": stats.read(app, worker)}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
