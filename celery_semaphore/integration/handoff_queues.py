@@ -45,9 +45,8 @@ def consume_handoff_queues(app: Celery) -> list[str]:
         list[str]: the names of the hand-off queues added.
     """
     queues = app.amqp.queues
-    mine = list(queues.consume_from.values())
     added = []
-    for queue in mine:
+    for queue in list(queues.consume_from.values()):
         name = queue.name + SUFFIX
         if queue.name.endswith(SUFFIX) or not _direct(queue) or name in queues.consume_from:
             continue
@@ -56,16 +55,19 @@ def consume_handoff_queues(app: Celery) -> list[str]:
     # Each hand-off queue goes just before its own queue, since the consumer takes its
     # queues in this order: a transport that serves them in a fixed order (kombu's Redis
     # transport with queue_order_strategy "priority") then serves hand-offs first.
+    # (By key: Celery may key a queue by its alias, a broadcast queue's for one.)
     consumed = queues.consume_from
     ordered = []
-    for queue in mine:
+    for key, queue in list(consumed.items()):
+        if key in added:
+            continue
         if queue.name + SUFFIX in added:
-            ordered.append(consumed[queue.name + SUFFIX])
-        ordered.append(queue)
-    for queue in ordered:
-        del consumed[queue.name]
-    for queue in ordered:
-        consumed[queue.name] = queue
+            ordered.append((queue.name + SUFFIX, consumed[queue.name + SUFFIX]))
+        ordered.append((key, queue))
+    for key, _ in ordered:
+        del consumed[key]
+    for key, queue in ordered:
+        consumed[key] = queue
     return added
 
 
