@@ -6,6 +6,7 @@ brokers."""
 from __future__ import annotations
 
 import pytest
+import redis
 from celery import Celery
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
@@ -15,7 +16,9 @@ from celery_semaphore.integration.handoff_queues import (
     consume_handoff_queues,
     handoff_queue,
     handoff_queue_for,
+    warm_publisher,
 )
+from celery_semaphore.testing import RedisServer
 
 URL = "redis://127.0.0.1:1/0"  # never connected to: only declarations are read
 
@@ -81,3 +84,24 @@ def test_a_process_that_never_consumed_a_hand_off_queue_can_publish_to_it() -> N
     queue = handoff_queue(app, f"plain{SUFFIX}")
     assert (queue.name, queue.routing_key) == (f"plain{SUFFIX}", f"plain{SUFFIX}")
     assert queue.exchange.type == "direct"
+
+
+def test_a_pool_process_declares_its_hand_off_queues_as_it_starts(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    app = Celery("warm", broker=redis_server.url, set_as_current=False)
+    consume_handoff_queues(app)
+    lane = f"celery{SUFFIX}"
+    assert not client.exists(f"_kombu.binding.{lane}")
+    warm_publisher(app)
+    # kombu's Redis transport records a queue's binding when it declares it.
+    assert client.exists(f"_kombu.binding.{lane}")
+    app.close()
+
+
+def test_a_broker_out_of_reach_does_not_stop_a_pool_process() -> None:
+    app = Celery("cold", broker=URL, set_as_current=False)
+    app.conf.broker_connection_timeout = 0.5
+    app.conf.broker_connection_max_retries = 0
+    consume_handoff_queues(app)
+    warm_publisher(app)  # logs, and leaves the connection to the first publish

@@ -27,14 +27,14 @@ from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, bootsteps
-from celery.signals import task_failure, task_revoked, worker_init
+from celery.signals import task_failure, task_revoked, worker_init, worker_process_init
 from celery.worker.control import inspect_command
 
 from ..core.admin import Holder, SemaphoreAdmin
 from ..core.room import HandoffRoute
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
-from .handoff_queues import consume_handoff_queues
+from .handoff_queues import consume_handoff_queues, warm_publisher
 from .room import publisher_for
 from .runner import refusal_of, runner_of
 from .settings import app_settings, client_for, task_policy
@@ -349,6 +349,15 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             added = consume_handoff_queues(app)
             if added:
                 logger.info("consuming hand-off queues %s", ", ".join(added))
+        # Before the pool forks: each pool process then meets the broker as it starts.
+        self._warm: Any = None
+        if self.queues:
+
+            def warm(**_: Any) -> None:
+                warm_publisher(app)
+
+            worker_process_init.connect(warm, weak=False)
+            self._warm = warm
 
     def start(self, worker: Any) -> None:
         self.releaser = DeadRunReleaser(worker.app, worker.timer)
@@ -365,6 +374,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not check the semaphore store", exc_info=True)
 
     def stop(self, worker: Any) -> None:
+        if self._warm is not None:
+            worker_process_init.disconnect(self._warm)
+            self._warm = None
         if self._sweeps is not None:
             self._sweeps.cancel()
             self._sweeps = None
