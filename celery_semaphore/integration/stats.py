@@ -7,9 +7,10 @@ the main process, so the counters live in Redis, in one hash per worker node
 written when it happens: each process adds it up and writes what it has at most once every
 :data:`FLUSH_DELAY` seconds, in one round trip, from a timer thread that lives only while
 something is left to write. So a burst of parks (the waiting room's common path) costs
-no round trip of its own, and a count shows up within about a second. A pool process
-that is killed, or that exits without running its ``atexit`` hooks, loses what it had not
-written yet: these are telemetry, never what a slot depends on.
+no round trip of its own, and a count shows up within about a second. A worker writes what
+is left as it stops, and a pool process as it ends (``worker_process_shutdown``); one that
+is killed loses what it had not written yet: these are telemetry, never what a slot
+depends on.
 """
 
 from __future__ import annotations

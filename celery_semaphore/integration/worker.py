@@ -27,7 +27,13 @@ from typing import Any
 
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, bootsteps
-from celery.signals import task_failure, task_revoked, worker_init, worker_process_init
+from celery.signals import (
+    task_failure,
+    task_revoked,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+)
 from celery.worker.control import inspect_command
 
 from ..core.admin import Holder, SemaphoreAdmin
@@ -349,7 +355,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             added = consume_handoff_queues(app)
             if added:
                 logger.info("consuming hand-off queues %s", ", ".join(added))
-        # Before the pool forks: each pool process then meets the broker as it starts.
+        # Before the pool forks: each pool process then meets the broker as it starts, and
+        # writes its last counts as it ends.
         self._warm: Any = None
         if self.queues:
 
@@ -358,6 +365,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
             worker_process_init.connect(warm, weak=False)
             self._warm = warm
+        worker_process_shutdown.connect(_flush_counts, weak=False)
 
     def start(self, worker: Any) -> None:
         self.releaser = DeadRunReleaser(worker.app, worker.timer)
@@ -374,6 +382,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.warning("could not check the semaphore store", exc_info=True)
 
     def stop(self, worker: Any) -> None:
+        stats.flush()  # the counts of runs in this process (threads and solo pools)
+        worker_process_shutdown.disconnect(_flush_counts)
         if self._warm is not None:
             worker_process_init.disconnect(self._warm)
             self._warm = None
@@ -387,6 +397,10 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def info(self, worker: Any) -> dict[str, Any]:
         return {"semaphore": worker_report(worker.app, worker.hostname)}
+
+
+def _flush_counts(**_: Any) -> None:
+    stats.flush()
 
 
 def _add_step(sender: Any = None, **_: Any) -> None:
