@@ -217,8 +217,9 @@ def test_keys_get_a_ttl_and_an_empty_semaphore_is_deleted(
     slot = sem.acquire("k")
     assert slot is not None
     assert sorted(client.keys("*")) == [b"app:{k}", b"app:{k}:holders"]
-    assert 0 < client.pttl("app:{k}") <= 5000
-    assert 0 < client.pttl("app:{k}:holders") <= 5000
+    # At least the lease (the keys outlive it), at most two (the TTL's headroom).
+    assert 4900 < client.pttl("app:{k}") <= 10000
+    assert 4900 < client.pttl("app:{k}:holders") <= 10000
     slot.release()
     assert client.keys("*") == []
 
