@@ -71,7 +71,9 @@ redis.call('HSET', holders, token, now_ms .. '|' .. ARGV[4])
 -- two PEXPIREs about once per lease on a busy key, instead of on every acquire, which
 -- PTTL's millisecond steps would otherwise ask for. (PEXPIRE ... GT would save the PTTL,
 -- but needs Redis 7, and would still write on every call.)
-if redis.call('PTTL', slots) < lease_ms then
+-- A key nobody held (live is 0) was just made by the ZADD and has no TTL yet: no need to
+-- ask (an uncontended key is made anew by each acquire, its last release deleting it).
+if live == 0 or redis.call('PTTL', slots) < lease_ms then
   redis.call('PEXPIRE', slots, 2 * lease_ms)
   redis.call('PEXPIRE', holders, 2 * lease_ms)
 end
