@@ -35,7 +35,7 @@ from .lease import RenewErrorCallback
 from .options import HolderRecord, acquire_args, hold_interval, semaphore_options
 from .process import new_token
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .scripts import Admitted, Full, Keys, Scripts, backend_errors
+from .scripts import REDIS_ERRORS, Admitted, Full, Keys, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
@@ -197,8 +197,10 @@ class Semaphore(ManyKeys):
                 if attempt:
                     time.sleep(delay)
                 sent_at = time.monotonic()
-                with backend_errors(key, limit):
+                try:
                     reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
+                except REDIS_ERRORS as exc:
+                    raise backend_error(exc, key, limit) from exc
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
