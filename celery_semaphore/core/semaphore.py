@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
@@ -44,6 +44,23 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_LEASE = 60.0
+
+_PLAIN_KEPT = 4096
+"""Keys whose checked plain acquire a semaphore keeps (then it starts afresh)."""
+
+
+class _Checked(NamedTuple):
+    """An acquire's arguments checked (see :meth:`Semaphore._check`)."""
+
+    key: str
+    seconds: float
+    ms: int
+    attempts: int
+    delay: float
+    wait: float
+    limit: int
+    weight: int
+    keys: Keys
 
 
 class Semaphore(ManyKeys):
@@ -116,6 +133,7 @@ class Semaphore(ManyKeys):
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._record = HolderRecord(self.limit)
+        self._plain: dict[str, _Checked] = {}
         self._rooms: set[str] = set()
 
     def __repr__(self) -> str:
@@ -139,6 +157,31 @@ class Semaphore(ManyKeys):
 
     def _limit(self, limit: int | None) -> int:
         return self.limit if limit is None else check.check_limit(limit)
+
+    def _check(
+        self,
+        key: str,
+        limit: int | None,
+        weight: int,
+        lease: float | None,
+        retries: int,
+        retry_delay: float,
+        wait: float,
+    ) -> _Checked:
+        """:meth:`acquire`'s arguments checked, with the key's Redis keys.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid.
+        """
+        key, seconds, ms, attempts, delay, wait = acquire_args(
+            key, lease, self.lease, retries, retry_delay, wait
+        )
+        checked_limit = self._limit(limit)
+        checked_weight = check.check_weight(weight, checked_limit)
+        return _Checked(
+            key, seconds, ms, attempts, delay, wait, checked_limit, checked_weight,
+            self._redis_keys(key),
+        )  # fmt: skip
 
     def acquire(
         self,
@@ -184,13 +227,24 @@ class Semaphore(ManyKeys):
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        key, seconds, ms, attempts, delay, wait = acquire_args(
-            key, lease, self.lease, retries, retry_delay, wait
-        )
-        limit = self._limit(limit)
-        weight = check.check_weight(weight, limit)
+        # A call that leaves every option at its default (the very objects of the signature,
+        # which also rules out a True for a 1) was checked when its key first came.
+        checked = None
+        if (
+            type(key) is str and limit is None and lease is None and metadata is None
+            and weight is _DEFAULT["weight"] and retries is _DEFAULT["retries"]
+            and retry_delay is _DEFAULT["retry_delay"] and wait is _DEFAULT["wait"]
+        ):  # fmt: skip
+            checked = self._plain.get(key)
+            if checked is None:
+                checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
+                if len(self._plain) >= _PLAIN_KEPT:
+                    self._plain.clear()
+                self._plain[key] = checked
+        if checked is None:
+            checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
+        key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
         info = self._metadata(metadata, limit, weight)
-        keys = self._redis_keys(key)
         token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
@@ -373,3 +427,8 @@ class Semaphore(ManyKeys):
         which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
         """
         return self.admin.force_release_all(key, self.limit)
+
+
+_DEFAULT: dict[str, Any] = Semaphore.acquire.__kwdefaults__ or {}
+"""The default objects of :meth:`Semaphore.acquire`'s options (``hold`` and ``run``, in the
+same class body, share them), which a plain call passes as they are."""
