@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
@@ -32,7 +32,14 @@ from .clients import RedisClient, client_from_url
 from .group import ManyKeys
 from .guard import guard as guard
 from .lease import RenewErrorCallback
-from .options import HolderRecord, acquire_args, hold_interval, semaphore_options
+from .options import (
+    PLAIN_KEPT,
+    CheckedAcquire,
+    HolderRecord,
+    check_acquire,
+    hold_interval,
+    semaphore_options,
+)
 from .process import new_token
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from .scripts import REDIS_ERRORS, Admitted, Full, Keys, Scripts, backend_error, backend_errors
@@ -44,23 +51,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_LEASE = 60.0
-
-_PLAIN_KEPT = 4096
-"""Keys whose checked plain acquire a semaphore keeps (then it starts afresh)."""
-
-
-class _Checked(NamedTuple):
-    """An acquire's arguments checked (see :meth:`Semaphore._check`)."""
-
-    key: str
-    seconds: float
-    ms: int
-    attempts: int
-    delay: float
-    wait: float
-    limit: int
-    weight: int
-    keys: Keys
 
 
 class Semaphore(ManyKeys):
@@ -133,7 +123,7 @@ class Semaphore(ManyKeys):
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._record = HolderRecord(self.limit)
-        self._plain: dict[str, _Checked] = {}
+        self._plain: dict[str, CheckedAcquire] = {}
         self._rooms: set[str] = set()
 
     def __repr__(self) -> str:
@@ -159,29 +149,11 @@ class Semaphore(ManyKeys):
         return self.limit if limit is None else check.check_limit(limit)
 
     def _check(
-        self,
-        key: str,
-        limit: int | None,
-        weight: int,
-        lease: float | None,
-        retries: int,
-        retry_delay: float,
-        wait: float,
-    ) -> _Checked:
-        """:meth:`acquire`'s arguments checked, with the key's Redis keys.
-
-        Raises:
-            SemaphoreValidationError: an argument is invalid.
-        """
-        key, seconds, ms, attempts, delay, wait = acquire_args(
-            key, lease, self.lease, retries, retry_delay, wait
-        )
-        checked_limit = self._limit(limit)
-        checked_weight = check.check_weight(weight, checked_limit)
-        return _Checked(
-            key, seconds, ms, attempts, delay, wait, checked_limit, checked_weight,
-            self._redis_keys(key),
-        )  # fmt: skip
+        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+        delay: float, wait: float,
+    ) -> CheckedAcquire:  # fmt: skip
+        return check_acquire(key, limit, weight, lease, retries, delay, wait, self.limit,
+                             self.lease, self._redis_keys)  # fmt: skip
 
     def acquire(
         self,
@@ -238,7 +210,7 @@ class Semaphore(ManyKeys):
             checked = self._plain.get(key)
             if checked is None:
                 checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
-                if len(self._plain) >= _PLAIN_KEPT:
+                if len(self._plain) >= PLAIN_KEPT:
                     self._plain.clear()
                 self._plain[key] = checked
         if checked is None:
