@@ -17,6 +17,10 @@ Sections, each printing a table:
   pair, and the pairs-per-second ceiling of one key that follows.
 
 Each section runs on its own private redis-server. Figures are medians (min-max) over rounds.
+
+``--against DIR`` adds a row to ``pairs`` for an older version of this library, in the same
+process and rounds: DIR holds its ``celery_semaphore`` package (say, from
+``git archive <commit> | tar -x -C DIR``), imported under another name.
 """
 
 from __future__ import annotations
@@ -24,10 +28,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
+import shutil
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -100,6 +109,15 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
             "redis-py Lock acquire + release": redis_py_lock,
             "python-redis-lock acquire + release": python_redis_lock,
         }
+        if args.against:
+            old = _older(args.against).Semaphore(client, limit=10, lease=60.0, prefix="older")
+
+            def older() -> None:
+                slot = old.acquire("bench")
+                assert slot is not None
+                slot.release()
+
+            setups[f"celery-semaphore at {args.against}"] = older
         for pair in setups.values():
             _rate(pair, 200)  # load the scripts, warm the connection
         rates: dict[str, list[float]] = {name: [] for name in setups}
@@ -117,6 +135,15 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
                 ratios[name].append(done / spent[name] / limit)
     title = f"Uncontended pairs/s, one client, {args.rounds} rounds of {args.pairs}"
     _pairs_table(console, title, rates, ratios)
+
+
+def _older(directory: str) -> Any:
+    """The ``celery_semaphore`` package in ``directory``, copied and imported as
+    ``celery_semaphore_older`` (its modules import each other relatively)."""
+    copy = Path(tempfile.mkdtemp()) / "celery_semaphore_older"
+    shutil.copytree(Path(directory) / "celery_semaphore", copy)
+    sys.path.insert(0, str(copy.parent))
+    return importlib.import_module("celery_semaphore_older")
 
 
 def _pairs_table(
@@ -289,6 +316,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--against", metavar="DIR", help="an older celery_semaphore's parent")
     args = parser.parse_args()
     console = Console(width=120)
     for name in args.sections:

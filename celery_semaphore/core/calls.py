@@ -75,7 +75,7 @@ def call_of(
 
 
 def acquire_argv(
-    limit: int, lease_ms: int, token: str, metadata: str, weight: int
+    limit: int, lease_ms: int, token: str, metadata: str | bytes, weight: int
 ) -> tuple[str | bytes | int, ...]:
     """acquire.lua's ARGV (the weight only when above 1)."""
     # Digits as bytes: redis-py sends them as they are, where an int takes it four checks.

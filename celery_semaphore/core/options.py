@@ -71,6 +71,43 @@ _timing = check.Memoised(_check_timing)
 """acquire's timing arguments checked, once per distinct value (see :class:`Memoised`)."""
 
 
+PLAIN_KEPT = 4096
+"""Keys whose checked plain acquire a semaphore keeps (then it starts afresh)."""
+
+
+class CheckedAcquire(NamedTuple):
+    """An acquire's arguments checked, with its key's Redis keys (see
+    :func:`check_acquire`)."""
+
+    key: str
+    seconds: float
+    ms: int
+    attempts: int
+    delay: float
+    wait: float
+    limit: int
+    weight: int
+    keys: Keys
+
+
+def check_acquire(
+    key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+    retry_delay: float, wait: float, default_limit: int, default_lease: float,
+    keys_of: Callable[[str], Keys],
+) -> CheckedAcquire:  # fmt: skip
+    """Every argument of ``Semaphore.acquire`` checked (None limit and lease: the
+    semaphore's ``default_limit`` and ``default_lease``), and the key's Redis keys from
+    ``keys_of``.
+
+    Raises:
+        SemaphoreValidationError: an argument is invalid, or ``keys_of`` refuses the key.
+    """
+    checked = acquire_args(key, lease, default_lease, retries, retry_delay, wait)
+    limit = default_limit if limit is None else check.check_limit(limit)
+    weight = check.check_weight(weight, limit)
+    return CheckedAcquire(*checked, limit, weight, keys_of(checked.key))
+
+
 def hold_interval(
     lease: float | None, default_lease: float, heartbeat: object, on_renew_error: object
 ) -> float | None:

@@ -15,7 +15,7 @@ module also maps redis-py errors to :class:`SemaphoreBackendError` (the keys are
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -84,6 +84,29 @@ _NAMES_KEPT = 4096
 """Semaphore keys whose encoded names a :class:`Scripts` keeps (then it starts afresh)."""
 
 
+def _ascii(text: str) -> bytes:
+    return text.encode("ascii")
+
+
+def _text(value: str | bytes) -> str:
+    """``value`` as text (a reply is bytes unless the client decodes responses)."""
+    return value.decode("ascii") if isinstance(value, bytes) else value
+
+
+class _Names:
+    """A semaphore's Redis key names, encoded once (see :meth:`Scripts._encoded`), and the
+    head of an acquire's and of a release's EVALSHA arguments: the number of keys and the
+    keys, ready to send."""
+
+    __slots__ = ("acquire", "names", "release")
+
+    def __init__(self, names: tuple[bytes, ...]) -> None:
+        self.names = names
+        taken, freed = names[SCRIPT_KEYS["acquire"]], names[ROOM_KEYS]
+        self.acquire: tuple[bytes, ...] = (b"%d" % len(taken), *taken)
+        self.release: tuple[bytes, ...] = (b"%d" % len(freed), *freed)
+
+
 class backend_errors:
     """Re-raise any redis-py error inside the block as :class:`SemaphoreBackendError`.
 
@@ -107,12 +130,22 @@ class backend_errors:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> None:
-        if isinstance(exc, (redis.RedisError, RedisClusterException)):
-            raise SemaphoreBackendError(
-                f"Redis failed for semaphore {self.key!r}: {type(exc).__name__}: {exc}",
-                self.key,
-                self.limit,
-            ) from exc
+        if isinstance(exc, REDIS_ERRORS):
+            raise backend_error(exc, self.key, self.limit) from exc
+
+
+REDIS_ERRORS = (redis.RedisError, RedisClusterException)
+"""What redis-py raises when Redis fails; the hot path catches them itself, with
+``except REDIS_ERRORS as exc: raise backend_error(exc, ...) from exc``, which costs nothing
+until one is raised (a :class:`backend_errors` block is an object made per round trip)."""
+
+
+def backend_error(exc: BaseException, key: str, limit: int | None) -> SemaphoreBackendError:
+    """The :class:`SemaphoreBackendError` that reports ``exc`` (a redis-py error) for the
+    semaphore ``key`` of ``limit``; the caller raises it ``from exc``."""
+    return SemaphoreBackendError(
+        f"Redis failed for semaphore {key!r}: {type(exc).__name__}: {exc}", key, limit
+    )
 
 
 class Scripts:
@@ -125,32 +158,54 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+        self._shas = {name: _ascii(script.sha) for name, script in self._scripts.items()}
+        self._execute: Callable[..., Any] = client.execute_command
         encoder = client.get_encoder()
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
-        self._names: dict[Keys, tuple[bytes, ...]] = {}
+        self._names: dict[Keys, _Names] = {}
+        self._record: tuple[str, bytes] = ("", b"")
 
-    def _encoded(self, keys: Keys) -> tuple[bytes, ...]:
+    def _encoded(self, keys: Keys) -> _Names:
         """``keys`` encoded as the client encodes them, once per semaphore key: redis-py
         encodes every argument of every call, and the keys are most of a release's."""
         found = self._names.get(keys)
         if found is None:
             if len(self._names) >= _NAMES_KEPT:
                 self._names.clear()
-            found = self._names[keys] = tuple(name.encode(*self._encoding) for name in keys)
+            found = self._names[keys] = _Names(tuple(n.encode(*self._encoding) for n in keys))
         return found
+
+    def _metadata(self, metadata: str) -> bytes:
+        """``metadata`` encoded; a plain acquire sends the same record every time, which is
+        encoded once."""
+        last = self._record
+        if last[0] is metadata:
+            return last[1]
+        encoded = metadata.encode(*self._encoding)
+        self._record = (metadata, encoded)
+        return encoded
 
     def _evalsha(
         self, name: str, keys: Sequence[str | bytes], args: Sequence[str | int | bytes]
     ) -> Any:
-        """One EVALSHA of script ``name``; after a NOSCRIPT (a restarted or failed-over
-        server), loads it and sends again. Called directly rather than through redis-py's
-        ``Script``, whose own checks cost more than the rest of an acquire's client side."""
-        script = self._scripts[name]
+        """One EVALSHA of script ``name`` with ``keys`` and ``args`` (see :meth:`_send`)."""
+        return self._send(name, (len(keys), *keys, *args))
+
+    def _send(self, name: str, args: tuple[str | int | bytes, ...]) -> Any:
+        """``EVALSHA <sha of name> *args`` (``args`` open with the number of keys); after a
+        NOSCRIPT (a restarted or failed-over server), loads the script and sends again.
+
+        Sent with the client's ``execute_command`` rather than through redis-py's
+        ``Script``, whose own checks cost more than the rest of an acquire's client side,
+        or its ``evalsha``, two calls deeper; the SHA goes as bytes, which redis-py sends
+        as they are."""
         try:
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            return self._execute("EVALSHA", self._shas[name], *args)
         except NoScriptError:
-            script.sha = self.client.script_load(script.script)
-            return self.client.evalsha(script.sha, len(keys), *keys, *args)
+            script = self._scripts[name]
+            script.sha = _text(self.client.script_load(script.script))
+            self._shas[name] = _ascii(script.sha)
+            return self._execute("EVALSHA", self._shas[name], *args)
 
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
@@ -160,8 +215,8 @@ class Scripts:
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Full:
         """Take ``weight`` units if the live holders leave that many (one round trip)."""
-        args = acquire_argv(limit, lease_ms, token, metadata, weight)
-        reply = self._evalsha("acquire", self._encoded(keys)[SCRIPT_KEYS["acquire"]], args)
+        args = acquire_argv(limit, lease_ms, token, self._metadata(metadata), weight)
+        reply = self._send("acquire", self._encoded(keys).acquire + args)
         return parse_acquire(reply, limit, lease_ms)
 
     def acquire_many(
@@ -184,7 +239,7 @@ class Scripts:
     ) -> tuple[bool, list[Handoff]]:
         """Remove ``token`` (see :func:`release_call`)."""
         args = release_argv(token, claim_ms, weight)
-        return parse_release(self._evalsha("release", self._encoded(keys)[ROOM_KEYS], args))
+        return parse_release(self._send("release", self._encoded(keys).release + args))
 
     def park(
         self,
@@ -212,7 +267,7 @@ class Scripts:
             waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
             max_queued, deadline_ms, grace_ms, delivery, group, payload,
         )  # fmt: skip
-        reply = self._evalsha("park", self._encoded(keys)[SCRIPT_KEYS["park"]], args)
+        reply = self._evalsha("park", self._encoded(keys).names[SCRIPT_KEYS["park"]], args)
         return parse_park(reply, limit, lease_ms)
 
     def take(
@@ -221,7 +276,7 @@ class Scripts:
         """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
         mode): what a park would do on such a key, without the payload it would park with."""
         args = (b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, "take")
-        reply = self._evalsha("park", self._encoded(keys)[SCRIPT_KEYS["park"]], args)
+        reply = self._evalsha("park", self._encoded(keys).names[SCRIPT_KEYS["park"]], args)
         result, _ = parse_park(reply, limit, lease_ms)
         assert isinstance(result, (Admitted, Declined))
         return result

@@ -32,10 +32,17 @@ from .clients import RedisClient, client_from_url
 from .group import ManyKeys
 from .guard import guard as guard
 from .lease import RenewErrorCallback
-from .options import HolderRecord, acquire_args, hold_interval, semaphore_options
+from .options import (
+    PLAIN_KEPT,
+    CheckedAcquire,
+    HolderRecord,
+    check_acquire,
+    hold_interval,
+    semaphore_options,
+)
 from .process import new_token
 from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .scripts import Admitted, Full, Keys, Scripts, backend_errors
+from .scripts import REDIS_ERRORS, Admitted, Full, Keys, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
@@ -116,6 +123,7 @@ class Semaphore(ManyKeys):
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
         self._record = HolderRecord(self.limit)
+        self._plain: dict[str, CheckedAcquire] = {}
         self._rooms: set[str] = set()
 
     def __repr__(self) -> str:
@@ -139,6 +147,13 @@ class Semaphore(ManyKeys):
 
     def _limit(self, limit: int | None) -> int:
         return self.limit if limit is None else check.check_limit(limit)
+
+    def _check(
+        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+        delay: float, wait: float,
+    ) -> CheckedAcquire:  # fmt: skip
+        return check_acquire(key, limit, weight, lease, retries, delay, wait, self.limit,
+                             self.lease, self._redis_keys)  # fmt: skip
 
     def acquire(
         self,
@@ -184,21 +199,34 @@ class Semaphore(ManyKeys):
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        key, seconds, ms, attempts, delay, wait = acquire_args(
-            key, lease, self.lease, retries, retry_delay, wait
-        )
-        limit = self._limit(limit)
-        weight = check.check_weight(weight, limit)
+        # A call that leaves every option at its default (the very objects of the signature,
+        # which also rules out a True for a 1) was checked when its key first came.
+        checked = None
+        if (
+            type(key) is str and limit is None and lease is None and metadata is None
+            and weight is _DEFAULT["weight"] and retries is _DEFAULT["retries"]
+            and retry_delay is _DEFAULT["retry_delay"] and wait is _DEFAULT["wait"]
+        ):  # fmt: skip
+            checked = self._plain.get(key)
+            if checked is None:
+                checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
+                if len(self._plain) >= PLAIN_KEPT:
+                    self._plain.clear()
+                self._plain[key] = checked
+        if checked is None:
+            checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
+        key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
         info = self._metadata(metadata, limit, weight)
-        keys = self._redis_keys(key)
         token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     time.sleep(delay)
                 sent_at = time.monotonic()
-                with backend_errors(key, limit):
+                try:
                     reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
+                except REDIS_ERRORS as exc:
+                    raise backend_error(exc, key, limit) from exc
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -371,3 +399,8 @@ class Semaphore(ManyKeys):
         which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
         """
         return self.admin.force_release_all(key, self.limit)
+
+
+_DEFAULT: dict[str, Any] = Semaphore.acquire.__kwdefaults__ or {}
+"""The default objects of :meth:`Semaphore.acquire`'s options (``hold`` and ``run``, in the
+same class body, share them), which a plain call passes as they are."""

@@ -18,7 +18,7 @@ from . import validation as check
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .room import HandoffRoute
-from .scripts import Admitted, Keys, Scripts, backend_errors
+from .scripts import REDIS_ERRORS, Admitted, Keys, Scripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +167,12 @@ class Slot(LeaseRecord):
             SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
         """
         if self._released is None:
-            with backend_errors(self.key, self.limit):
+            try:
                 self._released, handed = self._scripts.release(
                     self._keys, self.token, self._handoffs.release_claim_ms, self.weight
                 )
+            except REDIS_ERRORS as exc:
+                raise backend_error(exc, self.key, self.limit) from exc
             if handed:
                 self._handoffs.deliver(self.key, handed)
             if not self._released:

@@ -14,6 +14,7 @@ nothing is imported: ``pip install 'celery-semaphore[tracing]'`` to have it.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -42,6 +43,24 @@ class _NoSpan:
 
 _NO_SPAN = _NoSpan()
 
+_UNREAD = object()
+_PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
+"""Whether the environment names a tracer provider, read once at import:
+``trace.get_tracer_provider()`` looks it up in ``os.environ`` on every call while no
+provider is set, which costs as much as the rest of an acquire's own work."""
+
+
+def _no_tracer() -> bool:
+    """Whether no tracer provider is configured, so a span would record nothing."""
+    if trace is None:
+        return True
+    # The API's global is set once and never unset: while it is None and the environment
+    # named none, nothing is configured. Should the API lose that global, ask it instead.
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNREAD)
+    if provider is None and not _PROVIDER_FROM_ENV:
+        return True
+    return isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
 
 def acquire_span(
     key: str, limit: int, keys: Sequence[str] = ()
@@ -57,7 +76,7 @@ def acquire_span(
     """
     # With no SDK configured the API's spans record nothing, yet entering one costs more
     # than the rest of an acquire's client-side work: skip it.
-    if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+    if _no_tracer():
         return _NO_SPAN
     return _span(key, limit, keys)
 
