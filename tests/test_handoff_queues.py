@@ -53,18 +53,22 @@ def test_a_worker_consumes_a_hand_off_queue_beside_each_direct_queue_once(app: C
 @pytest.mark.parametrize(
     ("exchange", "routing_key", "expected"),
     [
-        ("", "plain", f"plain{SUFFIX}"),  # Celery publishes to a direct queue this way
-        ("ex", "k", f"keyed{SUFFIX}"),
-        ("", f"plain{SUFFIX}", f"plain{SUFFIX}"),  # a run a hand-off started
-        ("ex", "shared", None),  # two queues take this key: which one it came from is unknown
-        ("tx", "t.1", None),  # a topic exchange
-        ("everyone", "", None),  # a broadcast
-        ("", "not-consumed", None),
-        (None, None, None),
+        ("", "plain", (None, f"plain{SUFFIX}")),  # Celery publishes to a direct queue so
+        ("ex", "k", (None, f"keyed{SUFFIX}")),
+        # A run a hand-off started: its own queue is the one its hand-off queue serves.
+        ("", f"plain{SUFFIX}", ("plain", f"plain{SUFFIX}")),
+        ("ex", "shared", (None, None)),  # two queues take this key: which one is unknown
+        ("tx", "t.1", (None, None)),  # a topic exchange
+        ("everyone", "", (None, None)),  # a broadcast
+        ("", "not-consumed", (None, None)),
+        (None, None, (None, None)),
     ],
 )
 def test_a_run_is_handed_off_to_the_hand_off_queue_of_the_queue_it_came_from(
-    app: Celery, exchange: str | None, routing_key: str | None, expected: str | None
+    app: Celery,
+    exchange: str | None,
+    routing_key: str | None,
+    expected: tuple[str | None, str | None],
 ) -> None:
     consume_handoff_queues(app)
     info = {"exchange": exchange, "routing_key": routing_key}
@@ -73,8 +77,8 @@ def test_a_run_is_handed_off_to_the_hand_off_queue_of_the_queue_it_came_from(
 
 def test_without_hand_off_queues_a_run_keeps_its_own_routing(app: Celery) -> None:
     # The worker consumes none (semaphore_handoff_queues = False, or no queueing task).
-    assert handoff_queue_for(app, {"exchange": "", "routing_key": "plain"}) is None
-    assert handoff_queue_for(app, None) is None
+    assert handoff_queue_for(app, {"exchange": "", "routing_key": "plain"}) == (None, None)
+    assert handoff_queue_for(app, None) == (None, None)
 
 
 def test_a_process_that_never_consumed_a_hand_off_queue_can_publish_to_it() -> None:
@@ -83,6 +87,36 @@ def test_a_process_that_never_consumed_a_hand_off_queue_can_publish_to_it() -> N
     queue = handoff_queue(app, f"plain{SUFFIX}")
     assert (queue.name, queue.routing_key) == (f"plain{SUFFIX}", f"plain{SUFFIX}")
     assert queue.exchange.type == "direct"
+    assert f"plain{SUFFIX}" not in app.amqp.queues.consume_from  # published to, not consumed
+
+
+def test_every_process_declares_a_hand_off_queue_alike() -> None:
+    # RabbitMQ refuses a declaration whose arguments differ from the queue's (406).
+    def app_of() -> Celery:
+        app = Celery("alike", broker=URL, set_as_current=False)
+        app.conf.task_queue_max_priority = 10
+        app.conf.task_queues = [Queue("reports")]
+        return app
+
+    worker, other = app_of(), app_of()
+    worker.amqp.queues.select(["reports"])
+    consume_handoff_queues(worker)
+    consumed = worker.amqp.queues.consume_from[f"reports{SUFFIX}"]
+    published = handoff_queue(other, f"reports{SUFFIX}")
+    assert consumed.queue_arguments == published.queue_arguments == {"x-max-priority": 10}
+
+
+def test_a_hand_off_queue_declared_in_task_queues_is_used_as_declared() -> None:
+    app = Celery("declared", broker=URL, set_as_current=False)
+    quorum = {"x-queue-type": "quorum"}
+    app.conf.task_queues = [
+        Queue("reports"),
+        Queue(f"reports{SUFFIX}", queue_arguments=quorum),
+    ]
+    app.amqp.queues.select(["reports"])
+    assert consume_handoff_queues(app) == [f"reports{SUFFIX}"]
+    assert app.amqp.queues.consume_from[f"reports{SUFFIX}"].queue_arguments == quorum
+    assert handoff_queue(app, f"reports{SUFFIX}").queue_arguments == quorum
 
 
 def test_a_pool_process_connects_to_the_broker_as_it_starts() -> None:

@@ -15,13 +15,15 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask
+from celery_semaphore.core.admin import SemaphoreAdmin
+from celery_semaphore.core.room import HandoffRoute
 from celery_semaphore.core.scripts import redis_keys
 from celery_semaphore.integration.handoff_queues import SUFFIX
 from celery_semaphore.integration.room import publisher_for
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import AMQP_URL, prefork_worker_process, rabbitmq_up, spearman, wait_for
+from .helpers import AMQP_URL, QUEUES, prefork_worker_process, rabbitmq_up, spearman, wait_for
 from .history import BODIES, History
 
 
@@ -128,6 +130,54 @@ def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
         assert sorted(r.get(timeout=60) for r in results) == list(range(5))
     _ran(client, *(r.id for r in results))
     assert mute.count("queued") == 0
+
+
+def test_a_release_hands_off_to_the_hand_off_queue_and_a_sweep_to_the_runs_own_queue(
+    app: Celery, client: redis.Redis
+) -> None:
+    # A sweep is the safety net: a run whose hand-off queue nobody consumes any more (its
+    # last worker stopped, or the setting turned off) must still reach a worker.
+    task = app.tasks["csem.queued"]
+    mute = Semaphore(app.conf.semaphore_url, limit=3)  # leaves freed slots to a sweep
+    held = [mute.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        runs = [task.delay(n, 0.0) for n in range(2)]
+        assert wait_for(lambda: len(mute.admin.room("queued")) == 2, timeout=30)
+    # No worker now: each hand-off stays where it was published.
+    held[0].release()  # type: ignore[union-attr]
+    route = HandoffRoute(30.0, publisher_for(app, False))
+    assert SemaphoreAdmin(client, "semaphore", route).sweep("queued") == 1
+    assert (client.llen(QUEUES[0]), client.llen(QUEUES[1])) == (1, 0)  # the run's own queue
+    held[1].release()  # type: ignore[union-attr]
+    releaser = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    slot = releaser.acquire("queued")  # a plain acquire takes the freed slot
+    assert slot is not None
+    slot.release()  # and its release hands it to the second run
+    assert (client.llen(QUEUES[0]), client.llen(QUEUES[1])) == (1, 1)  # the hand-off queue
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        assert sorted(r.get(timeout=60) for r in runs) == [0, 1]
+    held[2].release()  # type: ignore[union-attr]
+
+
+def test_runs_handed_off_to_a_hand_off_queue_nobody_consumes_reach_a_worker_all_the_same(
+    app: Celery, redis_server: RedisServer
+) -> None:
+    # The last worker with hand-off queues stopped; the one left has them turned off. Its
+    # sweeps publish each run to its own queue once the reservation lapses (claim_timeout,
+    # the releaser's).
+    task = app.tasks["csem.queued"]
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app),
+                    claim_timeout=2.0)  # fmt: skip
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        runs = [task.delay(n, 0.0) for n in range(2)]
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+    for slot in held:
+        slot.release()  # type: ignore[union-attr]  # to the hand-off queue, unconsumed now
+    plain = make_app(redis_server.url, semaphore_handoff_queues=False)
+    with start_worker(plain, pool="threads", concurrency=2, perform_ping_check=False):
+        assert sorted(r.get(timeout=60) for r in runs) == [0, 1]
+    plain.close()
 
 
 def test_a_run_started_by_a_hand_off_can_retry_itself(app: Celery) -> None:

@@ -54,7 +54,8 @@ def consume_handoff_queues(app: Celery) -> list[str]:
         name = queue.name + SUFFIX
         if queue.name.endswith(SUFFIX) or not _direct(queue) or name in queues.consume_from:
             continue
-        queues.select_add(queues.new_missing(name))
+        # A hand-off queue declared in task_queues (say a quorum one) is used as declared.
+        queues.select_add(queues[name] if name in queues else queues.new_missing(name))
         added.append(name)
     # Each hand-off queue goes just before its own queue, since the consumer takes its
     # queues in this order: a transport that serves them in a fixed order (kombu's Redis
@@ -75,34 +76,45 @@ def consume_handoff_queues(app: Celery) -> list[str]:
     return added
 
 
-def handoff_queue_for(app: Celery, delivery_info: Mapping[str, Any] | None) -> str | None:
-    """The hand-off queue for a run delivered as ``delivery_info`` says (a Celery request's
-    ``delivery_info``: the exchange and routing key it was published with), in a worker of
-    ``app``.
+def handoff_queue_for(
+    app: Celery, delivery_info: Mapping[str, Any] | None
+) -> tuple[str | None, str | None]:
+    """Where to publish a run delivered as ``delivery_info`` says (a Celery request's
+    ``delivery_info``: the exchange and routing key it was published with) again, in a
+    worker of ``app``.
 
     Returns:
-        str | None: the name of the hand-off queue this worker consumes for the one queue the
-        run can have come from (a hand-off queue itself, for a run a hand-off started); None
-        when that queue cannot be told or has no hand-off queue here.
+        tuple[str | None, str | None]: its own queue, and the hand-off queue of that queue.
+        The own queue is None when the delivery's routing stands for it, and the name of
+        the queue a hand-off queue serves when the run came through that hand-off queue (a
+        run a hand-off started). The hand-off queue is None when the run's queue cannot be
+        told or this worker consumes no hand-off queue for it.
     """
     consumed = app.amqp.queues.consume_from
     exchange = (delivery_info or {}).get("exchange") or ""
     routing_key = (delivery_info or {}).get("routing_key")
     found = [q.name for q in consumed.values() if _delivers(q, exchange, routing_key)]
     if len(found) != 1:
-        return None
-    name = found[0] if found[0].endswith(SUFFIX) else found[0] + SUFFIX
-    return name if name in consumed else None
+        return None, None
+    if found[0].endswith(SUFFIX):
+        return found[0][: -len(SUFFIX)], found[0]
+    name = found[0] + SUFFIX
+    return None, name if name in consumed else None
 
 
 def handoff_queue(app: Celery, name: str) -> Queue:
-    """The queue ``name`` as ``app`` would route to it: the worker's own declaration, or one
-    made as Celery makes a missing queue (even with ``task_create_missing_queues`` off, so
-    that a process that never consumed it, such as a sweeping worker of other queues, can
-    still publish to it)."""
-    queues = app.amqp.queues
-    found: Queue | None = queues.get(name)
-    return found if found is not None else queues.new_missing(name)
+    """The queue ``name`` as ``app`` would route to it: its declaration in ``task_queues``
+    or the worker's own, else one made as the worker makes it (``new_missing``, with the
+    app's queue defaults such as ``task_queue_max_priority``, which RabbitMQ requires to
+    match on every declaration), even with ``task_create_missing_queues`` off, so that a
+    process that never consumed it, such as a worker of other queues, can still publish to
+    it."""
+    found: Queue | None = app.amqp.queues.get(name)
+    if found is None:
+        # A Queues of its own applies the app's defaults without adding it to the queues
+        # this process consumes.
+        found = app.amqp.Queues([app.amqp.queues.new_missing(name)])[name]
+    return found
 
 
 def warm_publisher(app: Celery) -> None:

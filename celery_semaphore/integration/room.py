@@ -37,7 +37,6 @@ from ..core.scripts import Handoff, NotWaiting, Parked, RoomFull
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import SemaphoreNotAcquiredError
-from .handoff_queues import SUFFIX as HANDOFF_QUEUE_SUFFIX
 from .handoff_queues import handoff_queue, handoff_queue_for
 from .policy import Policy
 from .settings import app_settings
@@ -46,6 +45,7 @@ from .shedding import (
     GIVE_UP_HEADER,
     HANDOFF_HEADER,
     HANDOFF_ID_HEADER,
+    HANDOFF_QUEUE_HEADER,
     SHED_ATTEMPT_HEADER,
     retry_headers,
 )
@@ -87,19 +87,30 @@ def is_give_up(request: Any) -> bool:
 
 def payload_of(task: Task, request: Any, headers: dict[str, Any]) -> bytes:
     """The running task's message (``request``) as Celery's ``retry()`` would publish it,
-    serialized with the task's serializer, plus ``headers``, routed to the hand-off queue of
-    the queue it came from when its worker consumes one (see
+    serialized with the task's serializer, plus ``headers``, and the name of the hand-off
+    queue of the queue it came from, when its worker consumes one (see
     :mod:`~celery_semaphore.integration.handoff_queues`)."""
-    queue = handoff_queue_for(task.app, request.delivery_info)
-    signature = task.signature_from_request(request, headers=headers, queue=queue)
+    own, lane = handoff_queue_for(task.app, request.delivery_info)
+    if lane is not None:
+        headers = {**headers, HANDOFF_QUEUE_HEADER: lane}
+    signature = task.signature_from_request(request, headers=headers, queue=own)
     serializer = task.serializer or task.app.conf.task_serializer
     content_type, encoding, body = dumps(dict(signature), serializer=serializer)  # type: ignore[no-untyped-call]
     data = body.encode(encoding) if isinstance(body, str) else body
     return f"{content_type}\n{encoding}\n".encode() + data
 
 
-def publisher_for(app: Celery) -> Publisher:
-    """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message."""
+def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
+    """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message.
+
+    Args:
+        app (Celery): the app whose tasks' runs are handed off.
+        handoff_queues (bool): publish each run to the hand-off queue its payload names, if
+            any (a release's hand-off, meant to be fetched at once); False: to the run's own
+            queue, which the sweeps use, so that a run whose hand-off queue nobody consumes
+            any more (its last worker stopped, or ``semaphore_handoff_queues`` turned off)
+            still reaches a worker once its reservation lapses.
+    """
 
     def publish(key: str, handoffs: Sequence[Handoff]) -> None:
         priority = app_settings(app).handoff_priority
@@ -113,9 +124,11 @@ def publisher_for(app: Celery) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             if priority is not None:
                 signature.options["priority"] = priority
-            queue = signature.options.get("queue")
-            if isinstance(queue, str) and queue.endswith(HANDOFF_QUEUE_SUFFIX):
-                signature.options["queue"] = handoff_queue(app, queue)
+            lane = headers.get(HANDOFF_QUEUE_HEADER)
+            if handoff_queues and isinstance(lane, str):
+                signature.options["queue"] = handoff_queue(app, lane)
+                for routing in ("exchange", "routing_key"):
+                    signature.options.pop(routing, None)
             # Celery before 5.5 stops listening for a task's result when any AsyncResult of
             # that id is collected, including a get() waiting in this process: keep ours.
             _PUBLISHED.append(signature.apply_async())

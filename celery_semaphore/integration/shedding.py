@@ -46,6 +46,11 @@ GIVE_UP_HEADER = "semaphore_give_up"
 """Message header of a parked run whose ``shed_timeout`` passed while it waited: the run
 takes itself out of the room and fails instead of running."""
 
+HANDOFF_QUEUE_HEADER = "semaphore_handoff_queue"
+"""Message header of a parked run's payload: the hand-off queue of the queue it came from
+(see :mod:`~celery_semaphore.integration.handoff_queues`), which a release publishes its
+hand-off to; the message's own routing is the run's own queue, which a sweep uses."""
+
 BROKER_HEADERS = frozenset(
     {
         "x-death",
@@ -70,11 +75,10 @@ def retry_headers(request: Any) -> dict[str, Any]:
     """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
     broker added (:data:`BROKER_HEADERS`) and the hand-off marks of this delivery."""
     headers = request.as_execution_options().get("headers") or {}
-    return {
-        k: v
-        for k, v in headers.items()
-        if k not in BROKER_HEADERS and k not in (HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER)
-    }
+    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS and k not in _OURS}
+
+
+_OURS = frozenset((HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER, HANDOFF_QUEUE_HEADER))
 
 
 def first_asked(request: Any) -> float | None:

@@ -186,7 +186,9 @@ class DeadRunReleaser:
             admin = SemaphoreAdmin(
                 client_for(self.app),
                 settings.prefix,
-                HandoffRoute(settings.policy.claim_timeout, publisher_for(self.app)),
+                # The safety net publishes to each run's own queue: its hand-off queue
+                # may have no consumer left.
+                HandoffRoute(settings.policy.claim_timeout, publisher_for(self.app, False)),
             )
             now = time.monotonic()
             full_scan = now - self._scanned_at >= FULL_SCAN_INTERVAL
