@@ -72,9 +72,10 @@ if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
       and redis.call('ZADD', slots, 'NX', now + lease_ms, token) == 1 then
     for i = 2, weight do redis.call('ZADD', slots, now + lease_ms, token .. '#' .. i) end
     redis.call('HSET', holders, token, now .. '|' .. metadata)
+    -- Twice the lease when below one, as acquire.lua does: a PEXPIRE about once a lease.
     if redis.call('PTTL', slots) < lease_ms then
-      redis.call('PEXPIRE', slots, lease_ms)
-      redis.call('PEXPIRE', holders, lease_ms)
+      redis.call('PEXPIRE', slots, 2 * lease_ms)
+      redis.call('PEXPIRE', holders, 2 * lease_ms)
     end
     if operator_limit then return {2, now + lease_ms, now, limit} end
     return now
@@ -115,8 +116,8 @@ local function take(member, units)
   units_add(slots, token, weight, expires_at_ms)
   redis.call('HSET', holders, token, now .. '|' .. metadata)
   if redis.call('PTTL', slots) < lease_ms then
-    redis.call('PEXPIRE', slots, lease_ms)
-    redis.call('PEXPIRE', holders, lease_ms)
+    redis.call('PEXPIRE', slots, 2 * lease_ms)
+    redis.call('PEXPIRE', holders, 2 * lease_ms)
   end
   return expires_at_ms
 end

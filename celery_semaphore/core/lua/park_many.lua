@@ -104,8 +104,8 @@ if not blocking then
     units_add(k(i, 1), token, weight[i], expires_at_ms)
     redis.call('HSET', k(i, 2), token, now .. '|' .. metadata)
     if redis.call('PTTL', k(i, 1)) < lease_ms then
-      redis.call('PEXPIRE', k(i, 1), lease_ms)
-      redis.call('PEXPIRE', k(i, 2), lease_ms)
+      redis.call('PEXPIRE', k(i, 1), 2 * lease_ms)
+      redis.call('PEXPIRE', k(i, 2), 2 * lease_ms)
     end
   end
   return {1, expires_at_ms, now, 0}
