@@ -103,8 +103,10 @@ class _Names:
     def __init__(self, names: tuple[bytes, ...]) -> None:
         self.names = names
         taken, freed = names[SCRIPT_KEYS["acquire"]], names[ROOM_KEYS]
-        self.acquire: tuple[bytes, ...] = (b"%d" % len(taken), *taken)
-        self.release: tuple[bytes, ...] = (b"%d" % len(freed), *freed)
+        # The key count stays an int: redis-py 5.0's cluster client (our lowest) reads it as one
+        # to find the keys (and so the node) of an EVALSHA.
+        self.acquire: tuple[int | bytes, ...] = (len(taken), *taken)
+        self.release: tuple[int | bytes, ...] = (len(freed), *freed)
 
 
 class backend_errors:
