@@ -112,6 +112,28 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
     assert _ran(client, kept.id) == [2]
 
 
+def test_a_sweep_takes_a_revoked_run_out_of_the_room_before_any_slot_frees(
+    app: Celery, client: redis.Redis
+) -> None:
+    # No message of the revoked run reaches a worker (every slot stays held): the sweep,
+    # knowing the revoke, takes it out, so no hand-off is ever reserved for it.
+    task = app.tasks["csem.queued"]
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        doomed = task.delay(1, 0.0)
+        kept = task.delay(2, 0.0)
+        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        doomed.revoke()
+        parked = lambda: [w.waiter for w in sem.admin.room("queued")]  # noqa: E731
+        assert wait_for(lambda: parked() == [kept.id], timeout=30), parked()
+        for slot in held:
+            slot.release()  # type: ignore[union-attr]
+        assert kept.get(timeout=60) == 2
+        assert wait_for(lambda: sem.count("queued") == 0, timeout=30)
+    assert _ran(client, kept.id) == [2]
+
+
 def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
     app: Celery, client: redis.Redis
 ) -> None:

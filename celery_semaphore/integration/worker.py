@@ -37,14 +37,13 @@ from celery.signals import (
 from celery.worker.control import inspect_command
 
 from ..core.admin import Holder, SemaphoreAdmin
-from ..core.room import HandoffRoute
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
 from .handoff_queues import consume_handoff_queues, warm_publisher
-from .room import publisher_for
 from .runner import refusal_of, runner_of
 from .settings import app_settings, client_for, task_policy
 from .store import broker_visibility_timeout
+from .sweeps import SWEEP_INTERVAL, RoomSweeper
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +53,6 @@ RECHECK = 0.1
 """Seconds between checks of whether a dead run's process has exited."""
 PATIENCE = 10.0
 """Seconds to keep checking before leaving a still-living holder's slot to its lease."""
-SWEEP_INTERVAL = 2.0
-"""Seconds between sweeps of the waiting rooms by each worker (see DeadRunReleaser.sweep)."""
-FULL_SCAN_INTERVAL = 60.0
-"""Seconds between the sweeps that also SCAN the keyspace for rooms missing from the index
-(a run that died between parking and indexing its room); the others read the index only."""
 
 
 def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
@@ -132,7 +126,6 @@ class DeadRunReleaser:
     def __init__(self, app: Celery, timer: Any) -> None:
         self.app = app
         self.timer = timer
-        self._scanned_at = -FULL_SCAN_INTERVAL  # the first sweep scans
 
     def on_task_failure(
         self,
@@ -177,27 +170,6 @@ class DeadRunReleaser:
                     logger.info("semaphore %r: revoked task %s left the waiting room", key, task_id)
         except (SemaphoreError, TypeError) as exc:
             logger.warning("could not take task %s out of its waiting room: %s", task_id, exc)
-
-    def sweep(self) -> None:
-        """The waiting rooms' safety net: requeue lapsed hand-offs and hand free slots to the
-        oldest parked runs, for every room under the app's prefix. Never raises."""
-        try:
-            settings = app_settings(self.app)
-            admin = SemaphoreAdmin(
-                client_for(self.app),
-                settings.prefix,
-                # The safety net publishes to each run's own queue: its hand-off queue
-                # may have no consumer left.
-                HandoffRoute(settings.policy.claim_timeout, publisher_for(self.app, False)),
-            )
-            now = time.monotonic()
-            full_scan = now - self._scanned_at >= FULL_SCAN_INTERVAL
-            for key in admin.rooms(full_scan=full_scan):
-                admin.sweep(key)
-            if full_scan:
-                self._scanned_at = now
-        except Exception:
-            logger.warning("could not sweep the waiting rooms", exc_info=True)
 
     def release(
         self, task: Task, task_id: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -374,7 +346,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
         if self.queues:
-            self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, self.releaser.sweep)
+            sweeper = RoomSweeper(worker.app)
+            self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, sweeper.sweep)
         try:
             stats.reset(worker.app, worker.hostname)
             admin = SemaphoreAdmin(client_for(worker.app), app_settings(worker.app).prefix)
