@@ -19,7 +19,9 @@ BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
 STORE = os.environ.get("BENCH_SEMAPHORE_URL", BROKER)
 LIMIT = int(os.environ.get("BENCH_LIMIT", "5"))
 
-app = Celery("backlog_bench", broker=BROKER, backend=BROKER)
+app = Celery("backlog_bench", broker=BROKER, backend=os.environ.get("BENCH_BACKEND_URL", BROKER))
+if "BENCH_QUEUE" in os.environ:  # a shared broker (RabbitMQ) may hold other runs' queues
+    app.conf.task_default_queue = os.environ["BENCH_QUEUE"]
 app.conf.update(semaphore_url=STORE, worker_prefetch_multiplier=1, task_acks_late=False)
 if "BENCH_HANDOFF_GRACE" in os.environ:  # the order-or-fill table of the performance page
     app.conf.semaphore_handoff_grace = float(os.environ["BENCH_HANDOFF_GRACE"])
@@ -27,6 +29,8 @@ if "BENCH_HANDOFF_PRIORITY" in os.environ:  # hand-offs ahead of the backlog
     app.conf.semaphore_handoff_priority = int(os.environ["BENCH_HANDOFF_PRIORITY"])
 if os.environ.get("BENCH_HANDOFF_QUEUES") == "0":  # hand-offs behind the backlog
     app.conf.semaphore_handoff_queues = False
+if os.environ.get("BENCH_JOURNAL") == "0":  # what the host's journal costs a backlog
+    app.conf.semaphore_journal = False
 _client = redis.Redis.from_url(STORE)
 
 
@@ -96,3 +100,10 @@ def fair(tenant: str, seconds: float) -> str:
 def arrival_order(tenant: str, seconds: float) -> str:
     """The same task without ``fair_by``: the room keeps arrival order."""
     return _turn_body(tenant, seconds)
+
+
+@app.task(name="probe")
+def probe() -> float:
+    """A plain task that answers when its body started (epoch seconds): bench_sweeps.py's
+    measure of how long a worker takes to start a message."""
+    return time.time()

@@ -1,24 +1,30 @@
-"""A backlog through one prefork worker: the waiting room against countdown shedding, against
-the ideal N*d/L and the same task unbounded on a dedicated ``-c L`` worker.
+"""A backlog through one worker: the waiting room against countdown shedding, against the
+ideal N*d/L and the same task unbounded on a dedicated ``-c L`` worker.
 
     python benchmarks/bench_backlog.py [--tasks 200] [--duration 0.2] [--limit 5]
                                        [--concurrency C ...] [--setups NAME ...] [--rounds 3]
+                                       [--pool prefork|gevent|eventlet] [--broker redis|amqp]
 
 Each round runs every setup once, interleaved, on fresh private redis-servers (one for the
-broker and results, one for the semaphore). Reported per setup: time / ideal (median, min,
-max over rounds), peak bodies in flight (must be <= limit), body runs (must be N), semaphore
-script calls and server commands per task (INFO commandstats on the semaphore's Redis), the
-Spearman correlation of start order with send order, how long each freed slot stood empty
-while runs waited, and how many of those gaps passed one broker round trip plus 50 ms.
+broker and results, one for the semaphore); with ``--broker amqp`` the broker is the
+RabbitMQ on 127.0.0.1:5672 (a queue of the run's own), the results stay on Redis.
+Reported per setup: time / ideal (median, min, max over rounds), peak bodies in flight (must
+be <= limit), body runs (must be N), semaphore script calls and server commands per task (INFO
+commandstats on the semaphore's Redis), the Spearman correlation of start order with send
+order, how long each freed slot stood empty while runs waited, how many of those gaps passed
+one broker round trip plus 50 ms, and the hand-offs that found nothing to claim (the worker's
+``handoffs_missed``: each one a message fetched and dropped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
+import uuid
 from typing import Any
 
 import redis
@@ -26,7 +32,10 @@ from bench_worker import prefork_worker
 from rich.console import Console
 from rich.table import Table
 
+from celery_semaphore.integration.waiting_room.queues import SUFFIX
 from celery_semaphore.testing import RedisServer
+
+AMQP = "amqp://guest:guest@127.0.0.1:5672//"
 
 SETUPS = {
     # name: (task, worker concurrency or None for --concurrency, message priority or None,
@@ -38,6 +47,8 @@ SETUPS = {
     # The backlog is sent at kombu's Redis priority 9 (its last list) and hand-offs are
     # published at 0 (semaphore_handoff_priority), so the worker fetches them first.
     "queue, hand-offs first": ("queue", None, 9, {"BENCH_HANDOFF_PRIORITY": "0"}),
+    # Without the host's journal of parked runs (a restart of the store then loses them).
+    "queue, no journal": ("queue", None, None, {"BENCH_JOURNAL": "0"}),
     "retry (countdown shedding, defaults)": ("retry", None, None, {}),
     "unbounded, dedicated -c L worker": ("unbounded", "limit", None, {}),
 }
@@ -80,6 +91,12 @@ def round_trip(client: redis.Redis, n: int = 200) -> float:
     return statistics.median(times)
 
 
+def missed_handoffs(client: redis.Redis) -> int:
+    """Hand-offs that found nothing to claim (the worker's ``handoffs_missed`` counter)."""
+    return sum(int(client.hget(key, "handoffs_missed") or 0)
+               for key in client.scan_iter(match="semaphore:stats:*"))  # fmt: skip
+
+
 def script_calls(client: redis.Redis) -> tuple[int, int]:
     stats = client.info("commandstats")
     scripts = sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
@@ -90,11 +107,13 @@ def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
     task, _, priority, settings = SETUPS[setup]
     workers = args.processes
     env = {"BENCH_LIMIT": str(args.limit), **settings}
+    queue = f"bench-{uuid.uuid4().hex[:8]}"
     with (
         RedisServer() as broker,
         RedisServer() as store,
-        prefork_worker(broker.url, store.url, workers, **env) as app,
-    ):
+        prefork_worker(AMQP if args.broker == "amqp" else broker.url, store.url, workers,
+                       args.pool, broker.url, queue, **env) as app,
+    ):  # fmt: skip
         client = store.client()
         rtt = round_trip(broker.client())
         client.config_resetstat()
@@ -106,6 +125,13 @@ def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
             result.get(timeout=600)
         elapsed = time.monotonic() - started
         scripts, commands = script_calls(client)
+        time.sleep(1.5)  # the worker's counters are written within a second
+        missed = missed_handoffs(client)
+        if args.broker == "amqp":
+            with app.connection_for_write() as conn:
+                for name in (queue, queue + SUFFIX):
+                    with contextlib.suppress(Exception):
+                        conn.default_channel.queue_delete(name)
         intervals = [
             tuple(map(float, raw.split())) for raw in client.lrange("bench:intervals", 0, -1)
         ]
@@ -129,6 +155,7 @@ def run(setup: str, args: argparse.Namespace) -> dict[str, Any]:
         "scripts": scripts / args.tasks,
         "commands": commands / args.tasks,
         "spearman": spearman(order),
+        "missed": missed,
     }
 
 
@@ -145,6 +172,10 @@ def main() -> None:
     )
     parser.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pool", choices=("prefork", "gevent", "eventlet"), default="prefork",
+                        help="the worker's pool (-c is then its greenlets, for gevent and "
+                             "eventlet)")  # fmt: skip
+    parser.add_argument("--broker", choices=("redis", "amqp"), default="redis")
     args = parser.parse_args()
     limit = args.limit
     sizes = args.concurrency or [limit + 1, 2 * limit + 2, 4 * limit]
@@ -159,12 +190,13 @@ def main() -> None:
             rows[name, processes].append(run(name, args))
             print(f"{name} -c {processes}: {rows[name, processes][-1]}", file=sys.stderr,
                   flush=True)  # fmt: skip
-    title = (f"{args.tasks} tasks of {args.duration}s on limit {limit}, one prefork worker; "
+    title = (f"{args.tasks} tasks of {args.duration}s on limit {limit}, one {args.pool} worker "
+             f"on {args.broker}; "
              f"{args.rounds} rounds, interleaved; median (min-max)")  # fmt: skip
     table = Table(title=title)
     for column in ("setup", "-c", "time / ideal", "peak", "runs", "scripts/task",
                    "commands/task", "Spearman", "slot idle, ms: median (max)",
-                   "idle > RTT + 50 ms", "broker RTT, ms"):  # fmt: skip
+                   "idle > RTT + 50 ms", "broker RTT, ms", "missed hand-offs"):  # fmt: skip
         table.add_column(column)
     for (name, processes), runs in rows.items():
         ratios = [r["ratio"] for r in runs]
@@ -181,6 +213,7 @@ def main() -> None:
             f"({max(r['gap_max_ms'] for r in runs):.0f})",
             "/".join(f"{r['gaps_over']}" for r in runs) + f" of {args.tasks - limit}",
             f"{statistics.median(r['rtt_ms'] for r in runs):.2f}",
+            "/".join(str(r["missed"]) for r in runs),
         )
     Console(width=180).print(table)
 

@@ -34,7 +34,7 @@ from bench_worker import prefork_worker
 from rich.console import Console
 from rich.table import Table
 
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
 SETUPS = {"fair_by tenant": "fair", "arrival order (no fair_by)": "arrival_order"}

@@ -19,19 +19,27 @@ HERE = Path(__file__).resolve().parent
 
 @contextlib.contextmanager
 def prefork_worker(
-    broker_url: str, store_url: str, concurrency: int, **env: str
-) -> Iterator[Celery]:
-    """Start ``celery -A backlog_app worker -P prefork -c concurrency`` on ``broker_url``
-    (also its result backend) with its semaphores on ``store_url``, wait until it answers a
-    ping, and yield a client app on the same broker (its ``worker_pid`` is the worker's main
-    process). ``env`` adds BENCH_* variables."""
+    broker_url: str, store_url: str, concurrency: int, pool: str = "prefork",
+    backend_url: str | None = None, queue: str | None = None, **env: str,
+) -> Iterator[Celery]:  # fmt: skip
+    """Start ``celery -A backlog_app worker -P pool -c concurrency`` on ``broker_url`` (also
+    its result backend, unless ``backend_url``) with its semaphores on ``store_url``, wait
+    until it answers a ping, and yield a client app on the same broker (its ``worker_pid`` is
+    the worker's main process). ``queue`` names the queue the tasks go to (a shared broker,
+    RabbitMQ say, may hold other runs' queues); ``env`` adds BENCH_* variables."""
+    backend = backend_url or broker_url
     environ = {**os.environ, **env, "BENCH_BROKER_URL": broker_url,
-               "BENCH_SEMAPHORE_URL": store_url, "PYTHONPATH": str(HERE)}  # fmt: skip
-    command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", "prefork",
+               "BENCH_SEMAPHORE_URL": store_url, "BENCH_BACKEND_URL": backend,
+               "PYTHONPATH": str(HERE)}  # fmt: skip
+    if queue:
+        environ["BENCH_QUEUE"] = queue
+    command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", pool,
                "-c", str(concurrency), "-n", f"bench@{socket.gethostname()}", "--loglevel=ERROR",
                "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
     worker = subprocess.Popen(command, cwd=HERE, env=environ, stdout=subprocess.DEVNULL)
-    app = Celery("bench-client", broker=broker_url, backend=broker_url, set_as_current=False)
+    app = Celery("bench-client", broker=broker_url, backend=backend, set_as_current=False)
+    if queue:
+        app.conf.task_default_queue = queue
     app.worker_pid = worker.pid  # type: ignore[attr-defined]
     try:
         deadline = time.monotonic() + 120

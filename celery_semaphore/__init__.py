@@ -13,13 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .core import Holder, Semaphore, SemaphoreAdmin, Slot
+from .core import Holder, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
 from .errors import (
     LeaseInterrupted,
+    Refusal,
     SemaphoreBackendError,
     SemaphoreError,
     SemaphoreLeaseLostError,
     SemaphoreNotAcquiredError,
+    SemaphoreRunLostError,
     SemaphoreValidationError,
 )
 
@@ -38,15 +40,18 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Holder",
     "LeaseInterrupted",
+    "Refusal",
     "Semaphore",
     "SemaphoreAdmin",
     "SemaphoreBackendError",
     "SemaphoreError",
     "SemaphoreLeaseLostError",
     "SemaphoreNotAcquiredError",
+    "SemaphoreRunLostError",
     "SemaphoreTask",
     "SemaphoreValidationError",
     "Slot",
+    "WaitingRoom",
     "bounded",
     "current_slot",
 ]

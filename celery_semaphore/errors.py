@@ -5,9 +5,10 @@ Every error derives from one base, so ``except SemaphoreError`` catches them all
     SemaphoreError                      base; .key and .limit where they apply
     ├── SemaphoreValidationError        bad input, raised before anything touches Redis
     │                                   (also a ValueError)
-    ├── SemaphoreNotAcquiredError       every slot was taken (after any retries)
+    ├── SemaphoreNotAcquiredError       no slot was had; .reason says why (a Refusal)
     ├── SemaphoreLeaseLostError         a slot was lost while its body ran
     │   └── LeaseInterrupted            raised inside a body stopped by interrupt=True
+    ├── SemaphoreRunLostError           a parked run the store lost that cannot run again
     └── SemaphoreBackendError           Redis failed; the redis-py error is __cause__
 
 Errors must survive pickling, because Celery ships a task's exception to the result backend
@@ -17,6 +18,7 @@ defines ``__reduce__``.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 
@@ -46,14 +48,70 @@ class SemaphoreValidationError(SemaphoreError, ValueError):
     """An argument or setting is invalid. Raised before any Redis command is sent."""
 
 
+class Refusal(str, enum.Enum):
+    """Why a run or a caller got no slot: the ``reason`` of a
+    :class:`SemaphoreNotAcquiredError`, of the ``semaphore_refused`` signal and of the
+    ``semaphore_refused_total`` metric. A ``str``, so ``error.reason == "timeout"`` holds.
+    """
+
+    FULL = "full"
+    """Every slot was held on each attempt it was allowed: at once (``on_full="raise"``, no
+    ``retries``), after its ``retries``, or after ``shed_max_retries`` sheds."""
+    TIMEOUT = "timeout"
+    """Its wait budget in seconds is spent: ``wait=`` of a call, ``queue_timeout`` of a
+    parked run, ``shed_timeout`` of a shedding one, or the wait of a run outside a worker."""
+    BACKEND = "backend"
+    """The store could not be reached until the shed budget was spent: the run fails closed
+    rather than run unbounded."""
+    ROOM_FULL = "room_full"
+    """The key's waiting room already held ``max_queued`` runs."""
+    SHUTDOWN = "shutdown"
+    """The semaphore was closed (``AsyncSemaphore.aclose``) while the call waited."""
+    PAUSED = "paused"
+    """An operator paused the key (``celery semaphore pause``, ``SemaphoreAdmin.pause``):
+    nothing new starts on it until it is resumed."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class SemaphoreNotAcquiredError(SemaphoreError):
-    """Every slot of ``key`` was held by others, on the first try and on each retry.
+    """No slot of ``key`` was had; :attr:`reason` says why.
 
     Raised by :meth:`Semaphore.hold` and :meth:`Semaphore.run` (``acquire`` returns ``None``
     instead), and by Celery tasks whose ``on_full`` is ``"raise"``, whose wait or shed budget
-    (``shed_timeout``, ``shed_max_retries``) is spent, or whose key's waiting room already
-    holds ``max_queued`` runs.
+    (``queue_timeout``, ``shed_timeout``, ``shed_max_retries``) is spent, whose store stayed
+    out of reach, or whose key's waiting room already holds ``max_queued`` runs.
+
+    Args:
+        message (str): what went wrong, for a person.
+        key (str | None): the semaphore's key (several joined with ``+``).
+        limit (int | None): its limit.
+        reason (Refusal | str): why, one of :class:`Refusal` or its value. Default
+            ``Refusal.FULL``.
+
+    Attributes:
+        reason (Refusal): why no slot was had.
+
+    Raises:
+        ValueError: ``reason`` is not one of :class:`Refusal`.
     """
+
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        limit: int | None = None,
+        reason: Refusal | str = Refusal.FULL,
+    ) -> None:
+        super().__init__(message, key, limit)
+        self.reason = Refusal(reason)
+        # Celery stores an exception's args (as JSON, by default) and builds it again from
+        # them for AsyncResult.get(): in the args, the reason reaches the caller that waits.
+        self.args = (message, key, limit, self.reason.value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self.args)
 
 
 class SemaphoreLeaseLostError(SemaphoreError):
@@ -84,3 +142,9 @@ class LeaseInterrupted(SemaphoreLeaseLostError):
         limit: int | None = None,
     ) -> None:
         super().__init__(message, key, limit)
+
+
+class SemaphoreRunLostError(SemaphoreError):
+    """A parked run that the semaphore store lost (a restart without persistence, say), and
+    that could not be sent again from its host's journal: it is stored as this run's
+    failure, so that ``AsyncResult.get()`` raises instead of waiting for ever."""

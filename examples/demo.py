@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from celery_semaphore import SemaphoreAdmin
+from celery_semaphore import WaitingRoom
 
 HERE = Path(__file__).resolve().parent
 console = Console()
@@ -86,7 +86,7 @@ def wait_ready(app: Celery, worker: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def progress(
-    client: redis.Redis, admin: SemaphoreAdmin, args: argparse.Namespace, started: float
+    client: redis.Redis, room: WaitingRoom, args: argparse.Namespace, started: float
 ) -> Table:
     def number(key: str) -> int:
         return int(client.get(key) or 0)
@@ -95,7 +95,7 @@ def progress(
     table = Table(title="celery-semaphore demo", show_header=False)
     table.add_row("in flight / limit", f"{inflight} / {args.limit}  " + "#" * inflight)
     if not args.unbounded:
-        table.add_row("waiting in the room", str(admin.room_head("provider")[0]))
+        table.add_row("waiting in the room", str(room.head("provider")[0]))
     table.add_row("done", f"{number('demo:done')} / {args.tasks}")
     table.add_row("429s", str(number("demo:provider:429")))
     table.add_row("elapsed", f"{time.monotonic() - started:.1f}s")
@@ -115,7 +115,7 @@ def main() -> int:
 
         client = redis.Redis.from_url(url)
         client.delete(*provider_app.PROVIDER_KEYS, *provider_app.COUNTER_KEYS)
-        admin = SemaphoreAdmin(client, prefix=provider_app.app.conf.semaphore_prefix)
+        room = WaitingRoom(client, prefix=provider_app.app.conf.semaphore_prefix)
         log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "worker.log"
         console.print(
             f"Starting a prefork worker with {args.concurrency} processes (limit {args.limit})…"
@@ -132,12 +132,12 @@ def main() -> int:
         stack.callback(results.clear)
         try:
             with Live(
-                progress(client, admin, args, started), console=console, refresh_per_second=8
+                progress(client, room, args, started), console=console, refresh_per_second=8
             ) as live:
                 while not all(r.ready() for r in results):
-                    live.update(progress(client, admin, args, started))
+                    live.update(progress(client, room, args, started))
                     time.sleep(0.1)
-                live.update(progress(client, admin, args, started))
+                live.update(progress(client, room, args, started))
         except KeyboardInterrupt:
             console.print("Interrupted: stopping the worker.")
             return 130

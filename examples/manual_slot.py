@@ -23,7 +23,7 @@ def main() -> None:
         second = sem.acquire("reports", metadata={"job": "second"})
         third = sem.acquire("reports")
         print(f"acquired: {first}, {second}; third: {third}")
-        for holder in sem.holders("reports"):
+        for holder in sem.admin.holders("reports"):
             print(f"  holder {holder.token[:8]} {holder.metadata} expires in {holder.expires_in}s")
 
         # A slot you acquire yourself is not renewed for you: extend it if work runs long.

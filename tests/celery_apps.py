@@ -7,9 +7,12 @@ Redis client of their own, so the tests judge concurrency and runs without the l
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import os
 import signal
+import tempfile
 import time
+import weakref
 from typing import Any
 
 import redis
@@ -37,6 +40,21 @@ AT_LEAST_ONCE: dict[str, Any] = {
 }
 
 
+#: Every app :func:`make_app` made, for the tests' teardown (conftest.py).
+MADE: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+
+def journal_dir() -> str:
+    """The journals of this test's workers, out of the user's state directory: one directory
+    that the test's processes share (a worker started later finds the journal of one that
+    was killed, as on a host), and no other test's (whose stores had the same address: the
+    shared server, or a port used again), which would send their parked runs here."""
+    session = os.environ.setdefault("CSEM_TEST_SESSION", f"{os.getpid()}-{time.time_ns()}")
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]  # less "(call)"
+    name = hashlib.sha256(f"{session}\n{test}".encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"csem-journal-{name}")
+
+
 def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Celery:
     app = Celery("csem_tests", broker=broker_url or redis_url, backend=redis_url,
                  set_as_current=False)  # fmt: skip
@@ -48,9 +66,11 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             "broker_connection_retry_on_startup": True,
             "worker_hijack_root_logger": False,
             "result_backend_max_retries": 2,
+            "semaphore_journal": journal_dir(),
             **conf,
         }
     )
+    MADE.add(app)
     recorder = redis.Redis.from_url(redis_url)
 
     @app.task(base=SemaphoreTask, semaphore="provider", limit=3, bind=True, max_retries=0,
@@ -79,6 +99,11 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
     def total(values: list[str]) -> list[str]:
         """An unbounded chord callback."""
         return sorted(values)
+
+    @app.task(shared=False, name="csem.now")
+    def now() -> float:
+        """An unbounded task that answers when its body started (epoch seconds)."""
+        return time.time()
 
     @app.task(base=SemaphoreTask, semaphore="auto", limit=1, autoretry_for=(ConnectionError,),
               bind=True, max_retries=0, on_full="retry", shared=False,
@@ -155,7 +180,7 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(duration)
         return n
 
-    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", shed_timeout=0.5,
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, on_full="queue", queue_timeout=0.5,
               shared=False, name="csem.queued_budget")  # fmt: skip
     def queued_budget(n: int) -> int:
         with history.run(recorder, BODIES, "queued", data={"n": n}):
@@ -214,6 +239,8 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
         _extra["semaphore_url"] = os.environ["CSEM_TEST_SEMAPHORE_URL"]
     if os.environ.get("CSEM_TEST_ACKS_LATE"):
         _extra.update(AT_LEAST_ONCE)
+    if "CSEM_TEST_SWEEP_INTERVAL" in os.environ:
+        _extra["semaphore_sweep_interval"] = float(os.environ["CSEM_TEST_SWEEP_INTERVAL"])
     if "CSEM_TEST_DEFAULT_QUEUE" in os.environ:
         _extra["task_default_queue"] = os.environ["CSEM_TEST_DEFAULT_QUEUE"]
     app = make_app(

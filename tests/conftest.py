@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -12,10 +14,10 @@ from celery import Celery
 from prometheus_client import CollectorRegistry
 
 from celery_semaphore import Semaphore, metrics
-from celery_semaphore.integration import room
+from celery_semaphore.integration.waiting_room import handoffs
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
-from .celery_apps import make_app
+from .celery_apps import MADE, make_app
 from .servers import ClusterServers, SentinelServers, ha_capable
 
 # Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
@@ -62,9 +64,43 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-seed", type=int, default=1234, help="the soak's random seed")
 
 
+HEAVY = ("test_soak.py", "test_room_faults.py", "test_model.py")
+"""The heaviest files (many worker processes, servers frozen and killed, timing windows).
+With pytest-xdist they run first (the longest chain of work starts at once) and one after
+another in one process, never beside each other: see :func:`pytest_xdist_make_scheduler`."""
+
+
+def _heavy(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in HEAVY
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's ``load`` distribution (the default with ``-n``), except that the tests
+    of :data:`HEAVY` are one unit of work, which one process runs from start to end.
+
+    ``--dist loadgroup`` with an ``xdist_group`` mark would say the same, but pytest 9.2
+    ignores the node id suffix through which pytest-xdist 3.8 passes the group on
+    (pytest-dev/pytest-xdist#1386): it would quietly spread the group over every process.
+    Another ``--dist`` is left alone."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyInOneProcess(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return "heavy" if _heavy(nodeid) else nodeid
+
+    return HeavyInOneProcess(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A soak bigger than CI's outlives the suite's 5-minute timeout: give it time of its
-    own (its loop has deadlines of its own, well within it)."""
+    """Under pytest-xdist, the :data:`HEAVY` files first. And a soak bigger than CI's
+    outlives the suite's 5-minute timeout: give it time of its own (its loop has deadlines
+    of its own, well within it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # collecting in an xdist worker
+        items.sort(key=lambda item: not _heavy(item.nodeid))  # stable: in order otherwise
     minutes = float(config.getoption("--soak-minutes"))
     tasks = int(config.getoption("--soak-tasks"))
     if minutes or tasks > 1000:
@@ -96,13 +132,34 @@ def shared_redis() -> Iterator[RedisServer]:
         yield server
         # Celery AsyncResults talk to the backend in __del__: collect them while it is up
         # (the hand-off publisher's, whose backends may be gone, are dropped quietly).
-        room.forget_published()
+        handoffs.forget_published()
         gc.collect()
+
+
+def _wait_for_late_writes() -> None:
+    """Wait until the package's timer threads in this process have run.
+
+    A worker's counters (``celery_semaphore.integration.stats``) are written by a
+    ``threading.Timer`` about a second after a run counts one: a test whose last run lost
+    its lease, say, writes ``semaphore:stats:<node>`` to the shared server after it ended.
+    The next test must not see that key: those that check the server holds no key (or no
+    ``semaphore:*`` key) would fail, depending only on which test ran before them in this
+    process (with pytest-xdist, any of them). Once the timers have run, the flush below
+    removes what they wrote.
+    """
+    for thread in threading.enumerate():
+        function = getattr(thread, "function", None)
+        if isinstance(thread, threading.Timer) and str(
+            getattr(function, "__module__", "")
+        ).startswith("celery_semaphore."):
+            thread.join(timeout=float(thread.interval) + 10)
 
 
 @pytest.fixture
 def redis_server(shared_redis: RedisServer) -> Iterator[RedisServer]:
-    """The shared server, flushed before the test."""
+    """The shared server, flushed before the test (once an earlier test's late writes are
+    done: see :func:`_wait_for_late_writes`)."""
+    _wait_for_late_writes()
     client = shared_redis.client()
     client.flushall()
     client.close()
@@ -136,6 +193,18 @@ def make_semaphore(redis_server: RedisServer) -> Iterator[type[Semaphore]]:
     yield make  # type: ignore[misc]
     for sem in made:
         sem.client.close()
+
+
+@pytest.fixture(autouse=True)
+def _results_let_go() -> Iterator[None]:
+    """Cut the result subscriptions of the apps a test made once it ends: an AsyncResult's
+    ``__del__`` unsubscribes, and for a result whose server the test stopped, Celery's
+    Redis backend retries that 20 times a second apart, in whichever thread the garbage
+    collector happens to run: a later test's worker thread, stalled past its waits."""
+    yield
+    for made in list(MADE):
+        made.backend.result_consumer._pubsub = None
+    MADE.clear()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ What bodies ran is recorded and checked by tests/history.py, without the library
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kombu.exceptions import OperationalError
 
-from celery_semaphore.core.scripts import Handoff
-from celery_semaphore.integration.handoff_queues import SUFFIX
+from celery_semaphore.core.replies import Handoff
+from celery_semaphore.integration.waiting_room.queues import SUFFIX
 
 from . import history
 from .history import BODIES
@@ -53,30 +55,46 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
 
 @contextmanager
 def prefork_worker_process(
-    app: Any, log: Path, concurrency: int = 4, env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``celery -A tests.celery_apps worker -P prefork`` subprocess on ``app``'s broker,
-    ready (answering ping) when the block starts, shut down warm when it ends."""
-    name = f"prefork-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
+    app: Any, log: Path, concurrency: int = 4, env: dict[str, str] | None = None,
+    pool: str = "prefork",
+) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+    """A ``celery -A tests.celery_apps worker -P prefork`` subprocess on ``app``'s broker
+    (or another ``pool``: gevent, eventlet), ready (answering ping) when the block starts,
+    shut down warm when it ends."""
+    name = f"{pool}-{uuid.uuid4().hex[:8]}@{socket.gethostname()}"
     command = [sys.executable, "-m", "celery", "-A", "tests.celery_apps", "worker",
-               "-P", "prefork", "-c", str(concurrency), "-n", name, "--loglevel=INFO",
+               "-P", pool, "-c", str(concurrency), "-n", name, "--loglevel=INFO",
                "--without-gossip", "--without-mingle"]  # fmt: skip
     full_env = {**os.environ, "CSEM_TEST_REDIS_URL": app.conf.result_backend, **(env or {})}
     with log.open("wb") as out:
         proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out,
                                 stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        ready = wait_for(
-            lambda: (
-                proc.poll() is not None or bool(app.control.ping(destination=[name], timeout=0.5))
-            ),
-            timeout=60,
-        )
+        ready = wait_for(lambda: proc.poll() is not None or _answers(app, name), timeout=60)
         assert ready, log.read_text()
         assert proc.poll() is None, log.read_text()
         yield proc
     finally:
         stop_process(proc)
+
+
+def _answers(app: Any, name: str) -> bool:
+    """Whether worker ``name`` answers a ping; a broker that drops the connection meanwhile
+    (RabbitMQ resets one now and then while many tests connect at once) counts as not yet."""
+    try:
+        return bool(app.control.ping(destination=[name], timeout=0.5))
+    except (OSError, OperationalError):
+        return False
+
+
+def kill_worker(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a prefork worker: its main process, then each pool process."""
+    children = child_pids(proc.pid)
+    proc.kill()
+    proc.wait()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def run_in_threads(target: Any, count: int) -> None:

@@ -139,8 +139,23 @@ class Waiter:
     reserved_at: Call | None = None
     """The call that handed it its reservation (None: a call with no answer may have)."""
     done_why: str = ""
+    needs: dict[str, int] = field(default_factory=dict)
+    """A waiter of several keys (``park_many``): each key it needs and its weight there
+    (``key`` is the first); empty for a waiter of one key."""
+    holds: dict[str, Window] = field(default_factory=dict)
+    """A waiter of several keys: what it may hold of each key (see :class:`Model`)."""
+    since: float = math.inf
+    """A waiter of one key: when the answer came that put it surely in its room (it has been
+    there since, while PARKED); of several keys: when its first park was sent (any unit it
+    holds it was given since)."""
+
+    @property
+    def many(self) -> bool:
+        return bool(self.needs)
 
     def surely_reserved(self, at: float) -> bool:
+        if self.many:
+            return self.state is State.RESERVED and all(w.held(at) for w in self.holds.values())
         return self.reservation is not None and self.reservation.held(at)
 
     def maybe_in_room(self, at: float) -> bool:
@@ -150,10 +165,23 @@ class Waiter:
         self.state, self.done_why = State.DONE, why
         if self.reservation is not None:
             self.reservation.end(at)
+        for window in self.holds.values():
+            window.end(at)
+
+    def unknown_holds(self, limits: dict[str, int]) -> None:
+        """A waiter of several keys that waits: any call on its keys may reserve its units,
+        keep them, give them back or hand it off without telling the test, so what it holds
+        is never sure, nor surely gone, until it is done; granted, maybe, under the highest
+        limit its key had meanwhile (a live limit lowered since evicts nobody)."""
+        self.holds = {
+            k: Window.maybe(math.inf, max(limits[k], self.holds[k].limit if k in self.holds else 0))
+            for k in self.needs
+        }
 
     def __str__(self) -> str:
         state = self.done_why if self.state is State.DONE else self.state.value
-        return f"waiter {self.name} (key {self.key!r}, {state})"
+        keys = "+".join(self.needs) if self.many else self.key
+        return f"waiter {self.name} (key {keys!r}, {state})"
 
 
 @dataclass(frozen=True)
@@ -183,6 +211,8 @@ class KeyModel:
     phantoms: list[tuple[int, Window]] = field(default_factory=list)
     """(weight, window) of slots that calls with no answer may have taken."""
     waiters: list[Waiter] = field(default_factory=list)
+    many: list[Waiter] = field(default_factory=list)
+    """The waiters of several keys that need this one (not in ``waiters``)."""
     limit: int = 0
     """The limit in effect: the live limit while one is set, else ``code_limit``."""
 
@@ -196,6 +226,8 @@ class KeyModel:
         for w in self.waiters:
             if w.reservation is not None:
                 yield 1, w.reservation
+        for w in self.many:
+            yield w.needs[self.name], w.holds[self.name]
         yield from self.phantoms
 
     def describe(self, at: float) -> str:
@@ -413,11 +445,15 @@ class Model:
         self._check_owned(h, call, answer, "force_release")
         h.window.end(call.received)
 
-    def force_release_reservation(self, name: str, call: Call, answer: bool) -> None:
+    def force_release_reservation(
+        self, name: str, call: Call, answer: bool, key: str | None = None
+    ) -> None:
         """An operator's ``force_release(key, "~" + name)`` answered ``answer``: the waiter
-        keeps its place in the parked hash, out of the room until a sweep puts it back."""
+        keeps its place in the parked hash, out of the room until a sweep puts it back (a
+        waiter of several keys: its reservation of ``key``, which may come back)."""
         w = self.waiters[name]
-        window = w.reservation
+        self._lapse_many(call.sent)
+        window = w.holds.get(key or w.key) if w.many else w.reservation
         if w.state is not State.UNSURE:
             if answer and (window is None or window.gone(call.sent)):
                 violated(f"force_release of the reservation of {w} said it was live")
@@ -428,6 +464,8 @@ class Model:
                 )
         if window is not None:
             window.end(call.received)
+        if w.many and w.state is not State.DONE:
+            w.unknown_holds(self.limits)
 
     def force_release_all(self, key: str, call: Call, displaced: int) -> None:
         """An operator's ``force_release_all(key)`` answered ``displaced``."""
@@ -458,9 +496,46 @@ class Model:
     ) -> None:
         """Check and record the waiters ``call`` served: ``handoffs`` it published, and
         ``also``, a waiter it gave a slot at once. ``in_room`` were surely in the room when it
-        was sent; it must serve at least ``at_least`` and at most ``at_most`` waiters. With
-        ``stole``, ``also`` may instead have taken a reservation past its grace: out of turn,
-        and in a slot that was not free."""
+        was sent; it must serve at least ``at_least`` and at most ``at_most`` waiters of
+        ``km``. With ``stole``, ``also`` may instead have taken a reservation past its grace:
+        out of turn, and in a slot that was not free.
+
+        A call on one key may also hand off waiters of several keys (gathered: see
+        :meth:`_serve_many`), and waiters of another key, served when one of several keys
+        gave units back there; each is checked against its own room."""
+        self._lapse_many(call.sent)
+        mine, others, many = [], {}, []
+        for name, payload in handoffs:
+            w = self.waiters.get(name)
+            if w is not None and w.many:
+                many.append((name, payload))
+            elif w is not None and w.key != km.name:
+                others.setdefault(w.key, []).append((name, payload))
+            else:
+                mine.append((name, payload))
+        self._serve_key(km, call, mine, in_room, also, at_least, at_most, stole)
+        for key, theirs in others.items():
+            okm = self.keys[key]
+            self._serve_key(okm, call, theirs, okm.parked(),
+                            at_most=okm.limit - okm.surely_live(call.received),
+                            claim=km.claim_timeout)  # fmt: skip
+        served = {name for name, _ in handoffs} | ({also.name} if also else set())
+        self._serve_many(km, call, many, served)
+
+    def _serve_key(
+        self,
+        km: KeyModel,
+        call: Call,
+        handoffs: Sequence[tuple[str, bytes]],
+        in_room: list[Waiter],
+        also: Waiter | None = None,
+        at_least: int = 0,
+        at_most: int | None = None,
+        stole: bool = False,
+        claim: float | None = None,
+    ) -> None:
+        """:meth:`_serve` for the waiters of ``km`` (``claim``: the claim timeout of the
+        semaphore that made the call, when it was another key's)."""
         served = [name for name, _ in handoffs] + ([also.name] if also else [])
         in_turn = served[:-1] if also and stole else served
         if len(served) < at_least:
@@ -498,7 +573,7 @@ class Model:
         for name, payload in handoffs:
             w = self.waiters[name]
             w.state, w.payloads = State.RESERVED, {payload}
-            w.reservation = Window.granted(call, km.claim_timeout, km.limit)
+            w.reservation = Window.granted(call, claim or km.claim_timeout, km.limit)
             w.reserved_at = call
 
     def _past_grace(
@@ -521,7 +596,8 @@ class Model:
         older = [v for v in km.waiters if v is not w and v.arrival < w.arrival]
         older = [v for v in older if v.name not in served]
         low = sum(v.state is State.PARKED for v in older)
-        return low, sum(v.maybe_in_room(call.received) for v in older)
+        many = [v for v in km.many if v.arrival < w.arrival]  # maybe in the order, maybe not
+        return low, sum(v.maybe_in_room(call.received) for v in [*older, *many])
 
     def park(
         self,
@@ -552,7 +628,9 @@ class Model:
         capacity = km.limit - km.maybe_live(call.sent)
         surely = km.surely_live(call.received)
         queued_low = len(parked)
-        queued_high = sum(v.maybe_in_room(call.received) for v in km.waiters if v is not w)
+        queued_high = sum(
+            v.maybe_in_room(call.received) for v in [*km.waiters, *km.many] if v is not w
+        )
         if outcome.kind == "full":
             if max_queued == 0 or queued_high < max_queued:
                 violated(
@@ -588,6 +666,7 @@ class Model:
         if took:
             w.finish("took a slot", call.received)
             return self._hold(key, call, outcome.token, lease)
+        w.since = call.received
         return None
 
     def _rejoin(
@@ -644,6 +723,8 @@ class Model:
                 known.add(delivery)
             w.finish("claimed its slot", call.received)
             return self._hold(w.key, call, outcome.token, lease)
+        if w.state is not State.PARKED:
+            w.since = call.received
         w.state = State.PARKED
         if w.reservation is not None:
             w.reservation.end(call.received)
@@ -677,21 +758,31 @@ class Model:
                 self._serve(km, call, handoffs, in_room=km.parked())
                 return None
             w.state = State.RESERVED if w.reservation is not None else State.PARKED
+            w.since = call.received
             if w.reservation is not None:
                 w.reservation.blur()
         return self._rejoin(w, call, lease, outcome, handoffs, None, delivery)
 
     def cancel(
-        self, name: str, call: Call, found: bool, handoffs: Sequence[tuple[str, bytes]]
+        self,
+        name: str,
+        call: Call,
+        found: bool,
+        handoffs: Sequence[tuple[str, bytes]],
+        key: str | None = None,
     ) -> None:
-        """``SemaphoreAdmin.cancel(key, name)`` answered ``found``."""
+        """``WaitingRoom.cancel(key, name)`` answered ``found``: a waiter of several keys
+        leaves every room, whichever ``key`` it was cancelled with."""
         w = self.waiters[name]
-        km = self.keys[w.key]
+        km = self.keys[key or w.key]
+        self._lapse_many(call.sent)
         if w.state in (State.PARKED, State.RESERVED) and not found:
             violated(f"cancel of {w} answered not found")
         if w.state is State.DONE and found:
             violated(f"cancel of {w} answered found")
-        window = w.reservation
+        window = w.holds.get(km.name) if w.many else w.reservation
+        if w.many and w.state is not State.DONE:  # out before the units it freed are served
+            w.finish("cancelled", call.received)
         parked = [v for v in km.parked() if v is not w]
         capacity = km.limit - km.maybe_live(call.sent, excluding=window)
         if w.state is State.UNSURE:
@@ -730,7 +821,195 @@ class Model:
         served = {n for n, _ in handoffs}
         for w in lapsed:
             if w.name not in served:
-                w.state, w.reservation = State.PARKED, None
+                w.state, w.reservation, w.since = State.PARKED, None, call.received
+
+    # -- waiters of several keys ---------------------------------------------------------
+    #
+    # A waiter of several keys (park_many) waits in the room of each key it needs, and the
+    # calls on those keys reserve its units, keep them, give them back and gather it without
+    # telling the test: while it waits, every unit it needs of each key may be held for it
+    # (a "maybe" window that never surely ends), and when it is handed off (published, by
+    # whatever call gathered it) it surely holds a reservation of every key for a claim
+    # lease. It is handed off, or takes its slots, only when it was first in every room it
+    # needs: never while a waiter older than itself has surely waited in one of them since
+    # before it parked.
+
+    @property
+    def limits(self) -> dict[str, int]:
+        return {k: km.limit for k, km in self.keys.items()}
+
+    def _lapse_many(self, at: float) -> None:
+        """What a waiter of several keys holds is unknown while it waits, and once the
+        reservations it was handed off with may have lapsed (see :meth:`Waiter.unknown_holds`)."""
+        for w in self.waiters.values():
+            if not w.many or w.state is State.DONE:
+                continue
+            if w.state is not State.RESERVED or any(x.gone(at) for x in w.holds.values()):
+                w.unknown_holds(self.limits)
+
+    def _check_first(self, w: Waiter, call: Call, served: set[str], what: str) -> None:
+        for key in w.needs:
+            for v in self.keys[key].waiters:
+                if (v.state is State.PARKED and v.arrival < w.arrival and v.since < w.since
+                        and v.name not in served):  # fmt: skip
+                    violated(f"{w} {what} while older {v} was in the room of {key!r} all along")
+
+    def _serve_many(
+        self, km: KeyModel, call: Call, handoffs: Sequence[tuple[str, bytes]], served: set[str]
+    ) -> None:
+        """Check and record the waiters of several keys that ``call`` (on ``km``) handed off:
+        each now surely holds a reservation of every key it needs."""
+        for name, payload in handoffs:
+            w = self.waiters[name]
+            if w.state is State.DONE:
+                violated(f"{w} was handed off")
+            if w.surely_reserved(call.received):
+                violated(f"{w} was handed off again while its reservations were surely live")
+            if payload not in w.payloads:
+                violated(f"{w} was handed off with {payload!r}, not one of {w.payloads}")
+            self._check_first(w, call, served, "was handed off")
+        for name, payload in handoffs:
+            w = self.waiters[name]
+            w.state, w.payloads, w.reserved_at = State.RESERVED, {payload}, call
+            w.holds = {
+                k: Window.granted(call, km.claim_timeout, self.keys[k].limit) for k in w.needs
+            }
+
+    def park_many(
+        self,
+        name: str,
+        needs: dict[str, int],
+        payload: bytes,
+        arrival: float,
+        lease: float,
+        call: Call,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+        key: str,
+    ) -> list[Holding] | None:
+        """``WaitingRoom.park_many`` of ``needs`` (key -> weight), through ``key``'s
+        semaphore, answered ``outcome``. A waiter the model knows keeps its first arrival."""
+        self._lapse_many(call.sent)
+        w = self.waiters.get(name)
+        if w is not None and w.state is State.UNSURE:
+            raise ValueError("the test does not re-park a waiter the model is unsure of")
+        fresh = w is None or w.state is State.DONE
+        if fresh:
+            w = Waiter(name, next(iter(needs)), arrival, {payload}, needs=dict(needs))
+            w.since = call.sent
+            w.unknown_holds(self.limits)
+            self.waiters[name] = w
+            for k in needs:
+                self.keys[k].many = [v for v in self.keys[k].many if v.name != name] + [w]
+        assert w is not None
+        if outcome.kind not in ("slot", "parked"):
+            violated(f"park_many of {w} answered {outcome.kind!r}")
+        if outcome.kind == "slot" and fresh:  # no reservation of its own: it took free units
+            for k, weight in needs.items():
+                okm = self.keys[k]
+                surely = okm.surely_live(call.received, excluding=w.holds[k])
+                if surely + weight > okm.limit:
+                    violated(f"park_many of {w} took {weight} of {k!r} while {surely} unit(s) "
+                             f"were surely held, limit {okm.limit}")  # fmt: skip
+        return self._many_answered(w, call, lease, outcome, handoffs, key, payload)
+
+    def claim_many(
+        self,
+        name: str,
+        call: Call,
+        lease: float,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+        key: str,
+        delivery: str = "",
+    ) -> list[Holding] | None:
+        """``WaitingRoom.claim_many`` of waiter ``name``, through ``key``'s semaphore,
+        answered ``outcome``."""
+        self._lapse_many(call.sent)
+        w = self.waiters[name]
+        km = self.keys[key]
+        if outcome.kind == "not waiting":
+            known = self.deliveries.get(name, {None})
+            if outcome.again and (not delivery or delivery not in known):
+                violated(f"claim_many of {w} by {delivery!r} said again; recorded: {known}")
+            if w.state in (State.PARKED, State.RESERVED):
+                violated(f"claim_many of {w} found nothing while it waited")
+            if w.state is State.UNSURE:
+                w.finish("not waiting (after a call with no answer)", call.received)
+            self._serve(km, call, handoffs, in_room=km.parked())
+            return None
+        if w.state is State.DONE:
+            violated(f"claim_many of {w} answered {outcome.kind!r}")
+        if w.state is State.UNSURE:
+            w.state = State.PARKED
+        return self._many_answered(w, call, lease, outcome, handoffs, key, None, delivery)
+
+    def _many_answered(
+        self,
+        w: Waiter,
+        call: Call,
+        lease: float,
+        outcome: Outcome,
+        handoffs: Sequence[tuple[str, bytes]],
+        key: str,
+        payload: bytes | None,
+        delivery: str = "",
+    ) -> list[Holding] | None:
+        """park_many (``payload``) or claim_many (None) of waiter ``w`` answered ``outcome``:
+        it took a slot of every key, or waits on."""
+        what = "claim_many" if payload is None else "park_many"
+        if w.surely_reserved(call.received) and outcome.kind != "slot":
+            violated(f"{what} of {w} answered {outcome.kind!r} while its reservations were live")
+        if payload is not None:
+            w.payloads = {payload}
+        served = {n for n, _ in handoffs}
+        held: list[Holding] | None = None
+        if outcome.kind == "slot":
+            if w.state is State.PARKED:  # not handed off: it was first everywhere just now
+                self._check_first(w, call, served, "took its slots")
+            if delivery:
+                known = self.deliveries.setdefault(w.name, {None})
+                if w.surely_reserved(call.received):
+                    known.clear()
+                known.add(delivery)
+            w.finish("took its slots", call.received)
+            group = f"g{len(self.holdings)}"
+            held = [self._hold(k, call, outcome.token, lease, weight, group)
+                    for k, weight in w.needs.items()]  # fmt: skip
+        else:
+            w.state = State.PARKED
+            w.unknown_holds(self.limits)
+        km = self.keys[key]
+        self._serve(km, call, handoffs, in_room=km.parked(),
+                    at_most=km.limit - km.surely_live(call.received))  # fmt: skip
+        return held
+
+    def blur_many(self) -> None:
+        """A gather got no answer (its waiter is reserved in some room, and maybe nowhere in
+        any room's order until that lapses): every waiter of several keys is unsure."""
+        for w in self.waiters.values():
+            if w.many and w.state is not State.DONE:
+                w.state = State.UNSURE
+                w.unknown_holds(self.limits)
+
+    def _maybe_done_many(self, op: str, at: float, w: Waiter, lease: float, delivery: str) -> None:
+        """A call about waiter ``w`` of several keys got no answer: it may have taken a slot
+        of each, parked, or left."""
+        if op in ("park", "claim"):  # a slot of each key for a token nobody knows
+            for k, weight in w.needs.items():
+                km = self.keys[k]
+                km.phantoms.append((weight, Window.maybe(at + lease + MARGIN, km.limit)))
+        if op == "park":
+            self.waiters[w.name] = w
+            for k in w.needs:
+                km = self.keys[k]
+                km.many = [v for v in km.many if v.name != w.name] + [w]
+        if op == "claim" and delivery:
+            self.deliveries.setdefault(w.name, {None}).add(delivery)
+        if op in ("park", "claim", "cancel"):
+            w.state = State.UNSURE
+        for k in w.needs:
+            self._blur_room(self.keys[k], at)
 
     # -- faults -------------------------------------------------------------------------
 
@@ -742,7 +1021,7 @@ class Model:
                 win.end(at)
             km.phantoms.clear()
             km.limit = km.code_limit  # the live limit was lost with the rest
-            for w in km.waiters:
+            for w in [*km.waiters, *km.many]:
                 if w.state is not State.DONE:
                     w.finish("lost in a restart", at)
 
@@ -771,6 +1050,9 @@ class Model:
                 w.reservation, w.reserved_at = Window.maybe(until, km.limit), None
             else:
                 w.reservation.gone_after = max(w.reservation.gone_after, until)
+        for w in km.many:  # may be reserved, kept, given back or handed off, unpublished
+            if w.state is not State.DONE:
+                w.unknown_holds(self.limits)
 
     def _maybe_done(self, op: str, call: Call, at: float, **kw: object) -> None:
         key = str(kw["key"])
@@ -778,6 +1060,8 @@ class Model:
         lease = float(kw.get("lease", 0.0))  # type: ignore[arg-type]
         h = kw.get("holding")
         w = kw.get("waiter")
+        if isinstance(w, Waiter) and w.many:
+            return self._maybe_done_many(op, at, w, lease, str(kw.get("delivery") or ""))
         if op in ("acquire", "park", "claim"):  # a slot for a token nobody knows
             weight = int(kw.get("weight", 1))  # type: ignore[call-overload]
             km.phantoms.append((weight, Window.maybe(at + lease + MARGIN, km.limit)))
@@ -807,10 +1091,30 @@ class Model:
         if op in ("park", "claim", "cancel", "release", "sweep", "set_limit"):
             self._blur_room(km, at)
 
+    def recovered(self, handoffs: Sequence[tuple[str, bytes]], at: float) -> None:
+        """What the recovery of calls with no answer published by ``at`` (core/recovery.py):
+        the reservations those calls may have made, and the slots handed off when it ran.
+        Not checked for order: which call made each is unknown."""
+        claim = max(km.claim_timeout for km in self.keys.values())
+        for name, payload in handoffs:
+            w = self.waiters.get(name)
+            if w is None or w.state is State.DONE:
+                violated(f"the recovery handed off {name!r}, not waiting")
+            if payload not in w.payloads:
+                violated(f"the recovery handed off {w} with {payload!r}, not one of {w.payloads}")
+            w.state, w.payloads = State.RESERVED, {payload}
+            if w.many:
+                w.unknown_holds(self.limits)
+            elif w.reservation is None:
+                w.reservation = Window.maybe(at + claim + MARGIN, self.keys[w.key].limit)
+            else:
+                w.reservation.gone_after = max(w.reservation.gone_after, at + claim + MARGIN)
+
     # -- what Redis reports -------------------------------------------------------------
 
     def check_limits(self, at: float) -> None:
         """The slots surely held never exceed a key's limit."""
+        self._lapse_many(at)
         for km in self.keys.values():
             surely, ceiling = km.surely_live(at), km.ceiling(at, surely=True)
             if surely > ceiling:
@@ -822,6 +1126,7 @@ class Model:
     def observe_count(self, key: str, call: Call, count: int, available: int) -> None:
         """``count(key)`` and ``available(key)``, read in ``call``."""
         km = self.keys[key]
+        self._lapse_many(call.sent)
         surely, maybe = km.surely_live(call.received), km.maybe_live(call.sent)
         ceiling = km.ceiling(call.sent, surely=False)
         if count > ceiling:
@@ -846,8 +1151,9 @@ class Model:
             violated(f"holders({key!r}) lists {len(tokens)} holders, over the limit {km.limit}")
         if len(set(tokens)) != len(tokens):
             violated(f"holders({key!r}) lists a token twice: {tokens}")
+        self._lapse_many(call.sent)
         by_token = {h.token: h for h in km.holdings}
-        waiters = {f"~{w.name}": w for w in km.waiters}
+        waiters = {f"~{w.name}": w for w in [*km.waiters, *km.many]}
         unknown = 0
         for token, reserved_for in holders:
             h = by_token.get(token)
@@ -856,7 +1162,8 @@ class Model:
                 if h.window.gone(call.sent):
                     violated(f"holders({key!r}) lists {h}, {h.window.describe(call.sent)}")
             elif w is not None:
-                if w.reservation is None or w.reservation.gone(call.sent):
+                window = w.holds.get(key) if w.many else w.reservation
+                if window is None or window.gone(call.sent):
                     violated(f"holders({key!r}) lists a reservation for {w}, never handed off")
                 if reserved_for != w.name:
                     violated(f"reservation {token} of {key!r} is reserved for {reserved_for!r}")
@@ -872,7 +1179,7 @@ class Model:
         for h in km.holdings:
             if h.window.held(call.received) and h.token not in listed:
                 violated(f"holders({key!r}) misses {h}, {h.window.describe(call.received)}")
-        for w in km.waiters:
+        for w in [*km.waiters, *km.many]:
             if w.surely_reserved(call.received) and f"~{w.name}" not in listed:
                 violated(f"holders({key!r}) misses the live reservation of {w}")
 
@@ -880,7 +1187,8 @@ class Model:
         """The room of ``key`` (waiter ids, oldest first) and the waiter ids in its parked
         hash, read in ``call``: nobody is lost, and the room keeps arrival order."""
         km = self.keys[key]
-        mine = {w.name: w for w in km.waiters}
+        self._lapse_many(call.sent)
+        mine = {w.name: w for w in [*km.waiters, *km.many]}
         for name in room:
             w = mine.get(name)
             if w is None:
@@ -892,10 +1200,26 @@ class Model:
         arrivals = [mine[name].arrival for name in room]
         if arrivals != sorted(arrivals):
             violated(f"the room of {key!r} is not in arrival order: {list(room)}")
-        for w in km.waiters:
-            if w.state is State.PARKED and w.name not in room:
+        for w in [*km.waiters, *km.many]:
+            if w.state is State.PARKED and w.name not in room and not w.many:
                 violated(f"{w} is missing from the room {list(room)}")
             if w.state in (State.PARKED, State.RESERVED) and w.name not in parked:
                 violated(f"{w} is lost: it is not in the parked hash")
             if w.state is State.DONE and w.name in parked:
                 violated(f"{w} is still in the parked hash")
+
+    def observe_orders(
+        self, call: Call, rooms: dict[str, Sequence[str]], reserved: dict[str, set[str]],
+        passive: dict[str, set[str]],
+    ) -> None:  # fmt: skip
+        """Each key's room, the waiters it holds a reservation for, and those of several keys
+        passive there, read in ``call``: a waiter of several keys that waits is in the order
+        of one of its rooms at least, holds a reservation there, or is waiting to be put back
+        by a sweep there (its reservation pruned by a plain acquire); never passive in every
+        room it holds nothing of, where nobody would ever serve it."""
+        for w in self.waiters.values():
+            if not w.many or w.state is not State.PARKED:
+                continue
+            if not any(w.name in rooms[k] or w.name in reserved[k] or w.name not in passive[k]
+                       for k in w.needs):  # fmt: skip
+                violated(f"{w} waits in no room's order: passive wherever it holds nothing")

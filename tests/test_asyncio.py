@@ -21,7 +21,7 @@ from celery_semaphore import (
     SemaphoreValidationError,
 )
 from celery_semaphore.asyncio import AsyncSemaphore, AsyncSlot, async_client_like
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
 from . import history
@@ -75,7 +75,7 @@ def test_sync_and_async_holders_count_against_one_key(redis_server: RedisServer)
             assert await sem.acquire("shared") is None  # two sync holders and this one
             assert sync.acquire("shared") is None
             assert sync.count("shared") == 3
-            mine = [h for h in sync.holders("shared") if h.token == slot.token]
+            mine = [h for h in sync.admin.holders("shared") if h.token == slot.token]
             assert mine[0].metadata["request"] == "r1"
             assert mine[0].metadata["limit"] == 3
             for other in held:
@@ -318,10 +318,10 @@ def test_resp3_and_decoding_clients(redis_server: RedisServer, options: dict[str
         slot = await sem.acquire("k", metadata={"n": 1})
         assert slot is not None
         assert await sem.acquire("k") is None
-        assert (await sem.holders("k"))[0].metadata["n"] == 1
+        assert (await sem.admin.holders("k"))[0].metadata["n"] == 1
         assert await slot.extend() is True
         assert await slot.release() is True
-        assert await sem.force_release_all("k") == 0
+        assert await sem.admin.force_release_all("k") == 0
         await close(client)
 
     run(main)
@@ -335,7 +335,7 @@ def test_a_twin_of_a_sync_client_reaches_the_same_server(redis_server: RedisServ
         twin = async_client_like(sync_client)
         sem = AsyncSemaphore(twin, limit=1)
         assert await sem.count("twin") == 1  # db 3, where the sync slot is
-        await sem.force_release_all("twin")
+        await sem.admin.force_release_all("twin")
         await close(twin)
 
     run(main)
@@ -395,7 +395,7 @@ def test_200_slots_share_one_renewal_task_and_only_the_force_released_one_is_los
             assert calls <= 25, f"{calls} EVALSHA calls for 200 slots over 2.5 s"
             assert not any(s.lost.is_set() for s in slots)
             victim = slots[57]
-            assert await asyncio.to_thread(sync.force_release, "k", victim.token)
+            assert await asyncio.to_thread(sync.admin.force_release, "k", victim.token)
             await asyncio.wait_for(victim.lost.wait(), 10)
             assert "gone" in str(victim.lease_lost_error())
             await asyncio.sleep(1.0)  # two more ticks: nobody else may be reported lost

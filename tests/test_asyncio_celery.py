@@ -98,7 +98,7 @@ def test_a_bounded_coroutine_counts_against_the_tasks_key(redis_server: RedisSer
 
     @bounded("tenant:{tenant_id}", 2, app=app)
     async def fetch(tenant_id: str, extra: int = 0) -> list[str]:
-        return [h.metadata["host"] for h in sync.holders(f"tenant:{tenant_id}")]
+        return [h.metadata["host"] for h in sync.admin.holders(f"tenant:{tenant_id}")]
 
     assert inspect.iscoroutinefunction(fetch)
     assert list(inspect.signature(fetch).parameters) == ["tenant_id", "extra"]
@@ -158,7 +158,7 @@ def test_a_bounded_coroutine_whose_slot_is_lost_raises(redis_server: RedisServer
 
     @bounded("k", 1, redis=redis_server.url, lease=2.0, heartbeat=0.1, interrupt=True)
     async def long_call() -> None:
-        await asyncio.to_thread(sync.force_release_all, "k")
+        await asyncio.to_thread(sync.admin.force_release_all, "k")
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:

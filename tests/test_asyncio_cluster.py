@@ -62,7 +62,7 @@ def test_one_renewal_task_keeps_keys_on_every_primary_and_loses_only_the_freed_o
                 held[key] = await stack.enter_async_context(sem.hold(key, heartbeat=0.25))
             await asyncio.sleep(2.5)  # the fault-free part: more than two leases
             assert not any(slot.lost.is_set() for slot in held.values())
-            assert await asyncio.to_thread(sync.force_release_all, "tenant:acme") == 1
+            assert await asyncio.to_thread(sync.admin.force_release_all, "tenant:acme") == 1
             await asyncio.wait_for(held["tenant:acme"].lost.wait(), 10)
             await asyncio.sleep(0.6)  # two more ticks: nobody else may be reported lost
             assert [k for k, s in held.items() if s.lost.is_set()] == ["tenant:acme"]
@@ -82,7 +82,7 @@ def test_several_keys_must_share_a_hash_tag_and_are_renewed_together(
 
     async def main() -> None:
         async with AsyncSemaphore(empty.url, limit=1, lease=1.5) as sem:
-            with pytest.raises(SemaphoreValidationError, match="different Redis Cluster slots"):
+            with pytest.raises(SemaphoreValidationError, match="different Redis Cluster shards"):
                 await sem.acquire_many([("openai", 20), ("tenant:acme", 2)])
             with pytest.raises(SemaphoreValidationError, match="starts with '}'"):
                 await sem.acquire_many([("}lead", 1)])

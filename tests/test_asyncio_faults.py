@@ -20,7 +20,7 @@ from redis import asyncio as aioredis
 from celery_semaphore import Semaphore, SemaphoreLeaseLostError
 from celery_semaphore.asyncio import AsyncSemaphore, AsyncSlot
 from celery_semaphore.asyncio.acquiring import Acquirer
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
 from .test_asyncio import close, run
@@ -172,12 +172,12 @@ def test_force_release_all_marks_the_slot_lost_and_hold_raises(redis_server: Red
         async with AsyncSemaphore(redis_server.url, limit=3, lease=2.0) as sem:
             with pytest.raises(SemaphoreLeaseLostError) as info:
                 async with sem.hold("shared", heartbeat=0.2) as slot:
-                    assert await sem.force_release_all("shared") == 1
+                    assert await sem.admin.force_release_all("shared") == 1
                     await asyncio.wait_for(slot.lost.wait(), 10)
                     # The body returns normally: the loss is reported all the same.
             assert "gone" in str(info.value)
             assert info.value.key == "shared"
-            assert await sem.force_release_all("shared") == 0
+            assert await sem.admin.force_release_all("shared") == 0
             return slot
 
     assert run(main).lost.is_set()
@@ -190,7 +190,7 @@ def test_a_failing_body_keeps_its_own_exception_when_the_slot_was_lost(
         async with AsyncSemaphore(redis_server.url, limit=1, lease=2.0) as sem:
             with pytest.raises(KeyError):
                 async with sem.hold("k", heartbeat=0.1) as slot:
-                    await sem.force_release_all("k")
+                    await sem.admin.force_release_all("k")
                     await asyncio.wait_for(slot.lost.wait(), 10)
                     raise KeyError("the body's own failure")
 
@@ -230,7 +230,7 @@ def test_interrupt_cancels_the_body_and_hold_raises(redis_server: RedisServer) -
         async with AsyncSemaphore(redis_server.url, limit=1, lease=2.0) as sem:
             with pytest.raises(SemaphoreLeaseLostError, match="gone"):
                 async with sem.hold("k", heartbeat=0.1, interrupt=True):
-                    await sem.force_release_all("k")
+                    await sem.admin.force_release_all("k")
                     try:
                         await asyncio.sleep(60)
                     except asyncio.CancelledError:

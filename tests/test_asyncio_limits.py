@@ -15,7 +15,7 @@ import redis
 
 from celery_semaphore import Semaphore, SemaphoreValidationError
 from celery_semaphore.asyncio import AsyncSemaphore
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
 from .helpers import Published
@@ -29,11 +29,11 @@ def test_set_limit_is_used_by_the_next_acquire_of_every_caller(
 
     async def main() -> None:
         async with AsyncSemaphore(redis_server.url, limit=5) as sem:
-            assert await sem.live_limit("k") is None
+            assert await sem.admin.live_limit("k") is None
             with caplog.at_level(logging.WARNING, "celery_semaphore.core.live"):
-                assert await sem.set_limit("k", 1, by="ops") is None
+                assert await sem.admin.set_limit("k", 1, by="ops") is None
             assert "live limit set to 1 (was none) by ops" in caplog.text
-            live = await sem.live_limit("k")
+            live = await sem.admin.live_limit("k")
             assert live is not None
             assert (live.limit, live.by) == (1, "ops")
             assert live.set_at > 0
@@ -45,12 +45,12 @@ def test_set_limit_is_used_by_the_next_acquire_of_every_caller(
             assert await asyncio.to_thread(sync.acquire, "k") is None
             assert await sem.available("k", limit=5) == 0
             # Set from the sync side, read and used here.
-            assert await asyncio.to_thread(sync.set_limit, "k", 2) == 1
+            assert await asyncio.to_thread(sync.admin.set_limit, "k", 2) == 1
             second = await sem.acquire("k")
             assert second is not None
             assert second.limit == 2
-            assert await sem.set_limit("k", None) == 2  # by default "user@host pid N"
-            assert await sem.live_limit("k") is None
+            assert await sem.admin.set_limit("k", None) == 2  # by default "user@host pid N"
+            assert await sem.admin.live_limit("k") is None
             assert await sem.available("k") == 3  # the semaphore's 5, two held
             assert await first.release()
             assert await second.release()
@@ -75,15 +75,15 @@ def test_raising_a_limit_wakes_a_waiting_coroutine_and_starts_parked_runs(
             waiting = asyncio.ensure_future(sem.acquire("k", wait=60.0))
             while not await sem.client.zcard(blocked):
                 await asyncio.sleep(0.01)
-            assert await sem.set_limit("k", 2) is None
+            assert await sem.admin.set_limit("k", 2) is None
             # Well before its 60 s: the raise woke it (or its next block ended, 2 s at most).
             woken = await asyncio.wait_for(waiting, 30)
             assert woken is not None
             assert woken.limit == 2
             # A parked run is started by the raise, published through this semaphore's
             # on_handoff in the same call that stores the limit.
-            assert await asyncio.to_thread(sync.park, "k", "w1", b"1") is not None
-            assert await sem.set_limit("k", 3) == 2
+            assert await asyncio.to_thread(sync.room.park, "k", "w1", b"1") is not None
+            assert await sem.admin.set_limit("k", 3) == 2
             assert published.waiters == ["w1"]
             assert await woken.release()
             assert await holder.release()
@@ -94,14 +94,14 @@ def test_raising_a_limit_wakes_a_waiting_coroutine_and_starts_parked_runs(
 @pytest.mark.parametrize(
     "call",
     [
-        lambda sem: sem.set_limit("k", 0),
-        lambda sem: sem.set_limit("k", 2.5),
-        lambda sem: sem.set_limit("k", "3"),
-        lambda sem: sem.set_limit("k", True),
-        lambda sem: sem.set_limit("", 2),
-        lambda sem: sem.set_limit(None, 2),
-        lambda sem: sem.set_limit("k", 2, by=""),
-        lambda sem: sem.live_limit(""),
+        lambda sem: sem.admin.set_limit("k", 0),
+        lambda sem: sem.admin.set_limit("k", 2.5),
+        lambda sem: sem.admin.set_limit("k", "3"),
+        lambda sem: sem.admin.set_limit("k", True),
+        lambda sem: sem.admin.set_limit("", 2),
+        lambda sem: sem.admin.set_limit(None, 2),
+        lambda sem: sem.admin.set_limit("k", 2, by=""),
+        lambda sem: sem.admin.live_limit(""),
         lambda sem: sem.available("k", limit=0),
         lambda sem: sem.available(""),
     ],

@@ -51,10 +51,10 @@ def test_all_keys_or_none_in_one_call_on_the_sync_semaphores_keys(
             assert await sem.acquire_many([("provider", 3), ("tenant:b", 1)]) is None
             assert await sem.count("provider") == 2
             # The group shows under every key it holds, with its metadata.
-            [mine] = await sem.holders("tenant:a")
+            [mine] = await sem.admin.holders("tenant:a")
             assert mine.token == first.token
             assert mine.metadata["r"] == 1
-            assert first.token in {h.token for h in await sem.holders("provider")}
+            assert first.token in {h.token for h in await sem.admin.holders("provider")}
             assert await first.release() is True
             assert await asyncio.to_thread(other.release)
 
@@ -78,7 +78,7 @@ def test_weights_count_per_key_and_a_misfit_takes_nothing(
             assert fits is not None
             assert (await sem.count("pool"), await sem.count("tenant:b")) == (6, 3)
             assert await sem.available("pool", limit=6) == 0
-            [record] = await sem.holders("tenant:b")
+            [record] = await sem.admin.holders("tenant:b")
             assert record.metadata["weight"] == 2  # the first key's weight, as the sync one
             async with fits:  # released on exit
                 pass
@@ -92,12 +92,12 @@ def test_weights_count_per_key_and_a_misfit_takes_nothing(
 def test_a_live_limit_is_used_by_the_next_acquire_many(redis_server: RedisServer) -> None:
     async def main() -> None:
         async with AsyncSemaphore(redis_server.url, limit=1) as sem:
-            assert await sem.set_limit("tenant:a", 1) is None
+            assert await sem.admin.set_limit("tenant:a", 1) is None
             first = await sem.acquire_many([("provider", 5), ("tenant:a", 5)])
             assert first is not None
             assert [s.limit for s in first.slots] == [5, 1]  # the live limit won
             assert await sem.acquire_many([("provider", 5), ("tenant:a", 5)]) is None
-            assert await sem.set_limit("tenant:a", 2) == 1
+            assert await sem.admin.set_limit("tenant:a", 2) == 1
             second = await sem.acquire_many([("provider", 5), ("tenant:a", 5)])
             assert second is not None
             assert await first.release()
@@ -141,7 +141,7 @@ def test_hold_many_renews_every_key_and_a_force_released_one_loses_the_group(
                     await asyncio.sleep(3.5)  # more than two leases: renewal keeps both
                     assert not group.lost.is_set()
                     assert await asyncio.to_thread(sync.acquire, "tenant:a") is None
-                    assert await asyncio.to_thread(sync.force_release_all, "tenant:a") == 1
+                    assert await asyncio.to_thread(sync.admin.force_release_all, "tenant:a") == 1
                     await asyncio.wait_for(group.lost.wait(), 20)
                     assert group.slots[1].lost.is_set()
                     assert not group.slots[0].lost.is_set()  # only its own verdict
@@ -164,7 +164,7 @@ def test_hold_many_with_interrupt_cancels_the_body_when_a_key_is_lost(
         async with AsyncSemaphore(redis_server.url, limit=1) as sem:
             with pytest.raises(SemaphoreLeaseLostError):
                 async with sem.hold_many([("a", 1), ("b", 1)], heartbeat=0.05, interrupt=True):
-                    await asyncio.to_thread(sync.force_release_all, "b")
+                    await asyncio.to_thread(sync.admin.force_release_all, "b")
                     try:
                         await asyncio.sleep(30)  # until the renewer sees the loss
                     except asyncio.CancelledError:

@@ -129,7 +129,7 @@ def test_a_task_that_retries_itself_releases_its_slot(
 def test_lease_lost_fails_the_task_by_default(threads_worker: Celery, client: redis.Redis) -> None:
     result = threads_worker.tasks["csem.lost_raise"].delay()
     assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
-    assert _semaphore(threads_worker).force_release_all("lost-raise") == 1
+    assert _semaphore(threads_worker).admin.force_release_all("lost-raise") == 1
     with pytest.raises(SemaphoreLeaseLostError) as info:
         result.get(timeout=60)
     assert "lost-raise" in str(info.value)
@@ -141,7 +141,7 @@ def test_lease_lost_can_shed_the_task_to_run_again(
 ) -> None:
     result = threads_worker.tasks["csem.lost_retry"].delay()
     assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
-    assert _semaphore(threads_worker).force_release_all("lost-retry") == 1
+    assert _semaphore(threads_worker).admin.force_release_all("lost-retry") == 1
     assert result.get(timeout=60) == "second run"
     History.load(client, BODIES).assert_ok(
         {"lost-retry": 1},
@@ -159,7 +159,7 @@ def test_a_killed_prefork_child_frees_its_slot_long_before_its_lease(
     result = prefork_worker.tasks["csem.sleepy"].delay(120)
     assert wait_for(lambda: History.load(client, BODIES).runs, timeout=60)
     sem = _semaphore(prefork_worker)
-    [holder] = sem.holders("sleepy")
+    [holder] = sem.admin.holders("sleepy")
     assert holder.metadata["task_id"] == result.id
     [run] = History.load(client, BODIES).runs
     assert holder.metadata["pid"] == run.pid
@@ -185,7 +185,7 @@ def test_warm_shutdown_lets_a_running_task_finish_and_keep_renewing(
 
 
 def test_eager_and_direct_calls_wait_then_raise(redis_server: RedisServer) -> None:
-    app = make_app(redis_server.url, task_always_eager=True, semaphore_shed_timeout=0.3)
+    app = make_app(redis_server.url, task_always_eager=True, semaphore_queue_timeout=0.3)
     task: Any = app.tasks["csem.per_tenant"]
     assert task.delay("x", 0).get() == "x"
     assert task("x", 0) == "x"
@@ -222,7 +222,7 @@ def test_the_body_can_be_interrupted_when_its_slot_is_lost(
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         result = spin.delay()
         assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
-        _semaphore(app).force_release_all("spin")
+        _semaphore(app).admin.force_release_all("spin")
         with pytest.raises(SemaphoreLeaseLostError):
             result.get(timeout=20)
     History.load(client, BODIES).assert_ok({"spin": 1}, tasks=[result.id], lost=[result.id])

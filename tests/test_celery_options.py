@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -39,6 +40,8 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("shed_max_countdown", {"shed_max_countdown": float("inf")}),
     ("shed_max_retries", {"shed_max_retries": -1}),
     ("shed_timeout", {"shed_timeout": -5}),
+    ("queue_timeout", {"queue_timeout": float("nan")}),
+    ("queue_timeout", {"queue_timeout": 10.0, "shed_timeout": 5.0}),
     ("interrupt", {"interrupt": 1}),
 ]
 
@@ -89,6 +92,18 @@ def test_unknown_decorator_option_is_named() -> None:
         ("semaphore_handoff_priority", 1.5),
         ("semaphore_handoff_queues", "false"),
         ("semaphore_handoff_queues", 1),
+        ("semaphore_room_ttl", 0),
+        ("semaphore_room_ttl", -5.0),
+        ("semaphore_room_ttl", "1d"),
+        ("semaphore_journal", ""),
+        ("semaphore_journal", 1),
+        ("semaphore_journal", ["dir"]),
+        ("semaphore_sweep_interval", 0),
+        ("semaphore_sweep_interval", 0.01),
+        ("semaphore_sweep_interval", 7200),
+        ("semaphore_sweep_interval", float("nan")),
+        ("semaphore_sweep_interval", "2"),
+        ("semaphore_sweep_interval", True),
     ],
 )
 def test_bad_app_setting_is_named(setting: str, value: Any) -> None:
@@ -96,6 +111,13 @@ def test_bad_app_setting_is_named(setting: str, value: Any) -> None:
     app.conf[setting] = value
     with pytest.raises(SemaphoreValidationError, match=setting):
         app_settings(app)
+
+
+def test_the_sweep_interval_defaults_to_two_seconds() -> None:
+    assert app_settings(Celery("s", broker=URL, set_as_current=False)).sweep_interval == 2.0
+    app = Celery("t", broker=URL, set_as_current=False)
+    app.conf.semaphore_sweep_interval = 5
+    assert app_settings(app).sweep_interval == 5.0
 
 
 def test_the_flower_page_may_set_limits_unless_the_app_says_not() -> None:
@@ -191,3 +213,89 @@ def test_bad_app_option_for_bounded_is_named() -> None:
 
         @bounded("k", 1, app="not an app")  # type: ignore[arg-type]
         def fn() -> None: ...
+
+
+def test_a_parked_runs_budget_is_queue_timeout_and_a_shedding_runs_is_shed_timeout() -> None:
+    assert Policy(queue_timeout=9.0).queue_budget() == (9.0, "queue_timeout")
+    assert Policy(queue_timeout=9.0, shed_timeout=9.0).queue_budget() == (9.0, "queue_timeout")
+    assert Policy(shed_timeout=4.0).queue_budget() == (4.0, "shed_timeout")  # the old name
+    assert Policy().queue_budget() == (None, "queue_timeout")
+    # Outside a worker, a call waits as long as its mode's budget, else one lease.
+    assert Policy(queue_timeout=9.0, shed_timeout=4.0).wait_budget() == 9.0
+    assert Policy(on_full="wait", shed_timeout=4.0).wait_budget() == 4.0
+    assert Policy(on_full="retry", queue_timeout=9.0, shed_timeout=4.0).wait_budget() == 4.0
+    assert Policy(on_full="raise", queue_timeout=9.0).wait_budget() == Policy().lease
+
+
+@pytest.mark.parametrize("where", ["task", "decorator", "declaration", "app"])
+def test_queue_timeout_and_shed_timeout_that_differ_in_one_place_are_refused(
+    where: str,
+) -> None:
+    app = Celery("both", broker=URL, set_as_current=False)
+    both = {"queue_timeout": 30.0, "shed_timeout": 10.0}
+    with pytest.raises(SemaphoreValidationError, match=r"queue_timeout.*shed_timeout.*differ"):
+        if where == "app":
+            app.conf.update({f"semaphore_{k}": v for k, v in both.items()})
+            app_settings(app)
+        elif where == "declaration":
+            app.conf.semaphores = {"k": {"limit": 1, **both}}
+
+            @app.task(base=SemaphoreTask, semaphore="k", shared=False, name="both.d")
+            def declared() -> None: ...
+
+            app.finalize()
+        elif where == "decorator":
+
+            @bounded("k", 1, app=app, **both)
+            def plain() -> None: ...
+
+        else:
+
+            @app.task(base=SemaphoreTask, semaphore="k", limit=1, shared=False, name="both.t",
+                      **both)  # fmt: skip
+            def task() -> None: ...
+
+            app.finalize()
+
+
+def test_the_same_budget_under_both_names_and_in_different_places_is_accepted() -> None:
+    app = Celery("ok", broker=URL, set_as_current=False)
+    app.conf.semaphore_shed_timeout = 10.0  # for the tasks that shed
+
+    @app.task(base=SemaphoreTask, semaphore="k", limit=1, queue_timeout=30.0, shed_timeout=30.0,
+              shared=False, name="ok.same")  # fmt: skip
+    def same() -> None: ...
+
+    @app.task(base=SemaphoreTask, semaphore="k", limit=1, queue_timeout=60.0, shared=False,
+              name="ok.apart")  # fmt: skip
+    def apart() -> None: ...
+
+    for name, budget in [("ok.same", 30.0), ("ok.apart", 60.0)]:
+        found = runner_of(app.tasks[name])
+        assert found is not None
+        policy = found[0].resolve(app).policy
+        assert (policy.queue_timeout, policy.queue_budget()[0]) == (budget, budget)
+    assert app_settings(app).policy.shed_timeout == 10.0
+
+
+def test_shed_timeout_as_a_parked_runs_budget_warns_once_per_task() -> None:
+    app = Celery("old", broker=URL, set_as_current=False)
+
+    @app.task(base=SemaphoreTask, semaphore="old", limit=1, shed_timeout=5.0, shared=False,
+              name="old.parks")  # fmt: skip
+    def parks() -> None: ...
+
+    @app.task(base=SemaphoreTask, semaphore="old", limit=1, shed_timeout=5.0, on_full="retry",
+              shared=False, name="old.sheds")  # fmt: skip
+    def sheds() -> None: ...
+
+    runner = runner_of(app.tasks["old.parks"])
+    assert runner is not None
+    with pytest.warns(DeprecationWarning, match=r"'old': shed_timeout .* name it queue_timeout"):
+        assert runner[0].resolve(app).policy.queue_budget() == (5.0, "shed_timeout")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        runner[0].resolve(app)  # once per task: resolved (and warned) once per app
+        shedding = runner_of(app.tasks["old.sheds"])
+        assert shedding is not None
+        shedding[0].resolve(app)  # shed_timeout is that task's own budget: no warning

@@ -23,7 +23,7 @@ from celery_semaphore import (
     SemaphoreValidationError,
     bounded,
 )
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.settings import app_settings, client_for
 from celery_semaphore.signals import semaphore_parked, semaphore_shed
 from celery_semaphore.testing import RedisServer
@@ -320,8 +320,10 @@ def test_a_user_retry_longer_than_shed_timeout_is_shed_not_failed(
     app = shed_app
     sem = Semaphore(redis_server.url, limit=1)
 
-    @app.task(base=SemaphoreTask, semaphore="timeout", limit=1, shed_timeout=1.0, bind=True,
-              max_retries=1, on_full=on_full, shared=False, name="shed.timeout")  # fmt: skip
+    budget = {"shed_timeout" if on_full == "retry" else "queue_timeout": 1.0}
+
+    @app.task(base=SemaphoreTask, semaphore="timeout", limit=1, bind=True, max_retries=1,
+              on_full=on_full, shared=False, name="shed.timeout", **budget)  # fmt: skip
     def slow_retry(self: Any) -> int:
         with history.run(client, BODIES, "timeout"):
             if self.request.retries == 0:

@@ -11,7 +11,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreTask, Slot
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
+from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.testing import RedisServer
 
 from . import history
@@ -30,7 +31,7 @@ def _start_order(sem: Semaphore, published: Published, held: list[Slot]) -> list
         while len(order) < len(published.waiters):
             waiter = published.waiters[len(order)]
             order.append(waiter)
-            slot = sem.claim("k", waiter)
+            slot = sem.room.claim("k", waiter)
             assert isinstance(slot, Slot)
             held.append(slot)
     return order
@@ -38,9 +39,9 @@ def _start_order(sem: Semaphore, published: Published, held: list[Slot]) -> list
 
 def _park_a_burst_then_a_few(sem: Semaphore, group: bool) -> None:
     for n in range(30):
-        sem.park("k", f"a-{n:02d}", b"", group="tenant:a" if group else "")
+        sem.room.park("k", f"a-{n:02d}", b"", tenant="tenant:a" if group else "")
     for n in range(5):
-        sem.park("k", f"b-{n}", b"", group="tenant:b" if group else "")
+        sem.room.park("k", f"b-{n}", b"", tenant="tenant:b" if group else "")
 
 
 def test_a_late_tenant_takes_turns_with_a_burst(redis_server: RedisServer) -> None:
@@ -54,7 +55,7 @@ def test_a_late_tenant_takes_turns_with_a_burst(redis_server: RedisServer) -> No
     assert [w for w in order if w.startswith("a-")] == [f"a-{n:02d}" for n in range(30)]
     assert [w for w in order if w.startswith("b-")] == [f"b-{n}" for n in range(5)]
     # The views still show each run's real wait, not its turn.
-    assert all(w.waited < 60 for w in sem.admin.room("k"))
+    assert all(w.waited < 60 for w in sem.room.waiters("k"))
 
 
 def test_without_groups_the_room_keeps_arrival_order(redis_server: RedisServer) -> None:
@@ -99,15 +100,25 @@ def test_fair_by_with_a_worker(redis_server: RedisServer, client: redis.Redis, a
             time.sleep(0.1)  # long enough that B's arrival is seen before B's runs start
         return tenant
 
-    sem = Semaphore(redis_server.url, limit=LIMIT)
+    sem = Semaphore(redis_server.url, limit=LIMIT, on_handoff=publisher_for(app))
+    # Every slot is held while A's burst arrives, so that all of it parks, however slow the
+    # machine: a burst that starts as it arrives may run down to fewer than 50 parked before
+    # its last message is fetched. Released, they hand their slots to A's oldest runs.
+    blockers = [sem.acquire("provider-fair") for _ in range(LIMIT)]
     with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False):
         burst = [call.delay("a", n) for n in range(100)]
         # B arrives once A's burst waits in the room (its messages all fetched), not behind
         # A's messages in the broker's queue, where no semaphore can reorder it.
         assert wait_for(
-            lambda: client.llen("celery") == 0 and len(sem.admin.room("provider-fair")) >= 50,
+            lambda: client.llen("celery") == 0 and len(sem.room.waiters("provider-fair")) >= 50,
             timeout=60,
         )
+        for blocker in blockers:
+            assert blocker is not None
+            assert blocker.release()
+        # B is sent once A's runs follow one another through the room, as they would had
+        # they started as they arrived: not amid the first hand-offs, all at once.
+        assert wait_for(lambda: len(sem.room.waiters("provider-fair")) <= 100 - 3 * LIMIT)
         sent = time.monotonic()
         few = [call.delay("b", n) for n in range(5)]
         arrived, handed = _all_arrived(recorder, "provider-fair", {r.id for r in few})

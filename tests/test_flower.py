@@ -36,7 +36,7 @@ import tornado.web
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import SemaphoreAdmin, SemaphoreTask
+from celery_semaphore import Semaphore, SemaphoreAdmin, SemaphoreTask, WaitingRoom
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import render
 from celery_semaphore.views.inspection import views
@@ -128,6 +128,31 @@ def worker(app: Celery, client: redis.Redis) -> Iterator[Any]:
         client.rpush(RELEASE, "go", "go")  # a failed test may leave tasks waiting
 
 
+def _serve(
+    command: list[str], cwd: Path, env: dict[str, str], log: Path, port: int,
+    options: tuple[str, ...], started: list[subprocess.Popen[bytes]],
+) -> str:  # fmt: skip
+    """Start Flower's ``command`` (logging to ``log``), wait until it answers its health
+    check on ``port``, and return its base URL (with its ``--url_prefix``, if any)."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=out)
+    started.append(proc)
+    prefix = next((o.split("=", 1)[1] for o in options if o.startswith("--url_prefix=")), "")
+    base = f"http://127.0.0.1:{port}" + (f"/{prefix.strip('/')}" if prefix else "")
+
+    def answers() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return http_get(f"{base}/healthcheck")[0] == 200
+        except OSError:
+            return False
+
+    assert wait_for(answers, timeout=60, interval=0.1), log.read_text()
+    assert proc.poll() is None, log.read_text()
+    return base
+
+
 @pytest.fixture
 def run_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[..., str]]:
     """``run_flower(*options, semaphore_url=None, unauthenticated_api=False, set_limit=True)``:
@@ -151,23 +176,33 @@ def run_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[.
         log = tmp_path / f"flower-{port}.log"
         command = [sys.executable, "-m", "tests.flower_helper", redis_server.url,
                    f"--port={port}", "--address=127.0.0.1", *options]  # fmt: skip
-        with log.open("wb") as out:
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
-        started.append(proc)
-        prefix = next((o.split("=", 1)[1] for o in options if o.startswith("--url_prefix=")), "")
-        base = f"http://127.0.0.1:{port}" + (f"/{prefix.strip('/')}" if prefix else "")
+        return _serve(command, ROOT, env, log, port, options, started)
 
-        def answers() -> bool:
-            if proc.poll() is not None:
-                return True
-            try:
-                return http_get(f"{base}/healthcheck")[0] == 200
-            except OSError:
-                return False
+    yield run
+    for proc in started:
+        stop_process(proc)
 
-        assert wait_for(answers, timeout=60, interval=0.1), log.read_text()
-        assert proc.poll() is None, log.read_text()
-        return base
+
+@pytest.fixture
+def celery_flower(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """``celery_flower(*options, config=...)``: a plain ``celery -A ... flower`` started in a
+    directory whose ``flowerconfig.py`` holds ``config`` (the documented line by default);
+    its base URL. The API is open (``FLOWER_UNAUTHENTICATED_API``) unless options add auth."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def run(*options: str, config: str = "import celery_semaphore.flower  # noqa: F401\n") -> str:
+        port = _free_port()
+        where = tmp_path / f"flower-{port}"
+        where.mkdir()
+        (where / "flowerconfig.py").write_text(config)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLOWER_")}
+        env.update(CSEM_FLOWER_REDIS_URL=redis_server.url, FLOWER_UNAUTHENTICATED_API="true",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))  # fmt: skip
+        celery = Path(sys.executable).with_name("celery")
+        log = where / "flower.log"
+        command = [str(celery), "-A", "tests.flower_celery_app", "flower", f"--port={port}",
+                   "--address=127.0.0.1", *options]  # fmt: skip
+        return _serve(command, where, env, log, port, options, started)
 
     yield run
     for proc in started:
@@ -420,6 +455,57 @@ def test_setting_and_clearing_a_live_limit_through_the_page(
     assert admin.live_limit(odd).limit == 3  # type: ignore[union-attr]
 
 
+def test_pausing_and_resuming_a_key_through_the_page(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    admin = SemaphoreAdmin(client)
+    admin.set_limit(KEY, 4, by="test")  # a card for the key, whose limit a pause keeps
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    assert '<input type="hidden" name="pause" value="1">' in browser.page
+
+    status, body = browser.post({"key": KEY, "pause": "1"})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert (answer["key"], answer["paused"], answer["was_paused"]) == (KEY, True, False)
+    paused = admin.pause_of(KEY)
+    assert paused is not None
+    assert paused.by == answer["by"]
+    status, page, _ = browser.get("/semaphores")
+    assert f"Paused by {paused.by} at " in " ".join(page.split())
+    assert '<input type="hidden" name="pause" value="0">' in page  # the button resumes now
+    (sem,) = json.loads(browser.get("/api/semaphores")[1])
+    assert sem["paused"]["by"] == paused.by
+
+    for bad in ({"key": KEY, "pause": "maybe"}, {"key": KEY, "pause": "0", "limit": "2"}):
+        assert browser.post(bad)[0] == 400  # nothing changed
+    assert admin.pause_of(KEY) is not None
+    status, body = browser.post({"key": KEY, "pause": "0"})
+    assert status == 200, body
+    assert json.loads(body)["was_paused"] is True
+    assert admin.pause_of(KEY) is None
+    assert admin.live_limit(KEY).limit == 4  # type: ignore[union-attr]
+
+
+def test_why_a_run_waits_through_the_api(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    sem = Semaphore(client, limit=1)
+    held = sem.acquire(KEY, metadata={"task_id": "ahead"})
+    assert held is not None
+    sem.room.park(KEY, "behind", b"p")
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    status, body, _ = http(f"{base}/api/semaphores/why?task_id=behind", auth=(USER, PASSWORD))
+    assert status == 200, body
+    (standing,) = json.loads(body)["standings"]
+    assert (standing["key"], standing["state"], standing["position"]) == (KEY, "parked", 1)
+    assert [h["metadata"]["task_id"] for h in standing["holders"]] == ["ahead"]
+    status, body, _ = http(f"{base}/api/semaphores/why?task_id=nobody", auth=(USER, PASSWORD))
+    assert (status, json.loads(body)["standings"]) == (200, [])
+    assert http(f"{base}/api/semaphores/why", auth=(USER, PASSWORD))[0] == 400
+    held.release()
+
+
 def test_raising_the_limit_through_the_page_starts_a_parked_run(
     app: Celery, worker: Any, client: redis.Redis, run_flower: Callable[..., str]
 ) -> None:
@@ -428,9 +514,10 @@ def test_raising_the_limit_through_the_page_starts_a_parked_run(
     base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
     browser = Session(base, (USER, PASSWORD))
     first, second = (app.tasks["csem.flower_hold"].delay() for _ in range(2))
-    assert wait_for(lambda: len(admin.holders(KEY)) == 1 and len(admin.room(KEY)) == 1,
+    room = WaitingRoom(client)
+    assert wait_for(lambda: len(admin.holders(KEY)) == 1 and len(room.waiters(KEY)) == 1,
                     timeout=60)  # fmt: skip
-    (parked,) = admin.room(KEY)
+    (parked,) = WaitingRoom(client).waiters(KEY)
     holding = first if holder_of(client, first.id) else second
     waiting = second if holding is first else first
     assert parked.waiter == waiting.id
@@ -438,7 +525,7 @@ def test_raising_the_limit_through_the_page_starts_a_parked_run(
     status, body = browser.post({"key": KEY, "limit": "2"})
     assert status == 200, body
     # The request's own script call handed the new slot over: no sweep was waited for.
-    assert admin.room(KEY) == []
+    assert WaitingRoom(client).waiters(KEY) == []
     assert len(admin.holders(KEY)) == 2
     assert wait_for(lambda: holder_of(client, waiting.id), timeout=60), "the run never started"
     client.rpush(RELEASE, "go", "go")
@@ -564,3 +651,90 @@ def test_an_oauth_session_sets_limits_as_its_user(
     fields = {"key": KEY, "clear": "1", "_xsrf": browser.token}
     assert http(base + LIMIT_PATH, fields, headers=stranger)[0] == 403
     assert SemaphoreAdmin(client).live_limit(KEY) == live
+
+
+# Plain `celery flower`, with the one line in flowerconfig.py; and the API's pages.
+
+
+def test_plain_celery_flower_serves_the_page_with_one_line_of_config(
+    celery_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    admin = SemaphoreAdmin(client)
+    admin.set_limit(KEY, 4, by="test")
+    base = celery_flower("--url_prefix=flower", f"--basic_auth={USER}:{PASSWORD}")
+    assert http_get(base + "/semaphores")[0] == 401  # Flower's own auth guards it
+    status, page = http_get(base + "/semaphores", (USER, PASSWORD))
+    assert status == 200, page
+    assert f'data-key="{KEY}"' in page
+    # The navbar link, current on this page, and on Flower's own pages too.
+    assert 'href="/flower/semaphores" aria-current="page">Semaphores</a>' in page
+    status, workers = http_get(base + "/workers", (USER, PASSWORD))
+    assert status == 200
+    assert 'data-semaphores-nav href="/flower/semaphores">Semaphores</a>' in workers
+    status, body = http_get(base + "/api/semaphores", (USER, PASSWORD))
+    assert status == 200, body
+    assert [sem["key"] for sem in json.loads(body)] == [KEY]
+    # The live-limit control is there too, under the same rules.
+    browser = Session(base, (USER, PASSWORD))
+    assert browser.post({"key": KEY, "limit": "6"})[0] == 200
+    assert admin.live_limit(KEY).limit == 6  # type: ignore[union-attr]
+
+
+def test_without_the_line_plain_celery_flower_has_no_page(
+    celery_flower: Callable[..., str],
+) -> None:
+    base = celery_flower(config="# Flower alone\n")
+    assert http_get(base + "/semaphores")[0] == 404
+    assert http_get(base + "/api/semaphores")[0] == 404
+
+
+def test_the_api_pages_semaphores_and_each_waiting_room(
+    celery_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    room = WaitingRoom(client, limit=1)
+    holder = Semaphore(client, limit=1).acquire("busy")
+    assert holder is not None
+    parked = [f"run-{n:02d}" for n in range(25)]
+    for n, waiter in enumerate(parked):
+        room.park("busy", waiter, b"payload", arrival=1_000_000 + n)
+    admin = SemaphoreAdmin(client)
+    for key in ("a-key", "b-key", "c-key"):
+        admin.set_limit(key, 2, by="test")
+    base = celery_flower()
+
+    status, body, headers = http(base + "/api/semaphores?limit=2")
+    assert status == 200, body
+    assert headers["X-Total-Count"] == "4"
+    assert [sem["key"] for sem in json.loads(body)] == ["a-key", "b-key"]
+    status, body, _ = http(base + "/api/semaphores?offset=2&limit=2&waiting=5")
+    second = json.loads(body)
+    assert [sem["key"] for sem in second] == ["busy", "c-key"]
+    busy = second[0]
+    assert busy["queued"] == 25  # the total, though the list is cut short
+    assert [w["waiter"] for w in busy["waiting"]] == parked[:5]
+    status, body, _ = http(base + "/api/semaphores")
+    assert [len(sem["waiting"]) for sem in json.loads(body)] == [0, 0, 20, 0]  # default 20
+
+    status, body = http_get(base + "/api/semaphores/waiting?key=busy&offset=20&limit=10")
+    assert status == 200, body
+    page = json.loads(body)
+    assert (page["key"], page["total"], page["offset"], page["limit"]) == ("busy", 25, 20, 10)
+    assert [w["waiter"] for w in page["waiting"]] == parked[20:]
+    status, body = http_get(base + "/api/semaphores/waiting?key=busy")
+    assert [w["waiter"] for w in json.loads(body)["waiting"]] == parked  # default page: 100
+    status, body = http_get(base + "/api/semaphores/waiting?key=idle")
+    assert json.loads(body) == {"key": "idle", "total": 0, "offset": 0, "limit": 100,
+                                "waiting": []}  # fmt: skip
+
+    for query, message in [
+        ("/api/semaphores?limit=0", "limit must be an int from 1"),
+        ("/api/semaphores?limit=1001", "limit must be at most 1000"),
+        ("/api/semaphores?offset=-1", "offset must be an int >= 0"),
+        ("/api/semaphores?waiting=abc", "limit must be an int from 1"),
+        ("/api/semaphores/waiting", "key must be a non-empty str"),
+        ("/api/semaphores/waiting?key=busy&limit=x", "limit must be an int from 1"),
+        ("/api/semaphores/waiting?key=busy&offset=1.5", "offset must be an int >= 0"),
+    ]:
+        status, body = http_get(base + query)
+        assert (status, message in body) == (400, True), (query, body)
+    holder.release()

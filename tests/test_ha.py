@@ -26,7 +26,7 @@ from celery_semaphore import (
 )
 from celery_semaphore.core.admin import SemaphoreAdmin
 from celery_semaphore.core.clients import client_from_url
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.settings import app_settings
 from celery_semaphore.views.inspection import views
 
@@ -70,7 +70,7 @@ def _take_25_on_limit_20(sem: Semaphore, key: str) -> None:
     assert len(slots) == 20
     assert results.count(None) == 5
     assert sem.count(key) == 20
-    assert len(sem.holders(key)) == 20
+    assert len(sem.admin.holders(key)) == 20
     assert len({s.token for s in slots}) == 20
     assert all(s.release() for s in slots)
     assert sem.count(key) == 0
@@ -148,7 +148,7 @@ def test_cluster_hold_keeps_its_slot_through_a_body_three_times_the_lease(
 def test_cluster_force_release_all_makes_the_next_renewal_report_loss(
     on_cluster: MakeSemaphore,
 ) -> None:
-    assert_force_release_is_reported(on_cluster(limit=3, lease=2.0), on_cluster(limit=3))
+    assert_force_release_is_reported(on_cluster(limit=3, lease=2.0), on_cluster(limit=3).admin)
 
 
 KEYS = ["openai", "tenant:acme", "{braces}", "a}b{c", "{", "x}", "ünïcødé ✓", "with spaces",
@@ -172,7 +172,7 @@ def test_cluster_keys_of_every_shape_spread_over_the_nodes(
     assert all(slot is not None for slot in slots.values())
     for key in KEYS:
         assert sem.count(key) == 1
-        [holder] = sem.holders(key)
+        [holder] = sem.admin.holders(key)
         assert holder.metadata["key"] == key
     # SCAN visits every primary, so inspection sees all of them.
     assert SemaphoreAdmin(client).scan_keys() == sorted(KEYS)
@@ -180,7 +180,7 @@ def test_cluster_keys_of_every_shape_spread_over_the_nodes(
     for key in KEYS:
         assert sem.acquire(key) is not None
         assert sem.acquire(key) is None  # limit 2, held twice
-        assert sem.force_release_all(key) == 2
+        assert sem.admin.force_release_all(key) == 2
     assert SemaphoreAdmin(client).scan_keys() == []
 
 
@@ -195,13 +195,13 @@ def test_cluster_rejects_a_key_starting_with_a_closing_brace(on_cluster: MakeSem
         lambda: sem.acquire("}lead"),
         lambda: sem.hold("}lead").__enter__(),
         lambda: sem.count("}lead"),
-        lambda: sem.holders("}lead"),
-        lambda: sem.force_release("}lead", "token"),
-        lambda: sem.force_release_all("}lead"),
-        lambda: sem.park("}lead", "w", b""),
-        lambda: sem.claim("}lead", "w"),
-        lambda: sem.admin.sweep("}lead"),
-        lambda: sem.admin.cancel("}lead", "w"),
+        lambda: sem.admin.holders("}lead"),
+        lambda: sem.admin.force_release("}lead", "token"),
+        lambda: sem.admin.force_release_all("}lead"),
+        lambda: sem.room.park("}lead", "w", b""),
+        lambda: sem.room.claim("}lead", "w"),
+        lambda: sem.room.sweep("}lead"),
+        lambda: sem.room.cancel("}lead", "w"),
     ]
     for call in calls:
         with pytest.raises(SemaphoreValidationError, match="starts with '}'") as info:
@@ -300,8 +300,8 @@ def test_sentinel_force_release_all_and_inspection(
     sem = Semaphore(sentinel_set.url, limit=3, lease=2.0)
     with pytest.raises(SemaphoreLeaseLostError), sem.hold("shared", heartbeat=0.2) as slot:
         assert SemaphoreAdmin(master).scan_keys() == ["shared"]
-        assert sem.holders("shared")[0].token == slot.token
-        assert Semaphore(master, limit=3).force_release_all("shared") == 1
+        assert sem.admin.holders("shared")[0].token == slot.token
+        assert Semaphore(master, limit=3).admin.force_release_all("shared") == 1
         assert slot.lost.wait(10), "the heartbeat never noticed the slot was gone"
     assert sem.count("shared") == 0
     sem.client.close()
@@ -386,12 +386,33 @@ def test_the_waiting_room_works_on_a_cluster(on_cluster: MakeSemaphore) -> None:
     for key in KEYS:
         holder = sem.acquire(key)
         assert holder is not None
-        assert not isinstance(sem.park(key, "w", b"p"), Slot)
+        assert not isinstance(sem.room.park(key, "w", b"p"), Slot)
         holder.release()
-        claimed = sem.claim(key, "w")
+        claimed = sem.room.claim(key, "w")
         assert isinstance(claimed, Slot), key
         claimed.release()
     assert handed == ["w"] * len(KEYS)
+
+
+def test_a_fleet_takes_and_sweeps_the_rooms_of_many_nodes_on_a_cluster(
+    on_cluster: MakeSemaphore,
+) -> None:
+    handed: list[str] = []
+    sem = on_cluster(limit=1)
+    mute = on_cluster(limit=1)  # its release reserves nothing: the sweeps hand the slots out
+    sem.handoffs.publisher = lambda key, handoffs: handed.extend(h.waiter for h in handoffs)
+    for key in KEYS:
+        holder = mute.acquire(key)
+        assert holder is not None
+        sem.room.park(key, f"w-{key}", b"p")
+        holder.release()
+    due = sem.room.index.due(interval=60.0, count=100, ttl=60.0)
+    assert sorted(due.keys) == sorted(KEYS)  # the index is one key, on one node
+    assert sem.room.sweep_many(due.keys) == len(KEYS)  # one pipeline over every node
+    assert sorted(handed) == sorted(f"w-{key}" for key in KEYS)
+    for key in KEYS:
+        assert isinstance(sem.room.claim(key, f"w-{key}"), Slot)
+    assert sem.room.index.backstop(every=60.0, owner="test", ttl=60.0) == 0
 
 
 @pytest.mark.parametrize("setting", ["broker_url", "result_backend"])

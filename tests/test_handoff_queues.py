@@ -1,5 +1,5 @@
 """Which queue a hand-off goes to: the hand-off queue a worker consumes beside the queue its
-run came from (celery_semaphore.integration.handoff_queues). The routing rules, read off a
+run came from (celery_semaphore.integration.waiting_room.queues). The routing rules, read off a
 real Celery app's queue declarations; tests/test_room_celery.py sends hand-offs through both
 brokers."""
 
@@ -10,7 +10,7 @@ from celery import Celery
 from kombu import Exchange, Queue
 from kombu.common import Broadcast
 
-from celery_semaphore.integration.handoff_queues import (
+from celery_semaphore.integration.waiting_room.queues import (
     SUFFIX,
     consume_handoff_queues,
     handoff_queue,

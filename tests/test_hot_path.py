@@ -15,7 +15,7 @@ from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.core.lazy_event import LazyEvent
 from celery_semaphore.core.options import acquire_args
 from celery_semaphore.core.process import new_token, pid
-from celery_semaphore.core.scripts import Parked
+from celery_semaphore.core.replies import Parked
 from celery_semaphore.testing import RedisServer
 
 from .helpers import Published
@@ -114,33 +114,33 @@ def test_a_park_makes_its_payload_only_when_it_is_to_park(
         return make
 
     # Load the scripts, so that each call below is one EVALSHA.
-    sem.park("warm", "w0", b"").release()  # type: ignore[union-attr]
+    sem.room.park("warm", "w0", b"").release()  # type: ignore[union-attr]
     client.config_resetstat()
-    first = sem.park("k", "w1", payload("w1"))  # a free slot and no room: no payload needed
+    first = sem.room.park("k", "w1", payload("w1"))  # a free slot and no room: no payload needed
     assert isinstance(first, Slot)
     assert (made, _evalshas(client)) == ([], 1)
     # Full, and no room this semaphore knows of: the take declines, then it parks with it.
-    assert isinstance(sem.park("k", "w2", payload("w2")), Parked)
+    assert isinstance(sem.room.park("k", "w2", payload("w2")), Parked)
     assert (made, _evalshas(client)) == (["w2"], 3)
     # Now it knows the room: one round trip, with the payload.
-    third = sem.park("k", "w3", payload("w3"))
+    third = sem.room.park("k", "w3", payload("w3"))
     assert (third, made, _evalshas(client)) == (
         Parked(1, third.now_ms, 1), ["w2", "w3"], 4,  # type: ignore[union-attr]
     )  # fmt: skip
     # A semaphore (another process, say) that never saw the room queues behind it all the same.
     other = Semaphore(redis_server.url, limit=1, lease=30.0, on_handoff=published)
-    assert isinstance(other.park("k", "w4", payload("w4")), Parked)
+    assert isinstance(other.room.park("k", "w4", payload("w4")), Parked)
     assert made == ["w2", "w3", "w4"]
-    assert [w.waiter for w in sem.admin.room("k")] == ["w2", "w3", "w4"]
+    assert [w.waiter for w in sem.room.waiters("k")] == ["w2", "w3", "w4"]
     for waiter in ("w2", "w3", "w4"):
         assert first.release()
-        first = sem.claim("k", waiter)  # type: ignore[assignment]
+        first = sem.room.claim("k", waiter)  # type: ignore[assignment]
         assert isinstance(first, Slot)
     assert published.waiters == ["w2", "w3", "w4"]
     assert first.release()
-    sem.admin.sweep("k")  # the empty room is deleted
+    sem.room.sweep("k")  # the empty room is deleted
     # The room is gone but still remembered: the park sends its payload, finds no room (and
     # forgets it); the next one takes its slot without a payload again.
-    sem.park("k", "w5", payload("w5")).release()  # type: ignore[union-attr]
-    sem.park("k", "w6", payload("w6")).release()  # type: ignore[union-attr]
+    sem.room.park("k", "w5", payload("w5")).release()  # type: ignore[union-attr]
+    sem.room.park("k", "w6", payload("w6")).release()  # type: ignore[union-attr]
     assert made == ["w2", "w3", "w4", "w5"]

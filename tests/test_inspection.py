@@ -22,6 +22,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreLeaseLostError, SemaphoreValidationError
 from celery_semaphore import signals as sem_signals
+from celery_semaphore.core.replies import Parked
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
@@ -97,14 +98,20 @@ def test_status_shows_the_waiting_room_and_handed_off_slots(redis_server: RedisS
     sem = Semaphore(redis_server.url, limit=1, on_handoff=lambda key, handoffs: None)
     holder = sem.acquire("reports")
     assert holder is not None
-    sem.park("reports", "t-old", b"", arrival=time.time() - 30)
-    sem.park("reports", "t-new", b"")
+    sem.room.park("reports", "t-old", b"", arrival=time.time() - 30)
+    sem.room.park("reports", "t-new", b"")
     text = celery_cli(redis_server.url, "semaphore", "status")
     assert "reports  1/1 in use, 2 queued (oldest 3" in text.stdout, text.stdout
     [view] = json.loads(celery_cli(redis_server.url, "semaphore", "status", "--json").stdout)
     assert view["queued"] == 2
     assert 29 < view["oldest_wait"] < 120
     assert [w["waiter"] for w in view["waiting"]] == ["t-old", "t-new"]
+    assert "waiting, first served first:" in text.stdout, text.stdout
+    assert text.stdout.index("t-old") < text.stdout.index("t-new"), text.stdout
+    first = celery_cli(redis_server.url, "semaphore", "status", "--waiting", "1")
+    assert "waiting, first served first (1 of 2):" in first.stdout, first.stdout
+    assert "t-old" in first.stdout
+    assert "t-new" not in first.stdout
     holder.release()  # hands the slot to t-old
     text = celery_cli(redis_server.url, "semaphore", "status")
     assert "reports  1/1 in use, 1 queued" in text.stdout, text.stdout
@@ -166,11 +173,19 @@ def test_inspect_and_stats_list_a_held_slot_until_it_is_released(
     assert held["task_name"] == "csem.hold_until"
     assert held["pid"] == os.getpid()
     assert 0 < held["expires_in"] <= 60
+    # The rooms of the keys it holds: how many wait, the oldest wait, the first in line.
+    room = Semaphore(redis_server.url, limit=1).room
+    assert isinstance(room.park("held", "next-in-line", b"p"), Parked)
+    waiting = semaphores()["waiting"]["held"]
+    assert (waiting["queued"], waiting["first"]) == (1, ["next-in-line"])
+    assert waiting["oldest_wait"] >= 0
+    assert room.cancel("held", "next-in-line")
 
     # With a destination, inspect returns once that worker answers, not at the timeout.
     stats = app.control.inspect(timeout=5, destination=[hostname]).stats()[hostname]["semaphore"]
     assert [h["task_id"] for h in stats["held"]] == [result.id]
-    assert set(stats["counters"]) == {"shed", "parked", "lease_lost", "dead_released"}
+    assert set(stats["counters"]) == {"shed", "parked", "lease_lost", "dead_released", "swept",
+                                      "handoffs_missed"}  # fmt: skip
 
     cli = celery_cli(redis_server.url, "inspect", "semaphores", "--timeout", "5",
                      "--destination", hostname)  # fmt: skip

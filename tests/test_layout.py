@@ -28,6 +28,7 @@ DOCUMENTED_MODULES = [
     "celery_semaphore.integration",
     "celery_semaphore.views.cli",
     "celery_semaphore.views.flower",
+    "celery_semaphore.flower",
     "celery_semaphore.views.inspection",
     "celery_semaphore.errors",
     "celery_semaphore.signals",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import re
 import threading
 from typing import Any
 
@@ -15,7 +16,7 @@ from click.testing import CliRunner
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.asyncio import AsyncSemaphore
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import render, semaphore
 from celery_semaphore.views.inspection import views
@@ -30,7 +31,7 @@ def test_a_live_limit_wins_over_the_callers_and_lowering_it_evicts_nobody(
     sem: Semaphore = make_semaphore(limit=2, lease=30.0)
     held = [sem.acquire("k"), sem.acquire("k")]
     assert sem.acquire("k") is None
-    assert sem.set_limit("k", 3, by="ops") is None
+    assert sem.admin.set_limit("k", 3, by="ops") is None
     third = sem.acquire("k")
     assert third is not None
     assert third.limit == 3
@@ -38,7 +39,7 @@ def test_a_live_limit_wins_over_the_callers_and_lowering_it_evicts_nobody(
     assert live is not None
     assert (live.limit, live.by) == (3, "ops")
     # Lowered below what is held: every holder keeps its slot, nobody new gets in.
-    assert sem.set_limit("k", 1) == 3
+    assert sem.admin.set_limit("k", 1) == 3
     assert sem.count("k") == 3
     assert sem.acquire("k", limit=10) is None  # the live limit wins over a caller's too
     assert all(s is not None and s.extend() for s in [*held, third])
@@ -48,7 +49,7 @@ def test_a_live_limit_wins_over_the_callers_and_lowering_it_evicts_nobody(
     assert sem.acquire("k") is not None
     assert sem.acquire("k") is None  # 1 of 1
     # Cleared: the callers' own limits apply again.
-    assert sem.set_limit("k", None) == 1
+    assert sem.admin.set_limit("k", None) == 1
     assert sem.admin.live_limit("k") is None
     assert sem.available("k") == 1
     assert sem.acquire("k") is not None
@@ -74,12 +75,12 @@ def test_raising_a_live_limit_hands_freed_slots_to_parked_waiters_in_the_same_ca
     sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
     holder = sem.acquire("k")
     for waiter in ("w1", "w2", "w3"):
-        sem.park("k", waiter, waiter.encode())
+        sem.room.park("k", waiter, waiter.encode())
     assert published.waiters == []
-    sem.set_limit("k", 3)
+    sem.admin.set_limit("k", 3)
     assert published.waiters == ["w1", "w2"]  # the oldest two, at once
     assert sem.count("k") == 3  # the holder and two reservations
-    assert [w.waiter for w in sem.admin.room("k")] == ["w3"]
+    assert [w.waiter for w in sem.room.waiters("k")] == ["w3"]
     # A release hands out by the live limit too: the freed slot goes to w3.
     assert holder is not None
     assert holder.release()
@@ -94,7 +95,7 @@ def test_raising_a_live_limit_wakes_a_caller_waiting_for_a_slot(make_semaphore: 
     waiter.start()
     blocked = redis_keys(sem.prefix, "k").blocked
     assert wait_for(lambda: sem.client.zcard(blocked) == 1, timeout=10)
-    sem.set_limit("k", 2)
+    sem.admin.set_limit("k", 2)
     waiter.join(timeout=20)  # the wait is 30 s: a slot well before it came from the wake-up
     assert not waiter.is_alive()
     assert got
@@ -111,7 +112,7 @@ def test_a_weight_above_a_lowered_live_limit_is_refused_and_a_raise_wakes_its_wa
     """The model test found it: with nobody holding the key, a weight that no longer fits
     its live limit got a reply with no soonest expiry, which the client could not read."""
     sem: Semaphore = make_semaphore(limit=3)
-    sem.set_limit("k", 1)
+    sem.admin.set_limit("k", 1)
     assert sem.acquire("k", weight=2) is None
     assert sem.acquire_many([("k", 3, 2), ("other", 3)]) is None
     assert sem.count("other") == 0  # all or nothing
@@ -121,7 +122,7 @@ def test_a_weight_above_a_lowered_live_limit_is_refused_and_a_raise_wakes_its_wa
     waiter.start()
     blocked = redis_keys(sem.prefix, "k").blocked
     assert wait_for(lambda: sem.client.zcard(blocked) == 1, timeout=10)
-    sem.set_limit("k", 2)  # room for the weight: the waiter wakes and takes it
+    sem.admin.set_limit("k", 2)  # room for the weight: the waiter wakes and takes it
     waiter.join(timeout=20)
     assert not waiter.is_alive()
     assert got[0] is not None
@@ -139,11 +140,11 @@ def test_a_weight_above_a_lowered_live_limit_is_refused_and_a_raise_wakes_its_wa
         lambda sem: sem.acquire("k", limit="2"),
         lambda sem: sem.acquire("k", limit=True),
         lambda sem: sem.hold("k", limit=2**31).__enter__(),
-        lambda sem: sem.park("k", "w", b"", limit=-1),
-        lambda sem: sem.set_limit("k", 0),
-        lambda sem: sem.set_limit("k", 2.5),
-        lambda sem: sem.set_limit("", 2),
-        lambda sem: sem.set_limit("k", 2, by=""),
+        lambda sem: sem.room.park("k", "w", b"", limit=-1),
+        lambda sem: sem.admin.set_limit("k", 0),
+        lambda sem: sem.admin.set_limit("k", 2.5),
+        lambda sem: sem.admin.set_limit("", 2),
+        lambda sem: sem.admin.set_limit("k", 2, by=""),
         lambda sem: sem.admin.live_limit(""),
     ],
 )
@@ -163,7 +164,7 @@ def test_the_async_semaphore_takes_per_call_and_live_limits(redis_server: RedisS
             first = await sem.acquire("k", limit=2)
             second = await sem.acquire("k", limit=2)
             refused = await sem.acquire("k", limit=2)
-            Semaphore(redis_server.url, limit=1).set_limit("k", 3)
+            Semaphore(redis_server.url, limit=1).admin.set_limit("k", 3)
             third = await sem.acquire("k")
             assert refused is None
             assert first
@@ -193,6 +194,10 @@ def test_set_limit_and_status_from_the_command_line(redis_server: RedisServer) -
     assert "Live limit of 'openai' set to 30 (was none)." in done.output
     status = run("status", "openai")
     assert "openai  no slot held, limit 30 (live limit 30, set by " in status.output
+    # When: ISO 8601 with the UTC offset, so operators in several time zones agree.
+    assert re.search(r" at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d\)", status.output), (
+        status.output
+    )
     [shown] = views(redis.Redis.from_url(redis_server.url), ["openai"])
     assert shown.live is not None
     assert " pid " in shown.live.by
@@ -214,7 +219,7 @@ def test_an_int_subclass_limit_is_sent_as_a_number(make_semaphore: Any) -> None:
     first = sem.acquire("k", limit=Plan.TEAM, weight=Plan.TEAM)
     assert first is not None
     assert first.limit == 4
-    sem.set_limit("k", Plan.TEAM)
+    sem.admin.set_limit("k", Plan.TEAM)
     live = sem.admin.live_limit("k")
     assert live is not None
     assert live.limit == 4
@@ -229,14 +234,14 @@ def test_the_room_follows_the_limit_its_latest_caller_gave(
     parked = redis_keys(sem.prefix, "k").parked
     held = [sem.acquire("k", limit=4) for _ in range(4)]
     for n in range(1, 4):
-        sem.park("k", f"w{n}", b"", limit=4)
+        sem.room.park("k", f"w{n}", b"", limit=4)
     assert client.hget(parked, "!limit") == b"4"
     assert held[0] is not None
     held[0].release()  # hands the slot to w1
-    claimed = sem.claim("k", "w1", limit=2)  # w1's run computes 2 now
+    claimed = sem.room.claim("k", "w1", limit=2)  # w1's run computes 2 now
     assert isinstance(claimed, Slot)
     assert client.hget(parked, "!limit") == b"2"
     assert held[1] is not None
     held[1].release()
     assert sem.count("k") == 3  # nobody evicted, and no hand-off while 3 of 2 are held
-    assert [w.waiter for w in sem.admin.room("k")] == ["w2", "w3"]
+    assert [w.waiter for w in sem.room.waiters("k")] == ["w2", "w3"]

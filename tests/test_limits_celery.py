@@ -158,7 +158,7 @@ def test_a_live_limit_raised_from_the_command_line_starts_parked_runs_at_once(
         first = task.delay(0)
         assert wait_for(lambda: sem.count("live") == 1, timeout=30)
         results = [first, *(task.delay(n) for n in range(1, 6))]
-        assert wait_for(lambda: len(sem.admin.room("live")) == 5, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("live")) == 5, timeout=30)
         raised_at = time.monotonic()
         ctx = type("Ctx", (), {"app": data_app})()
         out = CliRunner().invoke(semaphore_cli, ["set-limit", "live", "3"], obj=ctx)
@@ -223,14 +223,14 @@ def test_a_handed_off_run_whose_limit_fails_leaves_the_room_and_passes_its_slot_
         first = task.delay(0)
         assert wait_for(lambda: sem.count("flaky") == 1, timeout=30)
         failing, last = task.delay(1), task.delay(2)
-        assert wait_for(lambda: len(sem.admin.room("flaky")) == 2, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("flaky")) == 2, timeout=30)
         client.set(FAIL, 1)
         client.set(GATE, 1)  # the first ends: its slot goes to the failing run
         assert last.get(timeout=20) == 2  # well before the 30 s claim timeout
         with pytest.raises(SemaphoreValidationError, match="'flaky'"):
             failing.get(timeout=20)
         assert first.get(timeout=20) == 0
-        assert wait_for(lambda: sem.count("flaky") == 0 and not sem.admin.room("flaky"), 10)
+        assert wait_for(lambda: sem.count("flaky") == 0 and not sem.room.waiters("flaky"), 10)
     History.load(client, BODIES).assert_ok({"flaky": 1}, tasks=[first.id, last.id])
 
 

@@ -1,5 +1,5 @@
-"""Several keys per run on a real Redis: all taken in one call or none, never one held while
-waiting for another; the waiting room moves a run to the key that blocks it; Celery tasks
+"""Several keys per run on a real Redis: all taken in one call or none; a waiting run keeps a
+key only while nothing but capacity stands in its way elsewhere; Celery tasks
 bounded at two levels at once stay under both, judged from the bodies' own records; on Redis
 Cluster the keys must share a hash tag."""
 
@@ -20,7 +20,8 @@ from celery_semaphore import (
     current_slot,
 )
 from celery_semaphore.core.group import SlotGroup
-from celery_semaphore.core.scripts import Parked, redis_keys
+from celery_semaphore.core.names import redis_keys
+from celery_semaphore.core.replies import Parked
 from celery_semaphore.testing import RedisServer
 
 from . import history
@@ -44,8 +45,8 @@ def test_all_keys_or_none_in_one_call(make_semaphore: Any, client: redis.Redis) 
     assert second is not None
     assert sem.count("provider") == 2
     # A run shows under every key it holds.
-    assert [h.token for h in sem.holders("tenant:a")] == [first.token]
-    assert first.token in {h.token for h in sem.holders("provider")}
+    assert [h.token for h in sem.admin.holders("tenant:a")] == [first.token]
+    assert first.token in {h.token for h in sem.admin.holders("provider")}
     assert first.release()
     assert second.release()
     assert client.keys("semaphore:*") == []
@@ -62,39 +63,41 @@ def test_bad_key_lists_are_refused_before_anything_is_written(
     with pytest.raises(SemaphoreValidationError):
         sem.acquire_many(keys)
     with pytest.raises(SemaphoreValidationError):
-        sem.park_many(keys, "w", b"")
+        sem.room.park_many(keys, "w", b"")
     assert client.dbsize() == 0
 
 
-def test_a_waiting_run_holds_no_slot_while_another_key_blocks_it(
+def test_a_waiting_run_keeps_a_key_only_once_nothing_but_capacity_is_in_its_way(
     redis_server: RedisServer,
 ) -> None:
     published = Published()
     sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
     a_keys, c_keys = [("provider", 2), ("tenant:a", 1)], [("provider", 2), ("tenant:c", 1)]
-    first = sem.park_many(a_keys, "r1", b"1")
+    first = sem.room.park_many(a_keys, "r1", b"1")
     assert isinstance(first, SlotGroup)
-    waiting = sem.park_many(a_keys, "r2", b"2")  # tenant:a is full
+    waiting = sem.room.park_many(a_keys, "r2", b"2")  # tenant:a is full
     assert isinstance(waiting, Parked)
     assert waiting.index == 2
-    assert sem.count("provider") == 1  # r2 holds no provider slot while it waits
-    other = sem.park_many([("provider", 2), ("tenant:b", 1)], "r3", b"3")
+    # It gave back the provider's unit: kept, it would idle while tenant:a is busy.
+    assert sem.count("provider") == 1
+    other = sem.room.park_many([("provider", 2), ("tenant:b", 1)], "r3", b"3")
     assert isinstance(other, SlotGroup)
-    blocked = sem.park_many(c_keys, "r4", b"4")  # the provider is full now
+    blocked = sem.room.park_many(c_keys, "r4", b"4")  # the provider is full now
     assert isinstance(blocked, Parked)
     assert blocked.index == 1
-    assert first.release()  # provider -> r4, tenant:a -> r2
-    assert published.waiters == ["r4", "r2"]
-    # r2's claim finds the provider reserved for r4: it waits there, and gives back tenant:a.
-    moved = sem.claim_many(a_keys, "r2")
-    assert isinstance(moved, Parked)
-    assert moved.index == 1
-    assert sem.count("tenant:a") == 0
-    started = sem.claim_many(c_keys, "r4")
+    assert sem.count("tenant:c") == 0
+    assert first.release()  # provider -> r4 (tenant:c is free); tenant:a -> r2, kept
+    assert published.waiters == ["r4"]  # r2 is handed off only once it holds both
+    assert sem.count("tenant:a") == 1
+    [kept] = sem.admin.holders("tenant:a")
+    assert kept.metadata["reserved_for"] == "r2"
+    assert kept.metadata["waiting"] is True
+    assert [w.waiter for w in sem.room.waiters("provider")] == ["r2"]  # next there
+    started = sem.room.claim_many(c_keys, "r4")
     assert isinstance(started, SlotGroup)
-    assert started.release()  # provider -> r2 (at the head), which now takes both keys
-    assert published.waiters[-1] == "r2"
-    again = sem.claim_many(a_keys, "r2")
+    assert started.release()  # the provider's unit goes to r2, which now holds both
+    assert published.waiters == ["r4", "r2"]
+    again = sem.room.claim_many(a_keys, "r2")
     assert isinstance(again, SlotGroup)
     assert again.release()
     assert other.release()
@@ -147,13 +150,13 @@ def test_a_task_gives_each_key_its_limit_in_the_list(app: Celery) -> None:
 
 def test_on_a_cluster_the_keys_must_share_a_hash_tag(cluster: ClusterServers) -> None:
     sem = Semaphore(cluster.url, limit=1)
-    with pytest.raises(SemaphoreValidationError, match="different Redis Cluster slots"):
+    with pytest.raises(SemaphoreValidationError, match="different Redis Cluster shards"):
         sem.acquire_many([("openai", 20), ("tenant:acme", 2)])
     group = sem.acquire_many([("{llm}openai", 20), ("{llm}tenant:acme", 2)])
     assert group is not None
     assert sem.count("{llm}openai") == 1
     assert group.release()
-    parked = sem.park_many([("{llm}openai", 20), ("{llm}tenant:acme", 2)], "w", b"")
+    parked = sem.room.park_many([("{llm}openai", 20), ("{llm}tenant:acme", 2)], "w", b"")
     assert isinstance(parked, SlotGroup)
     assert parked.release()
     sem.client.close()
@@ -202,7 +205,7 @@ def test_live_limits_and_weights_on_a_cluster(cluster: ClusterServers) -> None:
     heavy = sem.acquire("{gpu}node-1", weight=3)
     assert heavy is not None
     assert sem.acquire("{gpu}node-1", weight=2) is None
-    sem.set_limit("{gpu}node-1", 5)
+    sem.admin.set_limit("{gpu}node-1", 5)
     light = sem.acquire("{gpu}node-1", weight=2)
     assert light is not None
     assert light.limit == 5
@@ -212,7 +215,7 @@ def test_live_limits_and_weights_on_a_cluster(cluster: ClusterServers) -> None:
     assert live.limit == 5
     assert heavy.release()
     assert light.release()
-    assert sem.set_limit("{gpu}node-1", None) == 5
+    assert sem.admin.set_limit("{gpu}node-1", None) == 5
     sem.client.close()
 
 
@@ -224,13 +227,13 @@ def test_a_run_that_moves_rooms_keeps_its_give_up_time(
     keys = [("provider", 1), ("tenant:a", 1)]
     tenant = sem.acquire("tenant:a")
     deadline = time.time() + 600
-    parked = sem.park_many(keys, "r1", b"1", deadline=deadline)
+    parked = sem.room.park_many(keys, "r1", b"1", deadline=deadline)
     assert isinstance(parked, Parked)
     assert parked.index == 2
     provider = sem.acquire("provider")  # now the provider blocks r1 too
     assert tenant is not None
     assert tenant.release()  # tenant:a hands its slot to r1
-    moved = sem.claim_many(keys, "r1")
+    moved = sem.room.claim_many(keys, "r1")
     assert isinstance(moved, Parked)
     assert moved.index == 1
     give_up = client.zscore(redis_keys(sem.prefix, "provider").deadlines, "r1")
@@ -246,12 +249,12 @@ def test_fair_turns_and_a_raised_live_limit_hand_off_on_a_cluster(cluster: Clust
     held = sem.acquire("{llm}openai")
     assert held is not None
     for n in range(3):
-        assert isinstance(sem.park("{llm}openai", f"a-{n}", b"", group="tenant:a"), Parked)
-    assert isinstance(sem.park("{llm}openai", "b-0", b"", group="tenant:b"), Parked)
-    sem.set_limit("{llm}openai", 3)  # two slots freed: the head, then the other tenant's turn
+        assert isinstance(sem.room.park("{llm}openai", f"a-{n}", b"", tenant="tenant:a"), Parked)
+    assert isinstance(sem.room.park("{llm}openai", "b-0", b"", tenant="tenant:b"), Parked)
+    sem.admin.set_limit("{llm}openai", 3)  # two slots freed: the head, then the other tenant's turn
     assert published.waiters == ["a-0", "b-0"]
-    assert [w.waiter for w in sem.admin.room("{llm}openai")] == ["a-1", "a-2"]
+    assert [w.waiter for w in sem.room.waiters("{llm}openai")] == ["a-1", "a-2"]
     assert held.release()
     assert published.waiters == ["a-0", "b-0", "a-1"]
-    sem.set_limit("{llm}openai", None)
+    sem.admin.set_limit("{llm}openai", None)
     sem.client.close()

@@ -6,13 +6,17 @@ Rules: acquire (two keys with their own limits of 1-3, leases of 0.25 s or 20 s,
 keys at once (``acquire_many``, a weight on each, in either order), extend, release; an
 operator's live limit set to 1, 2 or 4, or cleared; an operator's force-release of one slot,
 of a waiter's reservation, or of a whole key; a burst of new waiters parks (with or without
-``max_queued``), one parks again, claims (with a delivery id, maybe one that claimed
-before), is cancelled; a sweep; time passes a little, or until short leases and reservations
+``max_queued``), or a burst of waiters of both keys (``park_many``, a weight of 1 or 2 on
+each), one parks again, claims (``claim_many`` for one of both keys; with a delivery id, maybe
+one that claimed before), is cancelled (one of both keys with either key); a sweep; time
+passes a little, or until short leases and reservations
 (claim timeouts of 0.3 s or 20 s) have surely lapsed. Each key's hand-off grace is 0 (strict
 arrival order) or 0.3 s. Faults: the server frozen with SIGSTOP while one or two calls are
 made (each must fail with ``SemaphoreBackendError`` within the client's 0.3 s socket
 timeout; the server may still run them when it wakes), and a restart without persistence
-(everything gone); at most one fault per 10 steps.
+(everything gone); at most one fault per 10 steps. Before the next step, the process puts
+right the calls that got no answer (core/recovery.py), and the model is told what that
+published.
 
 The model reasons with time windows: a slot is surely held only until ``sent + lease -
 MARGIN`` and surely gone only after ``received + lease + MARGIN`` (MARGIN 0.35 s), and
@@ -36,11 +40,18 @@ is); a claim is told "again" exactly when its delivery claimed before; nobody is
 waiter that waits is in the parked hash, and the room, read with ``SemaphoreAdmin.room``,
 holds every surely-parked waiter, in arrival order; after a sweep, every waiter whose
 reservation lapsed is back in the room); every key in Redis has a TTL, and a key's slots and
-holders outlive its live leases.
+holders outlive its live leases. A waiter of both keys (issue 22): while it waits, what it
+holds of each key is "maybe" (the rooms reserve, keep and give back its units unseen); it is
+handed off, or takes its slots, only holding every key, so never while an older waiter has
+been in one of its rooms since before it parked; when handed off, both keys list its
+reservation; a claim while they are surely live takes both; a cancel with either key takes it
+out of every room; it is in the parked hash of each key while it waits, and in the order of
+one room at least (or reserved, or about to be put back by a sweep): never passive in every
+room.
 
 Run it:
 
-    .venv/bin/pytest tests/test_model.py -q           # CI profile: fixed examples, under a minute
+    .venv/bin/pytest tests/test_model.py -q           # CI profile: fixed examples, about a minute
     CELERY_SEMAPHORE_MODEL=deep .venv/bin/pytest tests/test_model.py -q -k random
                                                        # 400 random examples, about 10 minutes
 
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -73,9 +85,11 @@ from hypothesis.stateful import (
 )
 
 from celery_semaphore import Semaphore, SemaphoreBackendError, SemaphoreValidationError, Slot
+from celery_semaphore.core import recovery
 from celery_semaphore.core.admin import SemaphoreAdmin
 from celery_semaphore.core.group import SlotGroup
-from celery_semaphore.core.scripts import Handoff, NotWaiting, Parked, RoomFull, redis_keys
+from celery_semaphore.core.names import Keys, Namespace, redis_keys
+from celery_semaphore.core.replies import Handoff, NotWaiting, Parked, RoomFull
 from celery_semaphore.testing import RedisServer
 
 from .model import Call, Holding, Model, Outcome, State, Waiter
@@ -122,6 +136,20 @@ settings.register_profile(
 DEEP = os.environ.get("CELERY_SEMAPHORE_MODEL", "") == "deep"
 
 
+class GatherFailures(logging.Handler):
+    """Counts the gathers that got no answer (logged by the hand-off route): the waiter of
+    several keys it was for may then sit reserved, out of every room's order, until its
+    reservation lapses, which the model must know."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "could not gather" in str(record.msg):
+            self.count += 1
+
+
 class Published:
     """The semaphores' ``on_handoff``: collects what each call hands off."""
 
@@ -148,7 +176,7 @@ class Published:
 
 
 def outcome_of(result: object) -> Outcome:
-    if isinstance(result, Slot):
+    if isinstance(result, (Slot, SlotGroup)):
         return Outcome("slot", token=result.token)
     if isinstance(result, Parked):
         return Outcome("parked", position=result.position)
@@ -169,6 +197,10 @@ def count(what: str) -> None:
     """Hypothesis's ``event``: how often something happened, in ``--hypothesis-show-statistics``."""
     with contextlib.suppress(InvalidArgument):
         event(what)
+
+
+def text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def timed_out(exc: BaseException) -> bool:
@@ -197,6 +229,13 @@ class SemaphoreMachine(RuleBasedStateMachine):
         self.parks = 0
         self.steps = 0
         self.last_fault = 0
+        self.gathers = GatherFailures()
+        for name in ("celery_semaphore.core.handoff", "celery_semaphore.asyncio.slot"):
+            logging.getLogger(name).addHandler(self.gathers)
+        # Lost calls are put right before the next step (see _settle): soon after the server
+        # wakes, not up to seconds later.
+        self.backoff = recovery.FIRST_TRY, recovery.MAX_BACKOFF
+        recovery.FIRST_TRY, recovery.MAX_BACKOFF = 0.05, 0.1
 
     @initialize(
         limits=st.tuples(st.integers(1, 3), st.integers(1, 3)),
@@ -225,6 +264,9 @@ class SemaphoreMachine(RuleBasedStateMachine):
         if self.paused:
             self.server.resume()
         self.client.close()
+        for name in ("celery_semaphore.core.handoff", "celery_semaphore.asyncio.slot"):
+            logging.getLogger(name).removeHandler(self.gathers)
+        recovery.FIRST_TRY, recovery.MAX_BACKOFF = self.backoff
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -232,6 +274,7 @@ class SemaphoreMachine(RuleBasedStateMachine):
         """Call ``fn``: its timing, its answer, and whether it got one. A timeout on a busy
         machine is a call with no answer, as when the server is frozen."""
         sent = time.monotonic()
+        failed = self.gathers.count
         try:
             value = fn()
         except SemaphoreBackendError as exc:
@@ -239,6 +282,10 @@ class SemaphoreMachine(RuleBasedStateMachine):
                 raise
             count("a call timed out with the server running")
             return Call(sent, time.monotonic()), None, False
+        finally:
+            if self.gathers.count != failed:
+                count("a gather timed out")
+                self.model.blur_many()
         return Call(sent, time.monotonic()), value, True
 
     def _lost(self, op: str, call: Call, **kw: object) -> None:
@@ -247,7 +294,8 @@ class SemaphoreMachine(RuleBasedStateMachine):
         self._settle()
 
     def _settle(self) -> None:
-        """Wait until the server answers again, and tell the model."""
+        """Wait until the server answers again and this process has put right the calls that
+        got no answer (core/recovery.py), and tell the model, with what that published."""
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -256,7 +304,15 @@ class SemaphoreMachine(RuleBasedStateMachine):
             except redis.RedisError:
                 assert time.monotonic() < deadline, "the server did not answer for 30 s"
                 time.sleep(0.05)
-        self.model.settle(time.monotonic())
+        while not recovery.idle():
+            assert time.monotonic() < deadline, "lost calls were not put right within 30 s"
+            time.sleep(0.05)
+        at = time.monotonic()
+        self.model.settle(at)
+        recovered = [h for handed in self.published.take_all().values() for h in handed]
+        if recovered:
+            say(f"the recovery of calls with no answer published {recovered}")
+            self.model.recovered(recovered, at)
 
     def _arrival(self) -> float:
         self.last_arrival = max(time.time(), self.last_arrival + 0.002)
@@ -347,10 +403,14 @@ class SemaphoreMachine(RuleBasedStateMachine):
     @rule(key=keys, limit=st.sampled_from((None, 1, 2, 4)))
     def set_limit(self, key: str, limit: int | None) -> None:
         """An operator sets (or clears) the key's live limit: a raise hands out slots."""
-        call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
+        call, _, answered = self._run(
+            lambda: self.sems[key].admin.set_limit(key, limit, by="model")
+        )
         if not answered:  # it may have handed off unpublished: send it again, which lands
             self._lost("set_limit", call, key=key)
-            call, _, answered = self._run(lambda: self.sems[key].set_limit(key, limit, by="model"))
+            call, _, answered = self._run(
+                lambda: self.sems[key].admin.set_limit(key, limit, by="model")
+            )
             assert answered, "set_limit timed out twice on a running server"
         handoffs = self.published.take(key)
         say(f"set_limit {key!r} {limit} -> handed {handoffs}")
@@ -404,14 +464,15 @@ class SemaphoreMachine(RuleBasedStateMachine):
             assert displaced is not None
             return self.model.force_release_all(key, call, displaced)
         if what == "reservation" and w is not None:
+            key = KEYS[pick % len(KEYS)] if w.many else w.key
             call, answer, answered = self._run(
-                lambda: self.operator.force_release(w.key, f"~{w.name}")
+                lambda: self.operator.force_release(key, f"~{w.name}")
             )
             if not answered:
-                return self._lost("force_release", call, key=w.key, waiter=w)
-            say(f"force_release of the reservation of {w} -> {answer}")
+                return self._lost("force_release", call, key=key, waiter=w)
+            say(f"force_release of the reservation of {w} on {key!r} -> {answer}")
             assert answer is not None
-            return self.model.force_release_reservation(w.name, call, answer)
+            return self.model.force_release_reservation(w.name, call, answer, key)
         if h is None:
             return
         call, answer, answered = self._run(lambda: self.operator.force_release(h.key, h.token))
@@ -431,7 +492,7 @@ class SemaphoreMachine(RuleBasedStateMachine):
         # with no room, a free slot is first taken without it (park.lua's take mode).
         given: bytes | Callable[[], bytes] = (lambda: payload) if lazy else payload
         call, result, answered = self._run(
-            lambda: self.sems[key].park(
+            lambda: self.sems[key].room.park(
                 key, name, given, arrival=arrival, lease=lease, max_queued=max_queued
             )
         )
@@ -466,13 +527,66 @@ class SemaphoreMachine(RuleBasedStateMachine):
             self.parks += 1
             self._park(key, name, lease, max_queued, f"{name}/0".encode(), lazy)
 
+    def _many(self, needs: dict[str, int]) -> list[tuple[str, int, int]]:
+        return [(key, self.sems[key].limit, weight) for key, weight in needs.items()]
+
+    def _park_many(self, name: str, needs: dict[str, int], lease: float, payload: bytes) -> None:
+        specs = self._many(needs)
+        sem = self.sems[KEYS[0]]  # what this call reserves lives for its claim timeout
+        if any(weight > limit for _, limit, weight in specs):
+            refused = functools.partial(sem.room.park_many, specs, name, payload)
+            return self._refused(f"park_many {specs}", refused)
+        arrival = self._arrival()
+        call, result, answered = self._run(
+            lambda: sem.room.park_many(specs, name, payload, arrival=arrival, lease=lease)
+        )
+        old = self.model.waiters.get(name)
+        if not answered:
+            if old is not None and old.state is not State.DONE:
+                old.payloads.add(payload)
+                waiter = old
+            else:
+                waiter = Waiter(name, KEYS[0], arrival, {payload}, State.UNSURE, needs=needs,
+                                since=call.sent)  # fmt: skip
+                waiter.unknown_holds(self.model.limits)
+            return self._lost("park", call, key=KEYS[0], waiter=waiter, lease=lease)
+        handoffs = self.published.take("+".join(needs))
+        outcome = outcome_of(result)
+        say(f"park_many {name} on {needs} -> {outcome}, handed {handoffs}")
+        held = self.model.park_many(name, needs, payload, arrival, lease, call, outcome,
+                                    handoffs, KEYS[0])  # fmt: skip
+        self._keep_group(held, result)
+
+    def _keep_group(self, held: list[Holding] | None, result: object) -> None:
+        if held:
+            assert isinstance(result, SlotGroup)
+            for h, slot in zip(held, result.slots, strict=True):
+                self.slots[h.name] = slot
+                self.groups[h.name] = result
+
+    @rule(
+        runs=st.integers(1, 2),
+        weights=st.tuples(st.sampled_from((1, 1, 2)), st.sampled_from((1, 1, 2))),
+        lease=st.sampled_from(LEASES),
+    )
+    def park_many(self, runs: int, weights: tuple[int, int], lease: float) -> None:
+        """A burst of ``runs`` new waiters of both keys parks (park_many), one call each."""
+        for _ in range(runs):
+            name = f"w{self.parks}"
+            self.parks += 1
+            self._park_many(name, dict(zip(KEYS, weights, strict=True)), lease,
+                            f"{name}/0".encode())  # fmt: skip
+
     @rule(pick=st.integers(0, 63), lease=st.sampled_from(LEASES), lazy=st.booleans())
     def park_again(self, pick: int, lease: float, lazy: bool = False) -> None:
         w = self._pick_waiter(pick, sure=True)
         if w is None:
             return
         self.parks += 1
-        self._park(w.key, w.name, lease, 0, f"{w.name}/{self.parks}".encode(), lazy)
+        payload = f"{w.name}/{self.parks}".encode()
+        if w.many:
+            return self._park_many(w.name, w.needs, lease, payload)
+        self._park(w.key, w.name, lease, 0, payload, lazy)
 
     @rule(
         pick=st.integers(0, 63),
@@ -485,8 +599,10 @@ class SemaphoreMachine(RuleBasedStateMachine):
         w = self._pick_waiter(pick)
         if w is None:
             return
+        if w.many:
+            return self._claim_many(w, lease, delivery)
         call, result, answered = self._run(
-            lambda: self.sems[w.key].claim(w.key, w.name, lease=lease, delivery=delivery)
+            lambda: self.sems[w.key].room.claim(w.key, w.name, lease=lease, delivery=delivery)
         )
         if not answered:
             return self._lost("claim", call, key=w.key, waiter=w, lease=lease, delivery=delivery)
@@ -498,22 +614,36 @@ class SemaphoreMachine(RuleBasedStateMachine):
             assert isinstance(result, Slot)
             self.slots[h.name] = result
 
+    def _claim_many(self, w: Waiter, lease: float, delivery: str) -> None:
+        room = self.sems[w.key].room
+        call, result, answered = self._run(
+            lambda: room.claim_many(self._many(w.needs), w.name, lease=lease, delivery=delivery)
+        )
+        if not answered:
+            return self._lost("claim", call, key=w.key, waiter=w, lease=lease, delivery=delivery)
+        handoffs = self.published.take("+".join(w.needs))
+        outcome = outcome_of(result)
+        say(f"claim_many {w} by {delivery!r} -> {outcome}, handed {handoffs}")
+        held = self.model.claim_many(w.name, call, lease, outcome, handoffs, w.key, delivery)
+        self._keep_group(held, result)
+
     @rule(pick=st.integers(0, 63))
     def cancel(self, pick: int) -> None:
         w = self._pick_waiter(pick)
         if w is None:
             return
-        call, found, answered = self._run(lambda: self.sems[w.key].admin.cancel(w.key, w.name))
+        key = KEYS[pick % len(KEYS)] if w.many else w.key  # either of its keys takes it out
+        call, found, answered = self._run(lambda: self.sems[key].room.cancel(key, w.name))
         if not answered:
-            return self._lost("cancel", call, key=w.key, waiter=w)
-        handoffs = self.published.take(w.key)
-        say(f"cancel {w} -> {found}, handed {handoffs}")
+            return self._lost("cancel", call, key=key, waiter=w)
+        handoffs = self.published.take(key)
+        say(f"cancel {w} on {key!r} -> {found}, handed {handoffs}")
         assert found is not None
-        self.model.cancel(w.name, call, found, handoffs)
+        self.model.cancel(w.name, call, found, handoffs, key)
 
     @rule(key=keys)
     def sweep(self, key: str) -> None:
-        call, handed, answered = self._run(lambda: self.sems[key].admin.sweep(key))
+        call, handed, answered = self._run(lambda: self.sems[key].room.sweep(key))
         if not answered:
             return self._lost("sweep", call, key=key)
         handoffs = self.published.take(key)
@@ -558,14 +688,16 @@ class SemaphoreMachine(RuleBasedStateMachine):
                 op, fn = "count", lambda: sem.count(key)
         elif op in ("claim", "cancel") and w is not None:
             kw.update(key=w.key, waiter=w)
-            room = self.sems[w.key]
+            room = self.sems[w.key].room
             fn = (
                 (lambda: room.claim(w.key, w.name, lease=lease))
                 if op == "claim"
-                else (lambda: room.admin.cancel(w.key, w.name))
+                else (lambda: room.cancel(w.key, w.name))
             )
+            if op == "claim" and w.many:
+                fn = lambda: room.claim_many(self._many(w.needs), w.name, lease=lease)  # noqa: E731
         elif op == "sweep":
-            fn = lambda: sem.admin.sweep(key)  # noqa: E731
+            fn = lambda: sem.room.sweep(key)  # noqa: E731
         elif op == "acquire_many":
             specs = [(k, self.sems[k].limit, 1) for k in KEYS]
             fn = lambda: sem.acquire_many(specs, lease=lease)  # noqa: E731
@@ -672,7 +804,7 @@ class SemaphoreMachine(RuleBasedStateMachine):
     @invariant()
     def holders_agree(self) -> None:
         for key, sem in self.sems.items():
-            read = self._read(functools.partial(sem.holders, key))
+            read = self._read(functools.partial(sem.admin.holders, key))
             if read is not None:
                 call, holders = read
                 rows = [(h.token, str(h.metadata.get("reserved_for", ""))) for h in holders]
@@ -680,22 +812,47 @@ class SemaphoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def nobody_is_lost(self) -> None:
+        rooms: dict[str, list[str]] = {}
+        reserved: dict[str, set[str]] = {}
+        passive: dict[str, set[str]] = {}
         for key, sem in self.sems.items():
-            parked_key = redis_keys(PREFIX, key).parked
+            names = redis_keys(PREFIX, key)
 
             def look(
-                sem: Semaphore = sem, key: str = key, parked_key: str = parked_key
-            ) -> tuple[list[str], set[str]]:
-                room = [w.waiter for w in sem.admin.room(key)]
-                fields = {
-                    f.decode() if isinstance(f, bytes) else f for f in self.client.hkeys(parked_key)
-                }
-                return room, fields - {"!limit"}
+                sem: Semaphore = sem, key: str = key, names: Keys = names
+            ) -> tuple[list[str], set[str], set[str]]:
+                room = [w.waiter for w in sem.room.waiters(key)]
+                fields = {text(f) for f in self.client.hkeys(names.parked)}
+                members = {text(m) for m in self.client.zrange(names.slots, 0, -1)}
+                return room, fields, {m[1:] for m in members if m.startswith("~")}
 
             read = self._read(look)
-            if read is not None:
-                call, (room, parked) = read
-                self.model.observe_room(key, call, room, parked)
+            if read is None:
+                return
+            call, (room, fields, held) = read
+            parked = {f for f in fields if not f.startswith("!")}
+            self.model.observe_room(key, call, room, parked)
+            rooms[key], reserved[key] = room, held
+            passive[key] = {f[3:] for f in fields if f.startswith("!p:")}
+        self.model.observe_orders(call, rooms, reserved, passive)
+
+    @invariant()
+    def rooms_are_due_in_time(self) -> None:
+        """The room index never scores a room later than the first reservation lapse or
+        deadline in it: whatever made it (a park, a release's hand-off, a cancel, a sweep, a
+        force release), the room's sweep comes no later (see sweep.lua's next_ms)."""
+        index = Namespace(PREFIX, False).room_index
+        for key in KEYS:
+            deadlines = redis_keys(PREFIX, key).deadlines
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.zscore(index, key)
+                pipe.zrange(deadlines, 0, 0, withscores=True)
+                score, first = pipe.execute()
+            if score is not None and first:
+                assert score <= first[0][1], (
+                    f"room {key!r} is due for a sweep at {score:.0f}, after its first due "
+                    f"item {text(first[0][0])!r} at {first[0][1]:.0f}"
+                )
 
     @invariant()
     def every_key_expires(self) -> None:
@@ -990,6 +1147,53 @@ def test_schedule_force_release_all_counts_holders_not_units(
     d.step("force_release", pick=d.pick("s1"), what="key")  # s1 is b's slot, weight 2
 
 
+def test_schedule_a_waiter_of_both_keys_keeps_its_turn_and_is_handed_off_holding_both(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 1))
+    d.step("acquire", key="a", lease=20.0)  # s0
+    d.step("acquire", key="b", lease=20.0)  # s1
+    d.step("park", key="a", runs=1, lease=20.0, max_queued=0)  # w0 waits for a
+    d.step("park_many", runs=1, weights=(1, 1), lease=20.0)  # w1 for both, behind w0 on a
+    d.step("park", key="b", runs=1, lease=20.0, max_queued=0)  # w2 behind w1 on b
+    d.step("release", pick=d.pick("s1"))  # w1 lets b pass: w0 is ahead of it on a
+    assert (d.state("w1"), d.state("w2")) == (State.PARKED, State.RESERVED)
+    d.step("release", pick=d.pick("s0"))
+    d.step("claim", pick=d.pick("w0"), lease=20.0)
+    d.step("claim", pick=d.pick("w2"), lease=20.0)
+    d.step("release", pick=d.pick("s2"))  # w1 keeps a now, and b's next unit is its own
+    assert d.state("w1") is State.PARKED
+    d.step("park", key="b", runs=1, lease=20.0, max_queued=0)  # w3 behind w1 on b
+    d.step("release", pick=d.pick("s3"))  # gathered: w1 holds both, handed off once
+    assert (d.state("w1"), d.state("w3")) == (State.RESERVED, State.PARKED)
+    d.step("claim", pick=d.pick("w1"), lease=20.0, delivery="m1")
+    assert d.state("w1") is State.DONE
+    d.step("release", pick=d.pick("s4"))  # the group's slot of a, then of b: w3's turn
+    d.step("release", pick=d.pick("s5"))
+    assert d.state("w3") is State.RESERVED
+
+
+def test_schedule_a_waiter_of_both_keys_cancelled_or_lapsed_strands_nothing(
+    driven: Callable[..., Driven],
+) -> None:
+    d = driven(limits=(1, 1), claims=(0.3, 0.3))
+    d.step("acquire", key="a", lease=20.0)  # s0
+    d.step("acquire", key="b", lease=20.0)  # s1
+    d.step("park_many", runs=2, weights=(1, 1), lease=20.0)  # w0, w1
+    d.step("release", pick=d.pick("s0"))  # w0 lets a pass: w1 is no reason to hold it
+    d.step("release", pick=d.pick("s1"))  # w0 holds b; a's unit went to w1, which gives it back
+    d.step("cancel", pick=d.pick("w0"))  # out of both rooms; b goes on to w1
+    assert d.state("w0") is State.DONE
+    d.step("sweep", key="a")
+    d.step("sweep", key="b")
+    d.step("time_passes", wait="past the short leases")
+    d.step("sweep", key="a")  # whatever w1 was given lapses back into the rooms in order
+    d.step("sweep", key="b")
+    d.step("claim", pick=d.pick("w1"), lease=20.0)
+    d.step("acquire", key="a", lease=20.0)
+    d.step("acquire", key="b", lease=20.0)
+
+
 # -- bugs the model found -------------------------------------------------------------
 
 
@@ -1003,14 +1207,14 @@ def test_a_room_recreated_by_a_requeue_has_a_ttl(redis_server: RedisServer) -> N
     try:
         first = sem.acquire("k")
         assert first is not None
-        assert isinstance(sem.park("k", "w1", b"run w1"), Parked)
+        assert isinstance(sem.room.park("k", "w1", b"run w1"), Parked)
         assert first.release()  # w1's reservation; the room is empty, so Redis deletes it
         assert published.take("k") == [("w1", b"run w1")]
         time.sleep(0.4)  # the reservation lapses unclaimed
         assert sem.acquire("k") is not None  # prunes it without putting w1 back
-        assert sem.admin.sweep("k") == 0  # puts w1 back: the room exists again
+        assert sem.room.sweep("k") == 0  # puts w1 back: the room exists again
         room = redis_keys("semaphore", "k").room
-        assert [w.waiter for w in sem.admin.room("k")] == ["w1"]
+        assert [w.waiter for w in sem.room.waiters("k")] == ["w1"]
         assert client.pttl(room) > 0, f"{room} has no TTL: it outlives every run that used it"
     finally:
         client.close()

@@ -25,13 +25,13 @@ def test_every_script_runs_on_redis_6_2(redis62: RedisServer) -> None:
     assert slot is not None
     assert sem.acquire("k") is None
     assert sem.count("k") == 1
-    assert sem.holders("k")[0].metadata["task_id"] == "t"
+    assert sem.admin.holders("k")[0].metadata["task_id"] == "t"
     assert slot.extend() is True
     assert slot.release() is True
     assert sem.run("k", lambda s: s.key, heartbeat=0.5) == "k"
     other = sem.acquire("k")
     assert other is not None
-    assert sem.force_release_all("k") == 1
+    assert sem.admin.force_release_all("k") == 1
     assert other.extend() is False
 
 

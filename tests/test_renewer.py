@@ -40,7 +40,7 @@ def test_200_slots_share_one_renewer_and_only_the_force_released_one_is_lost(
         assert calls <= 25, f"{calls} EVALSHA calls for 200 slots over 2.5 s"
         assert not any(s.lost.is_set() for s in slots)
         victim = slots[57]
-        assert sem.force_release("k", victim.token)
+        assert sem.admin.force_release("k", victim.token)
         assert victim.lost.wait(10)
         assert "gone" in str(victim.lease_lost_error())
         time.sleep(1.0)  # two more ticks: nobody else may be reported lost

@@ -14,12 +14,11 @@ import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask
-from celery_semaphore.core.admin import SemaphoreAdmin
-from celery_semaphore.core.room import HandoffRoute
-from celery_semaphore.core.scripts import redis_keys
-from celery_semaphore.integration.handoff_queues import SUFFIX
-from celery_semaphore.integration.room import publisher_for
+from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask, WaitingRoom
+from celery_semaphore.core.handoff import HandoffRoute
+from celery_semaphore.core.names import redis_keys
+from celery_semaphore.integration.waiting_room.handoffs import publisher_for
+from celery_semaphore.integration.waiting_room.queues import SUFFIX
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
@@ -61,7 +60,7 @@ def test_a_backlog_runs_at_the_limit_in_arrival_order(
         for n in range(24):
             results.append(task.delay(n, 0.1))
             # Each run is parked before the next is sent, so arrival order is send order.
-            assert wait_for(lambda n=n: len(sem.admin.room("queued")) == n + 1, timeout=30)
+            assert wait_for(lambda n=n: len(sem.room.waiters("queued")) == n + 1, timeout=30)
         assert {r.state for r in results} == {"PENDING"}  # parked runs have not run yet
         started = time.monotonic()
         for slot in held:
@@ -73,7 +72,7 @@ def test_a_backlog_runs_at_the_limit_in_arrival_order(
     # either order, so the start order is compared by rank correlation.
     order = _ran(client, *(r.id for r in results))
     assert spearman(order) >= 0.95, order
-    assert sem.admin.room("queued") == []
+    assert sem.room.waiters("queued") == []
     assert sem.count("queued") == 0
     # 24 runs of 0.1 s on 3 slots take 0.8 s at best; countdown shedding took several times
     # that. A wide margin: this is a correctness test, the benchmark measures speed.
@@ -96,14 +95,14 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         doomed = task.delay(1, 0.0)
         kept = task.delay(2, 0.0)
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
         doomed.revoke()
         for slot in held:
             assert slot is not None
             slot.release()
         assert kept.get(timeout=60) == 2
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
-        assert wait_for(lambda: sem.admin.room("queued") == [], timeout=30)
+        assert wait_for(lambda: sem.room.waiters("queued") == [], timeout=30)
         # Seen once in CI: a slot still counted here 30 s on; the holders say whose.
         assert wait_for(lambda: sem.count("queued") == 0, timeout=30), (
             [(h.token, h.metadata, h.expires_in) for h in sem.admin.holders("queued")],
@@ -115,18 +114,22 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
 def test_a_sweep_takes_a_revoked_run_out_of_the_room_before_any_slot_frees(
     app: Celery, client: redis.Redis
 ) -> None:
-    # No message of the revoked run reaches a worker (every slot stays held): the sweep,
-    # knowing the revoke, takes it out, so no hand-off is ever reserved for it.
+    # No message of the revoked run reaches a worker (every slot stays held): the worker,
+    # knowing the revoke, finds the run's key in its host's journal and takes it out within
+    # an interval (2 s), though nothing in the room falls due for 30 s (its next sweep), so
+    # no hand-off is ever reserved for it.
     task = app.tasks["csem.queued"]
     sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
     held = [sem.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         doomed = task.delay(1, 0.0)
         kept = task.delay(2, 0.0)
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
+        revoked_at = time.monotonic()
         doomed.revoke()
-        parked = lambda: [w.waiter for w in sem.admin.room("queued")]  # noqa: E731
+        parked = lambda: [w.waiter for w in sem.room.waiters("queued")]  # noqa: E731
         assert wait_for(lambda: parked() == [kept.id], timeout=30), parked()
+        assert time.monotonic() - revoked_at < 15  # not at the room's next sweep
         for slot in held:
             slot.release()  # type: ignore[union-attr]
         assert kept.get(timeout=60) == 2
@@ -145,7 +148,7 @@ def test_the_workers_sweep_drains_a_room_whose_releaser_could_not_publish(
     held = [mute.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         results = [task.delay(n, 0.0) for n in range(5)]
-        assert wait_for(lambda: len(mute.admin.room("queued")) == 5, timeout=30)
+        assert wait_for(lambda: len(mute.room.waiters("queued")) == 5, timeout=30)
         for slot in held:
             assert slot is not None
             slot.release()
@@ -164,11 +167,11 @@ def test_a_release_hands_off_to_the_hand_off_queue_and_a_sweep_to_the_runs_own_q
     held = [mute.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         runs = [task.delay(n, 0.0) for n in range(2)]
-        assert wait_for(lambda: len(mute.admin.room("queued")) == 2, timeout=30)
+        assert wait_for(lambda: len(mute.room.waiters("queued")) == 2, timeout=30)
     # No worker now: each hand-off stays where it was published.
     held[0].release()  # type: ignore[union-attr]
     route = HandoffRoute(30.0, publisher_for(app, False))
-    assert SemaphoreAdmin(client, "semaphore", route).sweep("queued") == 1
+    assert WaitingRoom(client, "semaphore", route).sweep("queued") == 1
     assert (client.llen(QUEUES[0]), client.llen(QUEUES[1])) == (1, 0)  # the run's own queue
     held[1].release()  # type: ignore[union-attr]
     releaser = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
@@ -193,7 +196,7 @@ def test_runs_handed_off_to_a_hand_off_queue_nobody_consumes_reach_a_worker_all_
     held = [sem.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         runs = [task.delay(n, 0.0) for n in range(2)]
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
     for slot in held:
         slot.release()  # type: ignore[union-attr]  # to the hand-off queue, unconsumed now
     plain = make_app(redis_server.url, semaphore_handoff_queues=False)
@@ -209,14 +212,14 @@ def test_a_run_started_by_a_hand_off_can_retry_itself(app: Celery) -> None:
     held = [sem.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         result = app.tasks["csem.queued_retry"].delay()
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 1, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 1, timeout=30)
         held[0].release()  # type: ignore[union-attr]
         assert result.get(timeout=60) == 1
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
 
 
-def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
+def test_a_parked_run_past_its_queue_timeout_fails_and_leaves_the_room(
     app: Celery, client: redis.Redis
 ) -> None:
     sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
@@ -224,11 +227,11 @@ def test_a_parked_run_past_its_shed_timeout_fails_and_leaves_the_room(
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         impatient = app.tasks["csem.queued_budget"].delay(1)
         patient = app.tasks["csem.queued"].delay(2, 0.0)
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
         # A worker's sweep gives the impatient run up once its 0.5 s budget has passed.
-        with pytest.raises(SemaphoreNotAcquiredError, match=r"shed_timeout=0\.5"):
+        with pytest.raises(SemaphoreNotAcquiredError, match=r"queue_timeout=0\.5"):
             impatient.get(timeout=60)
-        assert [w.waiter for w in sem.admin.room("queued")] == [patient.id]
+        assert [w.waiter for w in sem.room.waiters("queued")] == [patient.id]
         for slot in held:
             assert slot is not None
             slot.release()
@@ -249,7 +252,7 @@ def test_a_run_that_waits_in_the_worker_starts_on_the_release_without_parking(
         assert result.state == "PENDING"  # waiting in the worker, not parked
         held[0].release()  # type: ignore[union-attr]
         assert result.get(timeout=60) == 1
-        assert sem.admin.room("queued") == []
+        assert sem.room.waiters("queued") == []
         for slot in held[1:]:
             slot.release()  # type: ignore[union-attr]
     assert _ran(client, result.id) == [1]
@@ -262,10 +265,10 @@ def test_a_run_whose_wait_timeout_passes_parks_in_arrival_order(
     held = [sem.acquire("queued") for _ in range(3)]
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         first = app.tasks["csem.waits_briefly"].delay(1)
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 1, timeout=30)
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 1, timeout=30)
         second = app.tasks["csem.queued"].delay(2, 0.0)
-        assert wait_for(lambda: len(sem.admin.room("queued")) == 2, timeout=30)
-        assert [w.waiter for w in sem.admin.room("queued")] == [first.id, second.id]
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
+        assert [w.waiter for w in sem.room.waiters("queued")] == [first.id, second.id]
         held[0].release()  # type: ignore[union-attr]
         assert first.get(timeout=60) == 1
         assert second.get(timeout=60) == 2
@@ -320,7 +323,7 @@ def test_a_hand_off_is_fetched_ahead_of_the_backlog(
 
     @app.task(base=SemaphoreTask, semaphore="first", limit=1, shared=False, name="first.call")
     def call(n: int) -> int:
-        client.rpush("first:parked", len(sem.admin.room("first")))
+        client.rpush("first:parked", len(sem.room.waiters("first")))
         return n
 
     held = sem.acquire("first")
@@ -328,7 +331,7 @@ def test_a_hand_off_is_fetched_ahead_of_the_backlog(
     try:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             parked = [call.apply_async((n,), priority=backlog) for n in range(3)]
-            assert wait_for(lambda: len(sem.admin.room("first")) == 3, timeout=30)
+            assert wait_for(lambda: len(sem.room.waiters("first")) == 3, timeout=30)
         waiting = [call.apply_async((n,), priority=backlog) for n in range(3, 23)]
         assert held.release()  # the oldest parked run is published now
         with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
@@ -348,3 +351,74 @@ def test_a_hand_off_is_fetched_ahead_of_the_backlog(
                 for name in (app.conf.task_default_queue, app.conf.task_default_queue + SUFFIX):
                     conn.default_channel.queue_delete(name)
         app.close()
+
+
+def test_a_room_outlives_its_ttl_while_it_is_drained_and_swept(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    # Every run parks within the first moment, and the slots stay held for longer than the
+    # room's TTL: only the workers' sweeps touch the room meanwhile. A room whose TTL only a
+    # park renews expires with its runs in it.
+    app = make_app(redis_server.url, semaphore_room_ttl=5.0)
+    task = app.tasks["csem.queued"]
+    sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [sem.acquire("queued") for _ in range(3)]
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        results = [task.delay(n, 0.05) for n in range(6)]
+        assert wait_for(lambda: len(sem.room.waiters("queued")) == 6, timeout=30)
+        parked_at = time.monotonic()
+        keys = redis_keys(sem.prefix, "queued")
+        # Wait past a whole TTL with the room untouched by any park, release or claim.
+        assert wait_for(lambda: time.monotonic() - parked_at > 7.0, timeout=30)
+        assert client.exists(keys.room, keys.parked) == 2, "the room expired while swept"
+        for slot in held:
+            assert slot is not None
+            slot.release()
+        assert [r.get(timeout=60) for r in results] == list(range(6))
+    assert 0 < client.pttl(keys.parked) <= 5000 or not client.exists(keys.parked)
+    gc.collect()
+    app.close()
+
+
+class _SkewedClock:
+    """The ``time`` module as a worker whose clock is ``offset`` seconds off sees it."""
+
+    def __init__(self, offset: float) -> None:
+        self.offset = offset
+
+    def time(self) -> float:
+        return time.time() + self.offset
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("offset", [-60.0, 60.0], ids=["behind", "ahead"])
+def test_a_parked_runs_budget_is_judged_on_the_stores_clock(
+    offset: float, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_semaphore.integration.waiting_room import parking
+
+    app = make_app(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore="queued", limit=3, queue_timeout=6.0, shared=False,
+              name="csem.skewed_budget")  # fmt: skip
+    def skewed_budget() -> None: ...
+
+    sem = Semaphore(app.conf.semaphore_url, limit=3)
+    held = [sem.acquire("queued") for _ in range(3)]  # never released: the run must give up
+    monkeypatch.setattr(parking, "time", _SkewedClock(offset))
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        sent = time.monotonic()
+        result = skewed_budget.delay()
+        with pytest.raises(SemaphoreNotAcquiredError):
+            result.get(timeout=60)
+        waited = time.monotonic() - sent
+    # A worker 60 s behind gave up at once; one 60 s ahead waited a minute past its budget.
+    # The budget is 6 s, and a sweep gives up a run within about 2 s of it.
+    assert 5.0 <= waited <= 30.0, waited
+    for slot in held:
+        assert slot is not None
+        slot.release()
+    gc.collect()
+    app.close()

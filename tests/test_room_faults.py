@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
+import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +22,24 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import task_postrun
 
 from celery_semaphore import Semaphore
-from celery_semaphore.core.scripts import redis_keys
-from celery_semaphore.integration.room import publisher_for
+from celery_semaphore.core.names import redis_keys
+from celery_semaphore.integration.waiting_room.handoffs import publisher_for
+from celery_semaphore.integration.waiting_room.queues import SUFFIX
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import BLOCKING, GATE_OPEN, STALLED_PUBLISH, add_room_fault_tasks, make_app
 from .helpers import (
-    QUEUES,
+    AMQP_URL,
     child_pids,
+    kill_worker,
     prefork_worker_process,
     queued,
+    rabbitmq_up,
     unacked_task_ids,
     wait_for,
 )
@@ -73,7 +77,7 @@ def _check(client: redis.Redis, *tasks: str, killed: tuple[str, ...] = ()) -> No
 
 
 def _room(sem: Semaphore) -> list[str]:
-    return [w.waiter for w in sem.admin.room(KEY)]
+    return [w.waiter for w in sem.room.waiters(KEY)]
 
 
 def _park(
@@ -107,16 +111,6 @@ def _worker(app: Celery, pool: str, tmp_path: Path) -> Iterator[None]:
     else:
         with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
             yield
-
-
-def _kill_worker(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a prefork worker: its main process, then each pool process."""
-    children = child_pids(proc.pid)
-    proc.kill()
-    proc.wait()
-    for pid in children:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 # -- the process that hands a slot off dies -----------------------------------------------
@@ -186,7 +180,7 @@ def _strand_a_hand_off(
             lambda: queued(client) == 0 and set(unacked_task_ids(client)) == {waiter.id},
             timeout=60,
         )
-        _kill_worker(worker_a)
+        kill_worker(worker_a)
     assert _started(client) == []
     # Stranded with the dead worker (twice, had the reservation lapsed and the dead worker's
     # own sweep handed it out again before the kill).
@@ -218,22 +212,26 @@ def _restoring_worker(url: str) -> Iterator[list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize(
-    "task",
+    ("task", "claim_lost"),
     [
-        "csem.gate",
-        "csem.gate_no_result",
+        ("csem.gate", False),
+        ("csem.gate_no_result", False),
+        ("csem.gate", True),
     ],
 )
 def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_once(
-    task: str, gate_app: Celery, redis_server: RedisServer, client: redis.Redis, tmp_path: Path
-) -> None:
+    task: str, claim_lost: bool, gate_app: Celery, redis_server: RedisServer,
+    client: redis.Redis, tmp_path: Path,
+) -> None:  # fmt: skip
     """Proves: a whole worker SIGKILLed while it holds the message of a handed-off run
     (prefetched, not started; the slot reserved for it) loses nothing and runs nothing
     twice. Another worker's sweep hands the lapsed reservation to the same run again and
     starts it; when the broker later redelivers the dead worker's stranded message (its
     visibility timeout passed), that second delivery finds nothing to claim and ends
     quietly (state IGNORED), without running the body or touching the run's result. The
-    same with a task that stores no result (``ignore_result=True``).
+    same with a task that stores no result (``ignore_result=True``), and when the store
+    lost its record of the claim (a restart) before the redelivery: the run's stored
+    result says it ran.
     """
     sem = _holder(gate_app)
     waiter = _strand_a_hand_off(gate_app, sem, client, tmp_path, task=task)
@@ -242,12 +240,21 @@ def test_a_worker_killed_while_it_holds_a_hand_off_loses_nothing_and_runs_it_onc
         assert wait_for(lambda: _started(client, completed=True) == [1], timeout=60)
         assert wait_for(lambda: _drained(sem), timeout=30)
     assert _started(client) == [1]
+    if claim_lost:  # as a restart of a store apart from the broker would leave it
+        assert client.delete(redis_keys("semaphore", KEY).claims) == 1
     # Worker C restores the stranded message: a second delivery of the same hand-off.
     with _restoring_worker(redis_server.url) as seen:
         assert wait_for(lambda: any(t == waiter.id for t, _ in seen), timeout=60)
         assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
     _check(client, waiter.id)  # the redelivered hand-off did not run the body again
     assert {state for task_id, state in seen if task_id == waiter.id} == {"IGNORED"}
+
+    def missed() -> int:
+        return sum(int(client.hget(k, "handoffs_missed") or 0)
+                   for k in client.scan_iter(match="semaphore:stats:*"))  # fmt: skip
+
+    # Worker C counted it: written within a second (FLUSH_DELAY), by a timer thread.
+    assert wait_for(lambda: missed() == 1, timeout=15), missed()
     if task == "csem.gate":
         assert waiter.state == "SUCCESS"
 
@@ -355,49 +362,95 @@ def test_a_room_survives_a_restart_of_a_persistent_store_and_drains(
     assert _started(client) == [0, 1, 2]
 
 
-def test_a_restart_without_persistence_loses_the_parked_runs(
-    redis_server: RedisServer, own_redis: RedisServer, client: redis.Redis
+@pytest.mark.parametrize(
+    "broker",
+    [
+        "redis",
+        pytest.param("rabbitmq", marks=pytest.mark.skipif(
+            not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("persistence", ["none", "snapshot-then-kill", "appendonly"])
+def test_a_restart_of_the_store_loses_no_parked_run(
+    broker: str, persistence: str, redis_server: RedisServer, client: redis.Redis
 ) -> None:
-    """Proves what a restart of a store without persistence does to the room: its runs are
-    gone for good. The room held the only copy of a parked run's message (acknowledged when
-    the run parked), so nothing is left in the broker to redeliver and nothing in the store
-    for a sweep to find: parked runs never run, and their results stay as they were while
-    parked (never ready). A run handed a slot just before the restart, whose message was
-    still on its way, is lost too: that message finds nothing to claim and ends as a
-    duplicate would (IGNORED). The key itself works at once for new runs."""
-    app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=own_redis.url))
-    sem = _holder(app)
-    held = sem.acquire(KEY)
-    assert held is not None
-    seen: list[tuple[str, str]] = []
+    """Proves: a restart of the semaphore store loses no parked run while a worker lives,
+    whatever the store kept. Without persistence the rooms are gone; after a SIGKILL the
+    store comes back from a snapshot older than the last 21 parks; with an append-only file
+    it comes back whole, under a new server run id. Each worker's journal finds the runs the
+    store lost and sends them again, and sends nothing it still holds: every one of the 42
+    runs runs exactly once, one at a time, counted by the bodies themselves."""
+    extra = ("--appendonly", "yes") if persistence == "appendonly" else ()
+    conf: dict[str, Any] = {}
+    if broker == "rabbitmq":
+        conf.update(broker_url=AMQP_URL, task_default_queue=f"csem-ledger-{uuid.uuid4().hex[:8]}")
+    with RedisServer(extra_args=extra) as store:
+        app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url, **conf))
+        sem = _holder(app)
+        held = sem.acquire(KEY)
+        assert held is not None
+        try:
+            with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+                runs = [app.tasks["csem.gate"].delay(n) for n in range(21)]
+                assert wait_for(lambda: len(_room(sem)) == 21, timeout=60)
+                if persistence == "snapshot-then-kill":
+                    assert store.client().save()
+                runs += [app.tasks["csem.gate"].delay(n) for n in range(21, 42)]
+                assert wait_for(lambda: len(_room(sem)) == 42, timeout=60)
+                store.stop(kill=persistence == "snapshot-then-kill")
+                store.start()
+                kept = persistence != "none"
+                assert len(_room(sem)) == (21 if persistence == "snapshot-then-kill" else 42
+                                           if kept else 0)  # fmt: skip
+                # The holder's slot survived wherever the room did; a restart that lost it
+                # lets the key's next run start at once.
+                assert held.release() is kept
+                assert sorted(r.get(timeout=120) for r in runs) == list(range(42))
+                assert wait_for(lambda: _drained(sem), timeout=30)
+        finally:
+            if broker == "rabbitmq":
+                with app.connection_for_write() as conn:
+                    for name in (app.conf.task_default_queue, app.conf.task_default_queue + SUFFIX):
+                        conn.default_channel.queue_delete(name)
+            app.close()
+    _check(client, *(r.id for r in runs))
 
-    def on_postrun(task_id: str = "", state: str = "", **_: Any) -> None:
-        seen.append((task_id, state))
 
-    task_postrun.connect(on_postrun, weak=False)
-    try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-            parked = _park(app, sem, (0,), (1,), (2,))
-            waiting = [r.state for r in parked]  # what a parked run's result says
-            assert not any(r.ready() for r in parked)
-        # No worker is up: the release hands the slot to run 0, whose message then waits in
-        # the broker (in the hand-off queue) across the restart.
-        assert held.release()
-        assert wait_for(lambda: client.llen(QUEUES[1]) == 1, timeout=30)
-        own_redis.restart()
-        assert _room(sem) == []
-        assert sem.count(KEY) == 0
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-            assert wait_for(lambda: (parked[0].id, "IGNORED") in seen, timeout=60), seen
-            fresh = app.tasks["csem.gate"].delay(9)
-            assert fresh.get(timeout=60) == 9  # a new run takes a slot at once
-            # No message anywhere, no record in the store: nothing can start runs 0-2.
-            assert wait_for(lambda: _broker_idle(client) and _drained(sem), timeout=30)
-            assert [r.state for r in parked] == waiting  # and will say for good
-    finally:
-        task_postrun.disconnect(on_postrun)
-        app.close()
-    _check(client, fresh.id)  # runs 0-2 never ran
+def test_a_restart_while_a_run_parks_loses_it_not(
+    redis_server: RedisServer, client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Proves: a store that restarts empty while a run parks (when the parking process reads
+    the store's incarnation for the run's journal entry) loses no run. Read after the park,
+    the new store's incarnation would mark the run as served, and nothing would send it
+    again; read before, the run parks in the new store, or is looked for and sent again."""
+    from celery_semaphore.integration.waiting_room import incarnation, parking
+
+    held: list[Any] = []  # the slot that keeps the key full in the store that parks the run
+
+    def restart_then_read(client_: Any, prefix: str) -> str:
+        if not held:
+            store.restart()
+            held.append(sem.acquire(KEY))
+        return incarnation.incarnation(client_, prefix)
+
+    with RedisServer() as store:
+        app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url))
+        sem = _holder(app)
+        assert sem.acquire(KEY) is not None
+        incarnation._cached.clear()  # the parking process reads the marker afresh
+        monkeypatch.setattr(parking, "incarnation", restart_then_read)
+        try:
+            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+                run = app.tasks["csem.gate"].delay(7)
+                assert wait_for(lambda: bool(held), timeout=60)
+                assert held[0] is not None
+                # Parked after the restart; a run parked before it would be lost (no room has it).
+                assert wait_for(lambda: _room(sem) == [run.id], timeout=60)
+                held[0].release()
+                assert run.get(timeout=60) == 7
+        finally:
+            app.close()
+    _check(client, run.id)
 
 
 # -- parked runs that must not run ---------------------------------------------------------
@@ -451,3 +504,63 @@ def test_a_revoked_parked_run_leaves_the_room_in_a_prefork_worker(
         assert wait_for(lambda: doomed.state == "REVOKED", timeout=30)
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
     _check(client, kept.id)  # the doomed run never ran
+
+
+@pytest.mark.parametrize("track_started", [False, True])
+def test_a_revoked_run_the_sweep_takes_out_of_the_room_is_revoked_for_its_caller(
+    track_started: bool, redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """Proves: a parked run revoked while no message of it reaches a worker (its slot never
+    frees) is taken out of the room by a sweep and stored REVOKED, so ``get()`` raises
+    ``TaskRevokedError`` instead of waiting for ever. With ``task_track_started`` the parked
+    run is STARTED, which Celery's own revoke leaves alone (it was started somewhere); before
+    5.7 Celery's revoke stores nothing at all. The run parked behind it is left as it was,
+    and runs once the slot frees."""
+    app = add_room_fault_tasks(make_app(redis_server.url, task_track_started=track_started))
+    sem = _holder(app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        doomed, kept = _park(app, sem, (1,), (2,))
+        assert doomed.state == ("STARTED" if track_started else "PENDING")
+        doomed.revoke()
+        assert wait_for(lambda: _room(sem) == [kept.id], timeout=30), _room(sem)
+        with pytest.raises(TaskRevokedError, match="revoked"):
+            doomed.get(timeout=30)
+        assert kept.state == ("STARTED" if track_started else "PENDING")
+        assert held.release()
+        assert kept.get(timeout=60) == 2
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    _check(client, kept.id)  # the doomed run never ran
+    app.close()
+
+
+@pytest.mark.parametrize("queue_timeout", [None, 60.0])
+def test_an_expired_parked_run_leaves_the_room_at_the_next_sweep_and_is_revoked(
+    queue_timeout: float | None, redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """Proves: a parked run whose ``expires`` passes leaves the room within a sweep (about
+    2 s), while every slot is still held, and ends as Celery ends an expired task: REVOKED,
+    ``get()`` raising ``TaskRevokedError('expired')``. So it no longer counts toward
+    ``max_queued`` (1 here): a fresh run parks instead of being refused. With a
+    ``queue_timeout`` far off, the expiry still comes first, and the run is not failed as a
+    run past its wait budget."""
+    app = add_room_fault_tasks(
+        make_app(redis_server.url, semaphore_max_queued=1, semaphore_queue_timeout=queue_timeout)
+    )
+    sem = _holder(app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    gate = app.tasks["csem.gate"]
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        doomed = gate.apply_async((1,), expires=3.0)
+        assert wait_for(lambda: _room(sem) == [doomed.id], timeout=30)
+        with pytest.raises(TaskRevokedError, match="expired"):
+            doomed.get(timeout=30)
+        assert _room(sem) == []
+        (fresh,) = _park(app, sem, (2,))  # max_queued=1: refused while the expired run stayed
+        assert held.release()
+        assert fresh.get(timeout=60) == 2
+        assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
+    _check(client, fresh.id)  # the expired run never ran
+    app.close()

@@ -138,7 +138,8 @@ def test_without_heartbeat_a_long_body_loses_its_lease(make_semaphore: MakeSemap
 def test_force_release_all_makes_the_next_renewal_report_loss(
     make_semaphore: MakeSemaphore,
 ) -> None:
-    assert_force_release_is_reported(make_semaphore(limit=3, lease=2.0), make_semaphore(limit=3))
+    holder, operator = make_semaphore(limit=3, lease=2.0), make_semaphore(limit=3)
+    assert_force_release_is_reported(holder, operator.admin)
 
 
 def test_a_failing_body_keeps_its_own_exception_even_when_the_slot_was_lost(
@@ -146,7 +147,7 @@ def test_a_failing_body_keeps_its_own_exception_even_when_the_slot_was_lost(
 ) -> None:
     sem = make_semaphore(limit=1, lease=2.0)
     with pytest.raises(KeyError), sem.hold("k", heartbeat=0.1) as slot:
-        sem.force_release_all("k")
+        sem.admin.force_release_all("k")
         assert slot.lost.wait(10)
         raise KeyError("the body's own failure")
     assert slot.lost.is_set()
@@ -197,7 +198,7 @@ def test_holders_show_metadata_and_times(make_semaphore: MakeSemaphore) -> None:
     sem = make_semaphore(limit=2, lease=30.0)
     slot = sem.acquire("k", metadata={"task_id": "abc", "task_name": "tasks.add"})
     assert slot is not None
-    [holder] = sem.holders("k")
+    [holder] = sem.admin.holders("k")
     assert holder.token == slot.token
     assert holder.metadata["task_id"] == "abc"
     assert holder.metadata["task_name"] == "tasks.add"
@@ -207,7 +208,7 @@ def test_holders_show_metadata_and_times(make_semaphore: MakeSemaphore) -> None:
     assert 0 <= holder.held_for < 1.0
     assert holder.expires_at - holder.acquired_at == pytest.approx(30.0, abs=0.01)
     slot.release()
-    assert sem.holders("k") == []
+    assert sem.admin.holders("k") == []
 
 
 def test_keys_get_a_ttl_and_an_empty_semaphore_is_deleted(
@@ -236,7 +237,7 @@ def test_any_non_empty_key_works_and_keys_are_independent(
     assert sem.acquire(key) is None
     other = sem.acquire(key + "-other")
     assert other is not None
-    assert sem.holders(key)[0].token == slot.token
+    assert sem.admin.holders(key)[0].token == slot.token
     assert slot.release()
     assert other.release()
     assert sem.count(key) == 0
@@ -246,7 +247,8 @@ def test_a_resent_acquire_with_the_same_token_takes_no_second_slot(
     make_semaphore: MakeSemaphore,
 ) -> None:
     # What a client retry after a lost reply does: the same call, same token, twice.
-    from celery_semaphore.core.scripts import Admitted, redis_keys
+    from celery_semaphore.core.names import redis_keys
+    from celery_semaphore.core.replies import Admitted
 
     sem = make_semaphore(limit=2)
     keys = redis_keys(sem.prefix, "k")
@@ -264,10 +266,10 @@ def test_resp3_and_decoding_clients(redis_server: RedisServer, options: dict[str
     slot = sem.acquire("k", metadata={"n": 1})
     assert slot is not None
     assert sem.acquire("k") is None
-    assert sem.holders("k")[0].metadata["n"] == 1
+    assert sem.admin.holders("k")[0].metadata["n"] == 1
     assert slot.extend() is True
     assert slot.release() is True
-    assert sem.force_release_all("k") == 0
+    assert sem.admin.force_release_all("k") == 0
 
 
 def test_renew_errors_are_reported_and_do_not_lose_the_slot(own_redis: RedisServer) -> None:

@@ -11,7 +11,13 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from prometheus_client import CollectorRegistry
 
-from celery_semaphore import Semaphore, SemaphoreLeaseLostError, metrics
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    bounded,
+    metrics,
+)
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.testing import RedisServer
 
@@ -58,7 +64,8 @@ def test_parked_runs_are_counted_and_the_rooms_are_gauged_from_redis(
     assert value(rooms, "semaphore_queued", key="queued") == 0
     results = [app.tasks["csem.queued"].delay(n, 0.0) for n in range(4)]
     assert wait_for(lambda: value(rooms, "semaphore_queued", key="queued") == 4, timeout=30)
-    assert value(registry, "semaphore_parked_total", key="queued") == 4
+    # Counted once each park has returned (and journaled its run), a moment after the room.
+    assert wait_for(lambda: value(registry, "semaphore_parked_total", key="queued") == 4)
     assert value(registry, "semaphore_acquisitions_total", key="queued", outcome="parked") == 4
     assert wait_for(lambda: value(rooms, "semaphore_oldest_wait_seconds", key="queued") > 0.1)
     for slot in held:
@@ -85,7 +92,7 @@ def test_lease_loss_is_counted(
 ) -> None:
     result = app.tasks["csem.lost_raise"].delay()
     assert wait_for(lambda: History.load(client, BODIES).runs, timeout=30)
-    Semaphore(redis_server.url, limit=1).force_release_all("lost-raise")
+    Semaphore(redis_server.url, limit=1).admin.force_release_all("lost-raise")
     with pytest.raises(SemaphoreLeaseLostError):
         result.get(timeout=60)
     assert value(registry, "semaphore_lease_lost_total", key="lost-raise") == 1
@@ -123,7 +130,7 @@ def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisSer
     # The waiting room's park and claim (what a worker's run does by default) are spans too.
     holder = sem.acquire("traced")
     assert holder is not None
-    sem.park("traced", "w1", b"p")
+    sem.room.park("traced", "w1", b"p")
     holder.release()  # reserves the slot for w1 (no publisher: the sweep would start it)
     outcomes = [(s.attributes or {})["semaphore.outcome"] for s in exporter.get_finished_spans()]
     assert outcomes == ["acquired", "parked"]
@@ -131,7 +138,7 @@ def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisSer
     # Several keys at once are one span, which names them joined and apart, sync or asyncio.
     group = sem.acquire_many([("traced", 2), ("tenant:a", 1)])
     assert group is not None
-    assert sem.park_many([("traced", 2), ("tenant:a", 1)], "w2", b"p") is not None
+    assert sem.room.park_many([("traced", 2), ("tenant:a", 1)], "w2", b"p") is not None
 
     async def from_asyncio() -> None:
         async with AsyncSemaphore(redis_server.url, limit=1) as asem:
@@ -147,3 +154,25 @@ def test_each_acquire_is_a_span_with_attempts_and_outcome(redis_server: RedisSer
         ("traced+tenant:b", ("traced", "tenant:b"))
     ]
     assert [s["semaphore.outcome"] for s in spans] == ["acquired", "parked", "acquired"]
+    exporter.clear()
+    # A run that is refused says why on the span current then (a task's own span, say).
+
+    @bounded("traced-refused", 1, redis=redis_server.url)
+    def plain() -> None: ...
+
+    holder = sem.acquire("traced-refused")
+    assert holder is not None
+    with (
+        trace.get_tracer("test").start_as_current_span("task"),
+        pytest.raises(SemaphoreNotAcquiredError),
+    ):
+        plain()
+    holder.release()
+    (task_span,) = [s for s in exporter.get_finished_spans() if s.name == "task"]
+    (event,) = task_span.events
+    assert event.name == "semaphore.refused"
+    assert dict(event.attributes or {}) == {
+        "semaphore.key": "traced-refused",
+        "semaphore.limit": 1,
+        "semaphore.refusal": "full",
+    }

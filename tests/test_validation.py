@@ -72,7 +72,8 @@ def test_bad_retries(untouched: redis.Redis, redis_server: RedisServer, retries:
 @pytest.mark.parametrize("key", BAD_KEYS)
 def test_bad_key(untouched: redis.Redis, redis_server: RedisServer, key: Any) -> None:
     sem = Semaphore(redis_server.url, limit=1)
-    for call in (sem.acquire, sem.count, sem.available, sem.holders, sem.force_release_all):
+    calls = (sem.acquire, sem.count, sem.available, sem.admin.holders, sem.admin.force_release_all)
+    for call in calls:
         raises(lambda call=call: call(key), "key")  # type: ignore[misc]
     raises(lambda: sem.run(key, lambda slot: None), "key")
 
@@ -141,7 +142,7 @@ def test_metadata_cannot_overwrite_host_pid_or_limit(redis_server: RedisServer) 
     sem = Semaphore(redis_server.url, limit=2)
     slot = sem.acquire("k", metadata={"pid": "x", "host": "h", "limit": 99, "job": 1})
     assert slot is not None
-    [holder] = sem.holders("k")
+    [holder] = sem.admin.holders("k")
     assert holder.metadata["pid"] == os.getpid()
     assert holder.metadata["host"] != "h"
     assert holder.metadata["limit"] == 2

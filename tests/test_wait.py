@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
 from .helpers import wait_for
@@ -95,7 +95,7 @@ def test_a_slot_handed_to_a_parked_run_wakes_nobody(
     )
     holder = sem.acquire("k")
     assert holder is not None
-    sem.park("k", "parked-first", b"p")
+    sem.room.park("k", "parked-first", b"p")
     waiter = Waiter(sem, wait=1.0)
     waiter.start()
     assert wait_for(lambda: _blocked(client) == 1)

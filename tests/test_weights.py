@@ -16,7 +16,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreTask, SemaphoreValidationError, current_slot
-from celery_semaphore.core.scripts import redis_keys
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.inspection import view
 
@@ -63,7 +63,7 @@ def test_a_weighted_holders_units_come_and_go_together(
     assert light is not None
     assert sem.acquire("k") is None  # 5 of 5 units held
     assert (sem.count("k"), sem.available("k")) == (5, 0)
-    holders = sem.holders("k")
+    holders = sem.admin.holders("k")
     assert sorted(h.metadata.get("weight", 1) for h in holders) == [2, 3]
     assert view(client, "k").in_use == 5
     # Renewed together: every unit of a holder moves to its new expiry.
@@ -76,13 +76,13 @@ def test_a_weighted_holders_units_come_and_go_together(
     assert scores[heavy.token] > (time.time() + 20) * 1000
     assert sem.count("k") == 5
     # An operator's force release (the weight unknown to it) frees every unit of the holder.
-    assert sem.force_release("k", heavy.token)
+    assert sem.admin.force_release("k", heavy.token)
     assert sem.count("k") == 2
     assert not heavy.release()  # gone: reported, nothing freed twice
     assert sem.count("k") == 2
     assert light.release()
     assert client.keys("semaphore:*") == []
-    assert sem.force_release_all("k") == 0
+    assert sem.admin.force_release_all("k") == 0
 
 
 def test_a_heavy_run_at_the_head_of_the_room_is_served_before_lighter_ones(
@@ -91,15 +91,15 @@ def test_a_heavy_run_at_the_head_of_the_room_is_served_before_lighter_ones(
     published = Published()
     sem = Semaphore(redis_server.url, limit=4, on_handoff=published)
     held = [sem.acquire("k") for _ in range(4)]
-    assert sem.park("k", "heavy", b"h", weight=3).position == 0  # type: ignore[union-attr]
+    assert sem.room.park("k", "heavy", b"h", weight=3).position == 0  # type: ignore[union-attr]
     for n in range(3):
-        sem.park("k", f"light-{n}", b"l")
+        sem.room.park("k", f"light-{n}", b"l")
     held[0].release()  # type: ignore[union-attr]
     held[1].release()  # type: ignore[union-attr]
     assert published.waiters == []  # two units free: the heavy head waits, and nobody jumps it
     held[2].release()  # type: ignore[union-attr]
     assert published.waiters == ["heavy"]
-    claimed = sem.claim("k", "heavy", weight=3)
+    claimed = sem.room.claim("k", "heavy", weight=3)
     assert getattr(claimed, "weight", None) == 3
     assert sem.count("k") == 4
     claimed.release()  # type: ignore[union-attr]
@@ -114,7 +114,7 @@ def test_bad_weights_are_refused_before_anything_is_written(
     with pytest.raises(SemaphoreValidationError, match="weight"):
         sem.acquire("k", weight=weight)
     with pytest.raises(SemaphoreValidationError, match="weight"):
-        sem.park("k", "w", b"", weight=weight)
+        sem.room.park("k", "w", b"", weight=weight)
     assert client.dbsize() == 0
 
 

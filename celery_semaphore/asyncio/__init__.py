@@ -7,6 +7,7 @@ Celery; ``@bounded`` on an ``async def`` (in :mod:`celery_semaphore.integration`
 it. See the asyncio how-to for a walk through.
 """
 
+from .admin import AsyncSemaphoreAdmin
 from .clients import async_client_from_url, async_client_like
 from .group import AsyncSlotGroup
 from .semaphore import AsyncSemaphore
@@ -14,6 +15,7 @@ from .slot import AsyncSlot
 
 __all__ = [
     "AsyncSemaphore",
+    "AsyncSemaphoreAdmin",
     "AsyncSlot",
     "AsyncSlotGroup",
     "async_client_from_url",

@@ -20,20 +20,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from ..core import validation as check
+from ..core.calls import Call, acquire_call, block_call, release_call
+from ..core.handoff import HandoffRoute
+from ..core.names import Keys
 from ..core.options import HolderRecord
-from ..core.parking import MAX_BLOCK
-from ..core.room import HandoffRoute
-from ..core.scripts import (
-    Admitted,
-    AsyncScripts,
-    Call,
-    Full,
-    Keys,
-    acquire_call,
-    backend_errors,
-    block_call,
-    release_call,
-)
+from ..core.replies import Admitted, Full
+from ..core.scripts import AsyncScripts, backend_errors
+from ..core.wake import MAX_BLOCK
 from ..errors import SemaphoreBackendError
 from .background import Background
 from .slot import AsyncSlot, deliver
@@ -61,6 +54,17 @@ class Acquirer:
         self.held: dict[tuple[str, str], AsyncSlot] = {}
         self.background = Background()
         self._record = HolderRecord(limit)
+        # How many times aclose() has ended the waits: a caller that saw it move while it
+        # waited was stopped by a close, not by its time running out.
+        self.closes = 0
+        self._stops: set[asyncio.Event] = set()
+
+    def stop_waits(self) -> None:
+        """End every :meth:`wait` under way, as if its time were up (``aclose`` does this);
+        waits begun afterwards run as usual."""
+        self.closes += 1
+        for stop in self._stops:
+            stop.set()
 
     def metadata(
         self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
@@ -131,7 +135,7 @@ class Acquirer:
             _, handed = await self.run(
                 key, release_call(keys, token, self.handoffs.release_claim_ms, None)
             )
-            await deliver(self.handoffs, key, handed)
+            await deliver(self.handoffs, key, handed, self.scripts)
         except SemaphoreBackendError:
             logger.warning("could not give back a slot of %r that nobody holds; it lapses", key)
 
@@ -171,7 +175,7 @@ class Acquirer:
         """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
         take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
         lease to lapse (a crashed holder frees its slot then, and nobody pushes), or after
-        :data:`~celery_semaphore.core.parking.MAX_BLOCK` seconds.
+        :data:`~celery_semaphore.core.wake.MAX_BLOCK` seconds.
 
         Cancelled, it leaves no slot held (see :meth:`take`) and no registration behind:
         the BLPOP is dropped with its connection, and the registration is removed by a
@@ -182,10 +186,11 @@ class Acquirer:
         """
         ms = check.lease_ms(lease)
         give_up = time.monotonic() + wait
-        client = self.scripts.client
         slot = None
+        stop = asyncio.Event()
+        self._stops.add(stop)
         try:
-            while (remaining := give_up - time.monotonic()) > 0:
+            while (remaining := give_up - time.monotonic()) > 0 and not stop.is_set():
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
@@ -194,16 +199,31 @@ class Acquirer:
                     slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot
                 lapse = reply.first_lapse(now_ms)
-                with backend_errors(key, self.limit):
-                    await client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+                await self._block(keys, key, min(remaining, lapse, MAX_BLOCK), stop)
             return None
         finally:
+            self._stops.discard(stop)
             try:
                 await self.background.finish(self._unblock(keys, key, token))
             except asyncio.CancelledError:
                 if slot is not None:  # won, then cancelled: nobody will hold it
                     self.background.spawn(slot.release())
                 raise
+
+    async def _block(self, keys: Keys, key: str, timeout: float, stop: asyncio.Event) -> None:
+        """BLPOP the key's wake list for up to ``timeout`` seconds, or until ``stop`` is set:
+        a close must not wait for the pop (up to :data:`MAX_BLOCK` s) to end on its own.
+        A pop cut short drops its connection, as a cancelled one does."""
+        pop = asyncio.ensure_future(self.scripts.client.blpop([keys.wake], timeout=timeout))
+        halt = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({pop, halt}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            halt.cancel()
+            pop.cancel()
+        if pop.done() and not pop.cancelled():
+            with backend_errors(key, self.limit):
+                pop.result()
 
     async def _unblock(self, keys: Keys, key: str, token: str) -> None:
         with contextlib.suppress(SemaphoreBackendError), backend_errors(key, self.limit):

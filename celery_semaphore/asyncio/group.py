@@ -1,5 +1,6 @@
 """Slots of several keys held together in asyncio code: :class:`AsyncSlotGroup`, returned by
-:meth:`AsyncSemaphore.acquire_many <celery_semaphore.asyncio.many.AsyncManyKeys.acquire_many>`.
+:meth:`AsyncSemaphore.acquire_many
+<celery_semaphore.asyncio.semaphore.AsyncSemaphore.acquire_many>`.
 
 The asyncio twin of :class:`celery_semaphore.core.group.SlotGroup`, on the same
 :class:`~celery_semaphore.core.group.GroupRecord`: one :class:`AsyncSlot` per key, all under
@@ -12,13 +13,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from ..core.group import GroupRecord
+from ..core.calls import held_call
+from ..core.group import GroupRecord, held_pairs
+from ..core.scripts import backend_errors
 from .slot import AsyncSlot, notify
 
 
 class AsyncSlotGroup(GroupRecord[AsyncSlot]):
     """The slots of several keys, taken together by
-    :meth:`AsyncSemaphore.acquire_many <celery_semaphore.asyncio.many.AsyncManyKeys.acquire_many>`.
+    :meth:`AsyncSemaphore.acquire_many
+    <celery_semaphore.asyncio.semaphore.AsyncSemaphore.acquire_many>`.
 
     Attributes:
         slots (tuple[AsyncSlot, ...]): one slot per key, in the order the keys were given.
@@ -26,10 +30,10 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
         lost (asyncio.Event): set the moment any of the slots is known to be lost.
 
     It offers what a body needs of a slot (``lost``, ``when_lost``, ``lease``, ``weight``,
-    ``token``, ``extend``, ``release``); ``limit`` is the first key's. ``async with group:``
-    releases every slot on exit. A group from ``acquire_many`` is not renewed in the
-    background: use :meth:`AsyncSemaphore.hold_many
-    <celery_semaphore.asyncio.many.AsyncManyKeys.hold_many>` for that, or ``extend`` it.
+    ``token``, ``extend``, ``is_held``, ``release``); ``limit`` is the first key's.
+    ``async with group:`` releases every slot on exit. A group from ``acquire_many`` is not
+    renewed in the background: use :meth:`AsyncSemaphore.hold_many
+    <celery_semaphore.asyncio.semaphore.AsyncSemaphore.hold_many>` for that, or ``extend`` it.
     """
 
     lost: asyncio.Event
@@ -72,6 +76,23 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
             SemaphoreBackendError: a round trip failed (the others were still waited for).
         """
         return all(await _each([slot.extend(lease) for slot in self.slots]))
+
+    async def is_held(self) -> bool:
+        """Ask the store whether every slot of the group is still ours, in one read-only
+        round trip for all of them, as :meth:`SlotGroup.is_held
+        <celery_semaphore.core.group.SlotGroup.is_held>` does.
+
+        Returns:
+            bool: True while every slot is held; False once any was released, lapsed or
+            taken away. Nothing is renewed, and :attr:`lost` is left as it is.
+
+        Raises:
+            SemaphoreBackendError: the round trip failed.
+        """
+        scripts = self.slots[0]._renewal()[0]
+        with backend_errors(self.key, self.limit):
+            answers: list[bool] = await scripts.run(held_call(held_pairs(self.slots)))
+        return all(answers)
 
     async def release(self) -> bool:
         """Give every slot back, one round trip each, side by side (each hands off to its own

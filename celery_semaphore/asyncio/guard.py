@@ -16,8 +16,9 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+from ..core import validation as check
 from ..core.lease import RenewErrorCallback
-from ..errors import SemaphoreBackendError, SemaphoreValidationError
+from ..errors import SemaphoreBackendError
 from .group import AsyncSlotGroup
 from .renewer import renewer
 from .slot import AsyncSlot
@@ -33,8 +34,7 @@ def check_interrupt(interrupt: object) -> None:
     Raises:
         SemaphoreValidationError: ``interrupt`` is not True or False.
     """
-    if not isinstance(interrupt, bool):
-        raise SemaphoreValidationError(f"interrupt must be True or False, got {interrupt!r}")
+    check.check_flag(interrupt, "interrupt")
 
 
 class _Interrupt:
@@ -113,7 +113,7 @@ async def guard(
         if beat is not None:
             for member in members:
                 beat.remove(member)
-        slot.check_deadline()
+        slot._check_deadline()
         try:
             await slot.release()
         except SemaphoreBackendError:

@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING
 from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
+from ..core.calls import extend_call
 from ..core.lease import RenewalPlan, RenewErrorCallback
-from ..core.scripts import AsyncScripts, Keys, backend_errors, extend_call
+from ..core.names import Keys
+from ..core.scripts import AsyncScripts, backend_errors
 from ..errors import SemaphoreBackendError
 
 if TYPE_CHECKING:
@@ -48,17 +50,17 @@ class _Flight:
     task: asyncio.Task[None] | None = None
 
     async def send(self, timeout: float) -> None:
-        """One script call per (client, hash slot) group, all at once, each cut off after
-        ``timeout`` seconds. Never raises: a group's error becomes its entries' answer."""
-        groups: dict[
+        """One script call per (client, shard) batch, all at once, each cut off after
+        ``timeout`` seconds. Never raises: a batch's error becomes its entries' answer."""
+        by_shard: dict[
             tuple[int, int], list[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]]
         ] = {}
         for entry in self.entries:
-            scripts, keys, token, ms = entry.slot.renewal()
+            scripts, keys, token, ms = entry.slot._renewal()
             cluster = isinstance(scripts.client, RedisCluster)
-            group = (id(scripts.client), key_slot(keys.slots.encode()) if cluster else 0)
-            groups.setdefault(group, []).append((entry, scripts, keys, token, ms))
-        batches = list(groups.values())
+            shard = (id(scripts.client), key_slot(keys.slots.encode()) if cluster else 0)
+            by_shard.setdefault(shard, []).append((entry, scripts, keys, token, ms))
+        batches = list(by_shard.values())
         replies = await asyncio.gather(
             *(self._extend(batch, timeout) for batch in batches), return_exceptions=True
         )
@@ -103,7 +105,7 @@ class AsyncRenewer:
         lease changes) until :meth:`remove`. ``on_error`` is called, in the event loop, with
         each round trip that failed without saying the slot is gone; an exception it raises
         is swallowed."""
-        entry = RenewalPlan(slot, interval / slot.lease, on_error, slot.renewed_at)
+        entry = RenewalPlan(slot, interval / slot.lease, on_error, slot._renewed_at)
 
         def lease_changed() -> None:
             # Renew at once: a renewal of the old lease still in flight must not be the last
@@ -111,7 +113,7 @@ class AsyncRenewer:
             entry.last_sent = float("-inf")
             self._wake.set()
 
-        slot.watch_lease(lease_changed)
+        slot._watch_lease(lease_changed)
         self._entries[id(slot)] = entry
         if self._task is None or self._task.done():
             self._task = self._loop.create_task(self._run(), name="semaphore-renewer")
@@ -120,7 +122,7 @@ class AsyncRenewer:
     def remove(self, slot: AsyncSlot) -> None:
         """Stop renewing ``slot``. From then on no renewal answer touches it, so a renewal
         racing an intentional release is never taken for a loss."""
-        slot.watch_lease(None)
+        slot._watch_lease(None)
         self._entries.pop(id(slot), None)
         self._wake.set()
 
@@ -180,14 +182,14 @@ class AsyncRenewer:
             answer = flight.answers.get(id(entry))
             if isinstance(answer, BaseException):
                 self._report(entry, answer)
-            elif not slot.renewed(flight.sent_at, slot.lease, answer):
+            elif not slot._renewed(flight.sent_at, slot.lease, answer):
                 if not slot.released:  # not given back by the body itself meanwhile
-                    slot.mark_lost("a renewal found the slot gone")
+                    slot._mark_lost("a renewal found the slot gone")
                 self._entries.pop(id(slot), None)
 
     def _judge(self, entry: RenewalPlan[AsyncSlot], reason: str) -> None:
         if self._entries.get(id(entry.slot)) is entry and not entry.slot.released:
-            entry.slot.mark_lost(reason)
+            entry.slot._mark_lost(reason)
             self._entries.pop(id(entry.slot), None)
 
     @staticmethod

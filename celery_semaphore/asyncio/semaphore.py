@@ -22,30 +22,25 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
-from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
+from ..core.admin import DEFAULT_PREFIX
+from ..core.calls import count_call
+from ..core.group import group_refused
+from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
-from ..core.options import acquire_args, hold_interval, semaphore_options
+from ..core.names import Namespace
+from ..core.options import DEFAULT_LEASE, acquire_args, hold_interval, many_plan, semaphore_options
 from ..core.process import new_token
-from ..core.room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from ..core.scripts import (
-    Admitted,
-    AsyncScripts,
-    Full,
-    Keys,
-    check_cluster_key,
-    count_call,
-    force_release_all_call,
-    holders_call,
-    redis_keys,
-)
-from ..core.semaphore import DEFAULT_LEASE
+from ..core.refusals import is_paused_async, not_acquired
+from ..core.replies import Admitted, Full
+from ..core.scripts import AsyncScripts
 from ..core.tracing import acquire_span
-from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
+from ..errors import SemaphoreValidationError
 from .acquiring import Acquirer
+from .admin import AsyncSemaphoreAdmin
 from .clients import AsyncClient, async_client_from_url
+from .group import AsyncSlotGroup
 from .guard import check_interrupt, guard
-from .live import AsyncLiveLimits
-from .many import AsyncManyKeys
+from .many import KeyList, take_group
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
@@ -53,7 +48,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
+class AsyncSemaphore:
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -80,11 +75,15 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
 
+    Attributes:
+        admin (AsyncSemaphoreAdmin): the operator's side of the same keys: holders, force
+            release, live limits.
+        handoffs (HandoffRoute): where the slots its calls reserve for parked runs go.
+
     Use it from one event loop: its client's connections and its slots belong to the loop
-    they were first used in. Several keys at once (:meth:`acquire_many`, :meth:`hold_many`)
-    come from :class:`~celery_semaphore.asyncio.many.AsyncManyKeys`, live limits
-    (:meth:`set_limit`, :meth:`live_limit`) from
-    :class:`~celery_semaphore.asyncio.live.AsyncLiveLimits`.
+    they were first used in. It has no waiting room of its own: parked runs are Celery's
+    (see :class:`~celery_semaphore.core.room.WaitingRoom`); a coroutine that must wait for a
+    slot waits in :meth:`acquire` with ``wait=``.
 
     Example::
 
@@ -117,8 +116,10 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
             )
         self.client = client
         self._owns_client = isinstance(redis, str)
-        self._cluster = isinstance(client, AsyncRedisCluster)
-        self._acquirer = Acquirer(AsyncScripts(client), self.limit, self.handoffs)
+        self.names = Namespace(self.prefix, isinstance(client, AsyncRedisCluster))
+        scripts = AsyncScripts(client)
+        self._acquirer = Acquirer(scripts, self.limit, self.handoffs)
+        self.admin = AsyncSemaphoreAdmin(client, self.prefix, self.handoffs, scripts)
 
     def __repr__(self) -> str:
         return f"<AsyncSemaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
@@ -128,11 +129,6 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-    def _redis_keys(self, key: str) -> Keys:
-        if self._cluster:
-            check_cluster_key(key)
-        return redis_keys(self.prefix, key)
 
     async def acquire(
         self,
@@ -185,7 +181,7 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
         weight = check.check_weight(weight, limit)
         acquirer = self._acquirer
         info = acquirer.metadata(metadata, limit, weight)
-        keys = self._redis_keys(key)
+        keys = self.names.keys_of(key)
         token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
@@ -252,7 +248,8 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
 
         Raises:
             SemaphoreValidationError: an argument is invalid (checked before acquiring).
-            SemaphoreNotAcquiredError: every attempt (or the whole wait) found all slots held.
+            SemaphoreNotAcquiredError: every attempt (or the whole wait) found all slots held,
+                or :meth:`aclose` ended the wait (``reason`` ``"shutdown"``).
             SemaphoreLeaseLostError: the slot was lost while the block ran, even if the block
                 itself succeeded, or it was cancelled by ``interrupt``. If the block raised,
                 its exception propagates instead and ``slot.lost`` tells the loss.
@@ -261,15 +258,15 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
         key = check.check_key(key)
         interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
         check_interrupt(interrupt)
+        closes = self._acquirer.closes
         slot = await self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata, wait=wait,
         )  # fmt: skip
         if slot is None:
             limit = self.limit if limit is None else limit
-            raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {limit} slots held", key, limit
-            )
+            raise not_acquired(key, limit, wait, closed=self._acquirer.closes != closes,
+                               paused=await is_paused_async(self.admin, key))  # fmt: skip
         async with guard(slot, interval, on_renew_error, interrupt):
             yield slot
 
@@ -308,52 +305,97 @@ class AsyncSemaphore(AsyncManyKeys, AsyncLiveLimits):
             SemaphoreBackendError: Redis failed.
         """
         key = check.check_key(key)
-        return await self._acquirer.run(key, count_call(self._redis_keys(key)))
+        return await self._acquirer.run(key, count_call(self.names.keys_of(key)))
 
-    async def holders(self, key: str) -> list[Holder]:
-        """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
-        key = check.check_key(key)
-        now_ms, rows = await self._acquirer.run(key, holders_call(self._redis_keys(key)))
-        return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
-
-    async def force_release_all(self, key: str) -> int:
-        """Free every slot of ``key`` at once (an operator's recovery tool).
-
-        The displaced holders keep running; each learns of it at its next renewal or release,
-        which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
-
-        Returns:
-            int: how many live holders were displaced.
+    async def available(self, key: str, limit: int | None = None) -> int:
+        """The units of ``key`` free now: its live limit if one is set, else ``limit``, else
+        the semaphore's, minus the weights of its live holders; never below 0. Two round
+        trips.
 
         Raises:
-            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreValidationError: ``key`` or ``limit`` is invalid.
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        call = force_release_all_call(self._redis_keys(key))
-        displaced = await self._acquirer.run(key, call)
-        logger.warning(
-            "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
+        own = self.limit if limit is None else check.check_limit(limit)
+        live = await self.admin.live_limit(key)
+        return max(0, (own if live is None else live.limit) - await self.count(key))
+
+    async def acquire_many(
+        self,
+        keys: KeyList,
+        *,
+        lease: float | None = None,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncSlotGroup | None:
+        """Take a slot of every key, all in one script call or none, as
+        :meth:`Semaphore.acquire_many <celery_semaphore.core.semaphore.Semaphore.acquire_many>`
+        does, on the same keys (its arguments, answers and errors). Cancelling the call never
+        leaves a slot held: if its script reaches Redis, every slot it took is given back as
+        soon as the answer is in. A bounded spin when ``retries``: no release wakes a caller
+        for keys it does not hold, so there is no ``wait``.
+        """
+        plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
+                         self._acquirer.metadata, self.names.keys_of_many)  # fmt: skip
+        return await take_group(self._acquirer, plan)
+
+    @contextlib.asynccontextmanager
+    async def hold_many(
+        self,
+        keys: KeyList,
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        interrupt: bool = False,
+    ) -> AsyncIterator[AsyncSlotGroup]:
+        """Hold a slot of every key (``keys`` as for :meth:`acquire_many`) for the ``async
+        with`` block, renewing them all with the loop's other slots; the other arguments are
+        :meth:`hold`'s (``interrupt`` cancels the block's task when any slot is lost). Yields
+        the :class:`AsyncSlotGroup`, whose ``lost`` is set the moment any slot is known gone.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (checked before acquiring).
+            SemaphoreNotAcquiredError: every attempt found some key without room.
+            SemaphoreLeaseLostError: a slot was lost while the block ran (its key is named),
+                even if the block itself succeeded, or it was cancelled by ``interrupt``; if
+                the block raised, that propagates.
+            SemaphoreBackendError: Redis failed while acquiring.
+        """
+        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
+        check_interrupt(interrupt)
+        group = await self.acquire_many(
+            keys, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
         )
-        return displaced
+        if group is None:
+            raise group_refused(keys)
+        async with guard(group, interval, on_renew_error, interrupt):
+            yield group
 
     async def aclose(self) -> list[AsyncSlot]:
         """Give back every slot this semaphore handed out and nobody released, wait for the
         round trips still running on its behalf, and close its client if it made it.
 
-        A slot given back here is marked lost first ("the semaphore was closed"): a body
-        still running under it is no longer bounded, and with ``interrupt=True`` it is
-        cancelled. Each slot is logged, at WARNING, as released or as left to lapse (Redis
-        failed). The semaphore can be used again afterwards.
+        A wait for a slot under way ends at once, with no slot (``hold`` raises
+        :class:`SemaphoreNotAcquiredError` whose ``reason`` is ``"shutdown"``). A slot given
+        back here is marked lost first ("the semaphore was closed"): a body still running
+        under it is no longer bounded, and with ``interrupt=True`` it is cancelled. Each slot
+        is logged, at WARNING, as released or as left to lapse (Redis failed). The semaphore
+        can be used again afterwards.
 
         Returns:
             list[AsyncSlot]: the slots that were still held; ``slot.released`` tells which
             were given back (the others lapse within their lease).
         """
+        self._acquirer.stop_waits()
         held = list(self._acquirer.held.values())
         for slot in held:
             if not slot.released:  # a release already under way is its holder's own
-                slot.mark_lost("the semaphore was closed while it was held")
+                slot._mark_lost("the semaphore was closed while it was held")
         outcomes = await asyncio.gather(*(s.release() for s in held), return_exceptions=True)
         for slot, outcome in zip(held, outcomes, strict=True):
             if isinstance(outcome, BaseException):

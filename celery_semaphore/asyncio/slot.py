@@ -15,26 +15,43 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..core import validation as check
+from ..core.calls import extend_call, held_call, release_call
+from ..core.handoff import GATHER_FAILED, SWEEP_DUE, Gathering, HandoffRoute, sweep_mark
 from ..core.lease import LeaseRecord
-from ..core.room import HandoffRoute
-from ..core.scripts import (
-    Admitted,
-    AsyncScripts,
-    Handoff,
-    Keys,
-    backend_errors,
-    extend_call,
-    release_call,
-)
+from ..core.names import Keys
+from ..core.replies import Admitted, Handoff
+from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_errors
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-async def deliver(handoffs: HandoffRoute, key: str, handed: Sequence[Handoff]) -> None:
+async def deliver(
+    handoffs: HandoffRoute, key: str, handed: Sequence[Handoff], scripts: AsyncScripts
+) -> None:
     """Pass ``handed`` to the semaphore's ``on_handoff`` in a worker thread: a publisher
-    (Celery's, say) does blocking I/O, which must not stall the event loop. Never raises."""
+    (Celery's, say) does blocking I/O, which must not stall the event loop. Waiters of
+    several keys are gathered first, through ``scripts`` (see
+    :class:`~celery_semaphore.core.handoff.Gathering`), and a room left to a sweep is made
+    due now (see :func:`~celery_semaphore.core.handoff.sweep_soon`). Never raises."""
+    for mark in [h for h in handed if h.waiter == SWEEP_DUE]:
+        try:
+            index, due, room = sweep_mark(mark.payload)
+            await scripts.client.zadd(index, {room: due}, xx=True, lt=True)
+        except REDIS_ERRORS as exc:
+            logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
+    handed = [h for h in handed if h.waiter != SWEEP_DUE]
+    if any(handoff.gather for handoff in handed) and handoffs.publisher is not None:
+        found = Gathering(handed, handoffs.claim_ms)
+        while (call := found.next_call()) is not None:
+            try:
+                more: list[Handoff] = await scripts.run(call)
+            except REDIS_ERRORS as exc:
+                logger.warning(GATHER_FAILED, key, exc)
+                continue
+            found.add(more)
+        handed = found.ready
     if handed:
         await asyncio.to_thread(handoffs.deliver, key, handed)
 
@@ -108,7 +125,7 @@ class AsyncSlot(LeaseRecord):
         count): from then on a renewal that finds the slot gone is no loss."""
         return self._release is not None
 
-    def mark_lost(self, reason: str) -> None:
+    def _mark_lost(self, reason: str) -> None:
         """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
         if self.lost.is_set():
             return
@@ -129,12 +146,12 @@ class AsyncSlot(LeaseRecord):
             return
         callback(self)
 
-    def check_deadline(self) -> None:
+    def _check_deadline(self) -> None:
         """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
         if not self.released and time.monotonic() >= self.deadline:
-            self.mark_lost("no renewal succeeded within one lease")
+            self._mark_lost("no renewal succeeded within one lease")
 
-    def renewal(self) -> tuple[AsyncScripts, Keys, str, int]:
+    def _renewal(self) -> tuple[AsyncScripts, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
         return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
@@ -165,11 +182,30 @@ class AsyncSlot(LeaseRecord):
             [expires_at_ms] = await self._scripts.run(
                 extend_call([(self._keys, self.token, ms, self.weight)])
             )
-        if self.renewed(sent_at, seconds, expires_at_ms):
+        if self._renewed(sent_at, seconds, expires_at_ms):
             return True
         if not self.released:  # not given back meanwhile
-            self.mark_lost("extend found the slot gone")
+            self._mark_lost("extend found the slot gone")
         return False
+
+    async def is_held(self) -> bool:
+        """Ask the store whether this slot is still ours: present, with a lease that has not
+        run out by the server's clock (one read-only round trip), as :meth:`Slot.is_held
+        <celery_semaphore.core.slot.Slot.is_held>` does.
+
+        It changes nothing, in the store or here: the lease is not renewed, and a False does
+        not set :attr:`lost`.
+
+        Returns:
+            bool: True while the slot is held; False once it was released, lapsed, or taken
+            away by an operator.
+
+        Raises:
+            SemaphoreBackendError: the round trip failed; nothing is known either way.
+        """
+        with backend_errors(self.key, self.limit):
+            [held] = await self._scripts.run(held_call([(self._keys, self.token)]))
+        return held
 
     async def release(self) -> bool:
         """Give the slot back (one round trip; later calls repeat the first answer). When
@@ -199,8 +235,8 @@ class AsyncSlot(LeaseRecord):
             )
         self._on_release(self)
         if not owned:
-            self.mark_lost("release found the slot already gone")
-        await deliver(self._handoffs, self.key, handed)
+            self._mark_lost("release found the slot already gone")
+        await deliver(self._handoffs, self.key, handed, self._scripts)
         return owned
 
     def _released_or_failed(self, release: asyncio.Future[bool]) -> None:

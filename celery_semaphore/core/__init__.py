@@ -1,24 +1,29 @@
 """The lease algorithm: a counting semaphore in Redis whose slots are held by leases.
 
-Nothing here imports Celery. The layers, bottom up: ``validation`` (argument checks),
-``clients`` (redis-py clients from URLs), ``scripts``, ``calls``, ``names`` and ``lua/`` (one
-atomic script per operation), ``slot`` (a held lease), ``heartbeat`` (renewal), ``guard``
-(a slot held for a block), ``semaphore`` (acquire, hold, run), ``admin`` (holders and force
-release without a limit), ``tracing``.
+Nothing here imports Celery. The layers, bottom up: ``validation`` and ``options`` (argument
+checks), ``clients`` (redis-py clients from URLs), ``names``, ``calls``, ``replies``,
+``scripts`` and ``lua/`` (one atomic script per operation), ``slot`` (a held lease),
+``heartbeat`` (renewal), ``guard`` (a slot held for a block), ``admin`` (holders, force
+release and live limits, without a limit), ``handoff`` and ``room`` (the waiting room),
+``wake`` (acquire's wait), ``semaphore`` (acquire, hold, run), ``tracing``.
 """
 
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import client_from_url
+from .handoff import HandoffRoute
+from .room import WaitingRoom
 from .semaphore import DEFAULT_LEASE, Semaphore, guard
 from .slot import Slot
 
 __all__ = [
     "DEFAULT_LEASE",
     "DEFAULT_PREFIX",
+    "HandoffRoute",
     "Holder",
     "Semaphore",
     "SemaphoreAdmin",
     "Slot",
+    "WaitingRoom",
     "client_from_url",
     "guard",
 ]

@@ -1,9 +1,9 @@
 """What operator tools need from the lease algorithm, without a limit: every semaphore under a
-prefix, its live holders, and force release.
+prefix, its live holders, force release and live limits.
 
-:class:`Semaphore` delegates its ``holders`` and ``force_release*`` here; the views (CLI,
-``celery inspect semaphores``, Flower) and the worker's dead-run release use it directly,
-since they see semaphores whose limit they do not know.
+A :class:`~celery_semaphore.core.semaphore.Semaphore` owns one (``sem.admin``); the views
+(CLI, ``celery inspect semaphores``, Flower) and the worker's dead-run release make their
+own, since they see semaphores whose limit they do not know.
 """
 
 from __future__ import annotations
@@ -11,21 +11,28 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.crc import key_slot
-from redis.exceptions import RedisClusterException
 
-from ..errors import SemaphoreValidationError
 from . import validation as check
+from .calls import pause_call
+from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
-from .live import LiveLimits
-from .room import DEFAULT_CLAIM_TIMEOUT, HandoffRoute, Waiter
-from .scripts import Keys, Scripts, backend_errors, check_cluster_key, redis_keys
+from .live import Pause as Pause
+from .live import (
+    limit_change,
+    live_limit_of,
+    log_limit_change,
+    log_pause_change,
+    pause_change,
+    pause_of,
+)
+from .names import Keys, Namespace
+from .recovery import recovering
+from .scripts import Scripts, backend_errors
 
 logger = logging.getLogger(__name__)
 
@@ -77,27 +84,38 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
     )
 
 
-def many_redis_keys(prefix: str, keys: Sequence[str], cluster: bool) -> list[Keys]:
-    """:func:`redis_keys` of each of ``keys``, which one script call takes together; with
-    ``cluster`` (the client is a Redis Cluster's, sync or asyncio), each key is checked as
-    :func:`check_cluster_key` does, and all must share one hash slot.
+def scan_keys(
+    client: redis.Redis, prefix: str, limit: int = 10_000, rooms: bool = False,
+    limits: bool = False,
+) -> list[str]:  # fmt: skip
+    """The keys of every semaphore under ``prefix`` (SCAN, never KEYS), sorted.
+
+    Args:
+        client (redis.Redis): where they live.
+        prefix (str): their namespace.
+        limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
+        rooms (bool): only the keys with a waiting room.
+        limits (bool): only the keys with a live limit (which outlives their slots).
 
     Raises:
-        SemaphoreValidationError: on a cluster, a key starts with ``}``, or the keys land in
-            different hash slots.
+        SemaphoreBackendError: Redis failed.
     """
-    found = [redis_keys(prefix, check_cluster_key(key) if cluster else key) for key in keys]
-    if cluster and len({key_slot(k.slots.encode()) for k in found}) > 1:
-        raise SemaphoreValidationError(
-            f"keys {list(keys)!r} land in different Redis Cluster slots, so no script can "
-            "take them together: start every key with the same hash tag, say "
-            "'{llm}openai' and '{llm}tenant:acme'",
-            keys[0],
-        )
-    return found
+    head = f"{prefix}:{{"
+    tail = "}:room" if rooms else "}:limits" if limits else "}"
+    found: list[str] = []
+    pattern = _GLOB.sub(r"\\\1", head) + "*" + tail
+    kind = "hash" if limits else "zset"
+    with backend_errors(f"{prefix}:*"):
+        for raw in client.scan_iter(match=pattern, count=500, _type=kind):
+            name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+            if name.startswith(head) and name.endswith(tail):
+                found.append(name[len(head) : -len(tail)])
+                if len(found) >= limit:
+                    break
+    return sorted(found)
 
 
-class SemaphoreAdmin(LiveLimits):
+class SemaphoreAdmin:
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
     Args:
@@ -118,112 +136,42 @@ class SemaphoreAdmin(LiveLimits):
         self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
         self.prefix = check.check_key(prefix, "prefix")
         self._scripts = Scripts(client)
-        self._indexed: dict[str, float] = {}  # key -> time.monotonic() of its last index_room
-        # On a cluster, a script's two keys must share a slot (see redis_keys).
-        self._cluster = isinstance(client, redis.RedisCluster)
+        self.names = Namespace(self.prefix, isinstance(client, redis.RedisCluster))
 
     def keys_of(self, key: str) -> Keys:
-        """:func:`redis_keys` of ``key``; on a cluster, rejects a key they would not fit.
+        """The Redis keys of ``key`` (see :meth:`Namespace.keys_of`).
 
         Raises:
             SemaphoreValidationError: ``key`` starts with ``}`` and the client is a cluster's.
         """
-        if self._cluster:
-            check_cluster_key(key)
-        return redis_keys(self.prefix, key)
-
-    def keys_of_many(self, keys: Sequence[str]) -> list[Keys]:
-        """:meth:`keys_of` each of ``keys``, which one script call takes together; on a
-        cluster, they must all share one hash slot.
-
-        Raises:
-            SemaphoreValidationError: on a cluster, the keys land in different hash slots.
-        """
-        return many_redis_keys(self.prefix, keys, self._cluster)
-
-    @property
-    def room_index(self) -> str:
-        """The sorted set of keys whose waiting room may hold waiters (key -> last park, ms),
-        which the workers' sweeps visit instead of scanning the keyspace."""
-        return f"{self.prefix}:rooms"
-
-    def index_room(self, key: str, ttl_ms: int) -> None:
-        """Add ``key`` to :attr:`room_index` (its room just took a waiter), at most once per
-        :data:`INDEX_EVERY` seconds per key and process, so a burst of parks costs one write.
-        Never raises: a key left out is found by the next full scan (see :meth:`rooms`)."""
-        now = time.monotonic()
-        if now - self._indexed.get(key, -INDEX_EVERY) < INDEX_EVERY:
-            return
-        if len(self._indexed) > 10_000:  # many keys: forget the old ones, re-index later
-            self._indexed.clear()
-        self._indexed[key] = now
-        try:
-            with self.client.pipeline(transaction=False) as pipe:
-                pipe.zadd(self.room_index, {key: round(time.time() * 1000)})
-                pipe.pexpire(self.room_index, ttl_ms)
-                pipe.execute()
-        except (redis.RedisError, RedisClusterException) as exc:
-            logger.warning("could not index the waiting room of %r: %s", key, exc)
-
-    def rooms(self, full_scan: bool = False) -> list[str]:
-        """The keys whose waiting rooms a sweep visits: those in :attr:`room_index`, and with
-        ``full_scan`` every room a SCAN of the keyspace finds (the backstop for a parking
-        process that died before it indexed its room).
-
-        Raises:
-            SemaphoreBackendError: Redis failed.
-        """
-        with backend_errors(self.room_index):
-            raw = self.client.zrange(self.room_index, 0, -1)
-        found = {m.decode("utf-8") if isinstance(m, bytes) else str(m) for m in raw}
-        if full_scan:
-            found.update(self.scan_keys(rooms=True))
-        return sorted(found)
+        return self.names.keys_of(key)
 
     def scan_keys(
         self, limit: int = 10_000, rooms: bool = False, limits: bool = False
     ) -> list[str]:
-        """The keys of every semaphore under the prefix (SCAN, never KEYS), sorted.
-
-        Args:
-            limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
-            rooms (bool): only the keys with a waiting room.
-            limits (bool): only the keys with a live limit (which outlives their slots).
+        """The keys of every semaphore under the prefix; see :func:`scan_keys`.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        head = f"{self.prefix}:{{"
-        tail = "}:room" if rooms else "}:limits" if limits else "}"
-        found: list[str] = []
-        pattern = _GLOB.sub(r"\\\1", head) + "*" + tail
-        kind = "hash" if limits else "zset"
-        with backend_errors(f"{self.prefix}:*"):
-            for raw in self.client.scan_iter(match=pattern, count=500, _type=kind):
-                name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-                if name.startswith(head) and name.endswith(tail):
-                    found.append(name[len(head) : -len(tail)])
-                    if len(found) >= limit:
-                        break
-        return sorted(found)
+        return scan_keys(self.client, self.prefix, limit, rooms, limits)
 
-    def holders(self, key: str, limit: int | None = None) -> list[Holder]:
+    def holders(self, key: str) -> list[Holder]:
         """Every live holder of ``key``, soonest expiry first (one round trip).
 
         Args:
             key (str): the semaphore's key.
-            limit (int | None): only to name in an error.
 
         Raises:
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
         key = check.check_key(key)
-        with backend_errors(key, limit):
+        with backend_errors(key):
             now_ms, rows = self._scripts.holders(self.keys_of(key))
         return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
 
-    def force_release(self, key: str, token: str, limit: int | None = None) -> bool:
+    def force_release(self, key: str, token: str) -> bool:
         """Free one holder's slot by its token (from :meth:`holders`), as an operator would.
 
         Returns:
@@ -235,16 +183,19 @@ class SemaphoreAdmin(LiveLimits):
         """
         key = check.check_key(key)
         check.check_key(token, "token")
-        with backend_errors(key, limit):
-            live, handed = self._scripts.release(
-                self.keys_of(key), token, self.handoffs.release_claim_ms, None
-            )
-        self.handoffs.deliver(key, handed)
+        keys = self.keys_of(key)
+        with backend_errors(key), recovering(self._scripts, keys, key, token, self.handoffs):
+            live, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
+            if token.startswith("~"):
+                # A reservation taken away is due in its room now (its waiter goes back in
+                # line), but the room's score says when its last sweep thought: bring it on.
+                self.client.zadd(self.names.room_index, {key: 0}, xx=True)
+        self.handoffs.deliver(key, handed, self._scripts)
         if live:
             logger.warning("semaphore %r: holder %s force-released", key, token)
         return live
 
-    def force_release_all(self, key: str, limit: int | None = None) -> int:
+    def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).
 
         The displaced holders keep running; each learns of it at its next renewal or release,
@@ -258,48 +209,113 @@ class SemaphoreAdmin(LiveLimits):
             SemaphoreBackendError: Redis failed.
         """
         key = check.check_key(key)
-        with backend_errors(key, limit):
+        with backend_errors(key):
             displaced = self._scripts.force_release_all(self.keys_of(key))
+            # The freed slots wait for the room's next sweep: bring it on.
+            self.client.zadd(self.names.room_index, {key: 0}, xx=True)
         logger.warning(
             "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
         )
         return displaced
 
-    def room(self, key: str) -> list[Waiter]:
-        """The waiters parked on ``key``, oldest first (not those holding a reservation).
+    def live_limit(self, key: str) -> LiveLimit | None:
+        """The live limit of ``key``, or None when none is set (one round trip).
 
         Raises:
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        return self._waiting(key, -1)[1]
-
-    def room_head(self, key: str) -> tuple[int, Waiter | None]:
-        """How many waiters are parked on ``key``, and the oldest (one round trip, however
-        big the room).
-
-        Raises:
-            SemaphoreValidationError: ``key`` is not a non-empty str.
-            SemaphoreBackendError: Redis failed.
-        """
-        count, head = self._waiting(key, 0)
-        return count, (head[0] if head else None)
-
-    def _waiting(self, key: str, last: int) -> tuple[int, list[Waiter]]:
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            now_ms, count, rows = self._scripts.waiting(keys, last)
-        return count, [
-            Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
-        ]
+            return live_limit_of(self.client.hgetall(keys.limits))
 
-    def sweep(self, key: str) -> int:
-        """The room's safety net for ``key``: requeue waiters whose reservation lapsed, hand
-        every free slot to the oldest waiters, and give up waiters past their deadline (see
-        :meth:`Semaphore.park`); a room found gone leaves :attr:`room_index`.
+    def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
+        """Set the live limit of ``key``, which wins over the limit every caller gives until it
+        is cleared; None clears it (callers' own limits apply again). One round trip; the
+        change is logged (who, from which host and pid) and shown by the views.
+
+        Lowering the limit evicts no holder: new ones are refused until the key is under it.
+        Raising it hands the freed capacity to the oldest parked waiters in the same script
+        call (published through this admin's hand-off route; with no publisher, the next
+        sweep hands them out) and wakes callers waiting in ``acquire(wait=...)``.
+
+        Args:
+            key (str): the semaphore's key.
+            limit (int | None): the new limit (1 to 2**31 - 1), or None to clear.
+            by (str | None): who sets it, for the views; None: ``user@host pid N``.
 
         Returns:
-            int: how many slots were handed off and waiters given up.
+            int | None: the live limit it replaced (None: there was none).
+
+        Raises:
+            SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid (nothing is sent).
+            SemaphoreBackendError: Redis failed.
+        """
+        key, limit, who = limit_change(key, limit, by)
+        keys = self.keys_of(key)
+        with backend_errors(key, limit), recovering(self._scripts, keys, key, "", self.handoffs):
+            previous, _, handed = self._scripts.set_limit(
+                keys, limit, who, self.handoffs.release_claim_ms
+            )
+        self.handoffs.deliver(key, handed, self._scripts)
+        log_limit_change(key, limit, previous, who)
+        return previous
+
+    def pause(self, key: str, by: str | None = None) -> bool:
+        """Pause ``key`` for the whole fleet. While it is paused the limit
+        that applies is 0: running bodies finish and keep renewing their slots, nothing new
+        starts (an acquire is refused with ``Refusal.PAUSED``, a queueing run parks), and a
+        release hands nothing off. A live limit is left as it is. Who did it
+        and when is recorded in Redis and shown by the views; the change is logged. One
+        round trip.
+
+        Args:
+            key (str): the semaphore's key.
+            by (str | None): who pauses it, for the views; None: ``user@host pid N``.
+
+        Returns:
+            bool: whether the key was paused before the call.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``by`` is invalid (nothing is sent).
+            SemaphoreBackendError: Redis failed.
+        """
+        return self._pause(key, True, by)
+
+    def resume(self, key: str, by: str | None = None) -> bool:
+        """Resume ``key`` for the whole fleet. The free capacity is handed
+        to the oldest parked runs in the same script call (published through this admin's
+        hand-off route), and callers waiting in ``acquire(wait=...)`` are woken. A live
+        limit is left as it is. Who did it
+        and when is recorded in Redis and shown by the views; the change is logged. One
+        round trip.
+
+        Args:
+            key (str): the semaphore's key.
+            by (str | None): who resumes it, for the views; None: ``user@host pid N``.
+
+        Returns:
+            bool: whether the key was paused before the call.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``by`` is invalid (nothing is sent).
+            SemaphoreBackendError: Redis failed.
+        """
+        return self._pause(key, False, by)
+
+    def _pause(self, key: str, paused: bool, by: str | None) -> bool:
+        key, who = pause_change(key, by)
+        keys = self.keys_of(key)
+        with backend_errors(key), recovering(self._scripts, keys, key, "", self.handoffs):
+            was, handed = self._scripts.run(
+                pause_call(keys, paused, who, self.handoffs.release_claim_ms)
+            )
+        self.handoffs.deliver(key, handed, self._scripts)
+        log_pause_change(key, paused, was, who)
+        return was
+
+    def pause_of(self, key: str) -> Pause | None:
+        """Whether ``key`` is paused: who paused it and when, or None (one round trip).
 
         Raises:
             SemaphoreValidationError: ``key`` is not a non-empty str.
@@ -307,26 +323,7 @@ class SemaphoreAdmin(LiveLimits):
         """
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            alive, handed = self._scripts.sweep(keys, self.handoffs.claim_ms)
-            if not alive:
-                self.client.zrem(self.room_index, key)
-        self.handoffs.deliver(key, handed)
-        return len(handed)
-
-    def cancel(self, key: str, waiter: str) -> bool:
-        """Take ``waiter`` out of ``key``'s room (its run was revoked or expired), handing
-        its reservation, if it had one, to the next waiter. True when it was there.
-
-        Raises:
-            SemaphoreValidationError: ``key`` or ``waiter`` is not a non-empty str.
-            SemaphoreBackendError: Redis failed.
-        """
-        keys = self.keys_of(check.check_key(key))
-        check.check_key(waiter, "waiter")
-        with backend_errors(key):
-            found, handed = self._scripts.cancel(keys, waiter, self.handoffs.claim_ms)
-        self.handoffs.deliver(key, handed)
-        return found
+            return pause_of(self.client.hgetall(keys.limits))
 
     def server_warnings(self) -> list[str]:
         """What about the server could break the semaphore's promise, for a start-up log.

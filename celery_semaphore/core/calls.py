@@ -9,17 +9,31 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from .names import Keys
+from .names import Keys, keys_named
 from .replies import (
     Admitted,
+    Declined,
+    DueRooms,
     Full,
     Handoff,
+    NotWaiting,
+    Parked,
+    RoomFull,
     parse_acquire,
     parse_acquire_many,
+    parse_cancel,
+    parse_due_rooms,
     parse_extend,
+    parse_gather,
+    parse_held,
     parse_holders,
+    parse_park,
+    parse_park_many,
+    parse_pause,
     parse_release,
     parse_set_limit,
+    parse_sweep,
+    parse_waiting,
 )
 
 T = TypeVar("T")
@@ -27,14 +41,16 @@ T = TypeVar("T")
 ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 SCRIPT_KEYS = {
     "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
-    "count": slice(0, 1), "holders": _PAIR,
+    "count": slice(0, 1), "held": slice(0, 1), "holders": _PAIR,
     "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
     "release": ROOM_KEYS,
-    "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS,
-    "block": slice(6, 7),
+    "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS, "recover": ROOM_KEYS,
+    "gather": slice(0, 6), "block": slice(6, 7),
     "waiting": slice(3, 5),
+    "due_rooms": slice(0, 0),
 }  # fmt: skip
-"""Which of a semaphore's :class:`Keys` each script takes, in order."""
+"""Which of a semaphore's :class:`Keys` each script takes, in order (``due_rooms`` takes
+none: its one key is the room index)."""
 
 
 class Call(Generic[T]):
@@ -147,9 +163,24 @@ def set_limit_call(
     return call_of("set_limit", keys, args, parse_set_limit)
 
 
+def pause_call(
+    keys: Keys, paused: bool, by: str, claim_ms: int
+) -> Call[tuple[bool, list[Handoff]]]:
+    """Pause the key (``paused``) or resume it, leaving its live limit alone: whether it was
+    paused before, and the hand-offs of the capacity a resume frees (set_limit.lua)."""
+    return call_of("set_limit", keys, ("=", by, claim_ms, "1" if paused else "0"), parse_pause)
+
+
 def count_call(keys: Keys) -> Call[int]:
     """How many holders are live by the server's clock."""
     return call_of("count", keys, (), int)
+
+
+def held_call(slots: Sequence[tuple[Keys, str]]) -> Call[list[bool]]:
+    """Whether each ``(keys, token)`` is still a live holder by the server's clock, in one
+    read-only call (all keys in one cluster hash slot); nothing is written."""
+    names = [k[SCRIPT_KEYS["held"]][0] for k, _ in slots]
+    return Call("held", names, [token for _, token in slots], parse_held)
 
 
 def holders_call(keys: Keys) -> Call[tuple[int, list[tuple[str, int, str]]]]:
@@ -160,3 +191,104 @@ def holders_call(keys: Keys) -> Call[tuple[int, list[tuple[str, int, str]]]]:
 def force_release_all_call(keys: Keys) -> Call[int]:
     """Delete the semaphore; how many live holders it had."""
     return call_of("force_release_all", keys, (), int)
+
+
+def park_call(
+    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, waiter: str,
+    arrival_ms: int | None, payload: bytes, claim_ms: int, room_ttl_ms: int, max_queued: int,
+    claim_only: bool, deadline_ms: int, grace_ms: int, delivery: str = "", weight: int = 1,
+    tenant: str = "",
+) -> Call[tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]]:  # fmt: skip
+    """Take a slot of the key in arrival order or park ``waiter`` with ``payload`` (park
+    mode); or, with ``claim_only``, take the slot a hand-off reserved for it (claim mode).
+    See park.lua's contract for each argument; the answer and the hand-offs the call made."""
+    args = (
+        limit, lease_ms, token, metadata, weight, "claim" if claim_only else "park",
+        waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
+        max_queued, deadline_ms, grace_ms, delivery, tenant, payload,
+    )  # fmt: skip
+    parse = functools.partial(parse_park, limit=limit, lease_ms=lease_ms)
+    return call_of("park", keys, args, parse)
+
+
+def take_call(
+    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
+) -> Call[Admitted | Declined]:
+    """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
+    mode): what a park would do on such a key, without the payload it would park with."""
+    args = (b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, "take")
+
+    def parse(reply: Any) -> Admitted | Declined:
+        result, _ = parse_park(reply, limit, lease_ms)
+        assert isinstance(result, (Admitted, Declined))
+        return result
+
+    return call_of("park", keys, args, parse)
+
+
+def park_many_call(
+    groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str,
+    waiter: str, arrival_ms: int | None, payload: bytes, claim_ms: int, room_ttl_ms: int,
+    max_queued: int, claim_only: bool, deadline_ms: int, delivery: str = "",
+) -> Call[tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]]:  # fmt: skip
+    """Take a slot of every ``(keys, limit, weight)`` in arrival order, or park in the room
+    of the first that cannot take it yet (see park_many.lua's contract). A
+    :class:`Parked` answer's ``index`` says which."""
+    keys = [name for k, _, _ in groups for name in k[SCRIPT_KEYS["park_many"]]]
+    args: list[str | int | bytes] = [
+        lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
+        payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
+        deadline_ms, delivery,
+    ]  # fmt: skip
+    args += [value for _, limit, weight in groups for value in (limit, weight)]
+    return Call("park_many", keys, args, parse_park_many)
+
+
+def waiting_call(
+    keys: Keys, rows: int = -1, first: int = 0
+) -> Call[tuple[int, int, list[tuple[str, int]]]]:
+    """The server's time (epoch ms), how many are parked, and the parked
+    ``(waiter, arrival_ms)`` from index ``first`` to index ``rows`` (-1: to the end), first
+    served first."""
+    return call_of("waiting", keys, (rows, first), parse_waiting)
+
+
+def sweep_call(keys: Keys, claim_ms: int, idle_ms: int) -> Call[tuple[bool, list[Handoff], int]]:
+    """Requeue lapsed reservations, hand free slots to the oldest waiters and give up
+    waiters past their deadline: whether the room still exists, what to publish, and when
+    the room next needs a sweep (at most ``idle_ms`` from now; see sweep.lua)."""
+    return call_of("sweep", keys, (claim_ms, idle_ms), parse_sweep)
+
+
+def cancel_call(
+    keys: Sequence[Keys], waiter: str, claim_ms: int
+) -> Call[tuple[bool, list[Handoff], tuple[str, ...]]]:
+    """Take ``waiter`` out of the room of each of ``keys`` (one key's, or every key of a
+    waiter of several keys): whether it was there, and the hand-offs; or, given one key of
+    a waiter of several, the slots keys of all of them, nothing done (see cancel.lua)."""
+    names = [name for k in keys for name in k[SCRIPT_KEYS["cancel"]]]
+    return Call("cancel", names, (waiter, claim_ms), parse_cancel)
+
+
+def gather_call(handoff: Handoff, claim_ms: int) -> Call[list[Handoff]]:
+    """Hand off the waiter of ``handoff`` (one with ``gather``: it needs several keys) if it
+    holds a reservation of each of them now (see gather.lua): the hand-offs to publish, and
+    more waiters to gather."""
+    names = [name for slots in handoff.gather for name in keys_named(slots)[SCRIPT_KEYS["gather"]]]
+    return Call("gather", names, (handoff.waiter, claim_ms), parse_gather)
+
+
+def recover_call(
+    keys: Keys, token: str, claim_ms: int, since_ms: int
+) -> Call[tuple[bool, list[Handoff]]]:
+    """After a call of ``token`` ("" for none) sent ``since_ms`` ago whose answer was lost:
+    whether the token still held a slot (it is given back now), and the hand-offs to
+    publish: the reservations made since, and the slots handed off now (see recover.lua)."""
+    return call_of("recover", keys, (token, claim_ms, max(0, since_ms)), parse_release)
+
+
+def due_rooms_call(index: str, interval_ms: int, count: int, ttl_ms: int) -> Call[DueRooms]:
+    """Take up to ``count`` rooms due for a sweep from the room ``index`` (its Redis key), and
+    make each due again ``interval_ms`` later; the index lives at least ``ttl_ms`` more once
+    a room is taken (see due_rooms.lua)."""
+    return Call("due_rooms", [index], (interval_ms, count, ttl_ms), parse_due_rooms)

@@ -127,6 +127,24 @@ def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) 
     return client_from_options(sentinel.master_for, service, **options)
 
 
+def client_of(client: object) -> RedisClient:
+    """``client`` if it is a redis-py client that can run our calls, or one made from it if
+    it is a URL (see :func:`client_from_url`).
+
+    Raises:
+        SemaphoreValidationError: ``client`` is neither (a pipeline is a Redis subclass, but
+            cannot run our calls), or a bad URL.
+    """
+    if isinstance(client, str):
+        return client_from_url(client)
+    if isinstance(client, (redis.Redis, redis.RedisCluster)) and not hasattr(client, "execute"):
+        return client
+    raise SemaphoreValidationError(
+        "redis must be a redis.Redis or redis.RedisCluster client or a URL, "
+        f"got {type(client).__name__}"
+    )
+
+
 def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """Make a redis-py client for ``url`` with settings a semaphore needs.
 

@@ -63,7 +63,7 @@ class guard(Generic[S]):
         if self._beat is not None:
             for member in self._members():
                 self._beat.remove(member)
-        slot.check_deadline()
+        slot._check_deadline()
         try:
             slot.release()
         except Exception:

@@ -34,7 +34,8 @@ from redis.crc import key_slot
 
 from . import process
 from .lease import RenewalPlan, RenewErrorCallback
-from .scripts import Keys, Scripts, backend_errors
+from .names import Keys
+from .scripts import Scripts, backend_errors
 
 if TYPE_CHECKING:
     from .slot import Slot
@@ -47,7 +48,7 @@ short tasks one after another does not start a thread for each."""
 
 @dataclass(eq=False)
 class _Batch:
-    """Renewals sent together: one script call per (client, hash slot) group."""
+    """Renewals sent together: one script call per (client, shard) batch."""
 
     entries: list[RenewalPlan[Slot]]
     sent_at: float
@@ -59,16 +60,16 @@ class _Batch:
     def send(self) -> None:
         """Run in the sender thread; never raises."""
         try:
-            groups: dict[
+            batches: dict[
                 tuple[int, int], list[tuple[RenewalPlan[Slot], Scripts, Keys, str, int]]
             ] = {}
             for entry in self.entries:
-                scripts, keys, token, ms = entry.slot.renewal()
+                scripts, keys, token, ms = entry.slot._renewal()
                 # On a cluster, one call per hash slot; elsewhere, one per client.
                 cluster = isinstance(scripts.client, RedisCluster)
-                group = (id(scripts.client), key_slot(keys.slots.encode()) if cluster else 0)
-                groups.setdefault(group, []).append((entry, scripts, keys, token, ms))
-            for rows in groups.values():
+                shard = (id(scripts.client), key_slot(keys.slots.encode()) if cluster else 0)
+                batches.setdefault(shard, []).append((entry, scripts, keys, token, ms))
+            for rows in batches.values():
                 first = rows[0][0].slot
                 with backend_errors(first.key, first.limit):
                     expiries = rows[0][1].extend(
@@ -125,7 +126,7 @@ class Renewer:
         lease changes) until :meth:`remove`. ``on_renew_error`` is called, in the renewal
         thread, with each round trip that failed without saying the slot is gone; an
         exception it raises is swallowed."""
-        entry = RenewalPlan(slot, interval / slot.lease, on_renew_error, slot.renewed_at)
+        entry = RenewalPlan(slot, interval / slot.lease, on_renew_error, slot._renewed_at)
 
         def lease_changed() -> None:
             # Renew at once: a renewal of the old lease still in flight must not be the last
@@ -133,7 +134,7 @@ class Renewer:
             entry.last_sent = float("-inf")
             self._wake.set()
 
-        slot.watch_lease(lease_changed)
+        slot._watch_lease(lease_changed)
         with self._lock:
             self._entries[id(slot)] = entry
             self._added += 1
@@ -152,7 +153,7 @@ class Renewer:
         """Stop renewing ``slot``. Once this returns, no renewal answer touches it, so a
         renewal racing an intentional release is never taken for a loss. The thread is not
         woken: it finds the slot gone when it next wakes."""
-        slot.watch_lease(None)
+        slot._watch_lease(None)
         with self._lock:
             self._entries.pop(id(slot), None)
             self._last_used = time.monotonic()
@@ -228,15 +229,15 @@ class Renewer:
             with self._lock:
                 if self._entries.get(id(slot)) is not entry:
                     continue  # removed (released) while the batch was in flight
-                if not slot.renewed(batch.sent_at, seconds, batch.answers.get(id(entry))):
+                if not slot._renewed(batch.sent_at, seconds, batch.answers.get(id(entry))):
                     if not slot.released:  # not given back by the body itself meanwhile
-                        slot.mark_lost("a renewal found the slot gone")
+                        slot._mark_lost("a renewal found the slot gone")
                     self._entries.pop(id(slot), None)
 
     def _judge(self, entry: RenewalPlan[Slot], reason: str) -> None:
         with self._lock:
             if self._entries.get(id(entry.slot)) is entry and not entry.slot.released:
-                entry.slot.mark_lost(reason)
+                entry.slot._mark_lost(reason)
                 self._entries.pop(id(entry.slot), None)
 
     def _report(self, entry: RenewalPlan[Slot], error: BaseException) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..errors import SemaphoreLeaseLostError
-from .scripts import Admitted
+from .replies import Admitted
 
 RenewErrorCallback = Callable[[BaseException], object]
 """Called with each renewal round trip that failed without saying the slot is gone."""
@@ -64,17 +64,12 @@ class LeaseRecord:
         one lease after the last successful acquire or extend was *sent*."""
         return self._renewed_at + self.lease
 
-    @property
-    def renewed_at(self) -> float:
-        """``time.monotonic()`` when the last successful acquire or extend was sent."""
-        return self._renewed_at
-
-    def watch_lease(self, callback: Callable[[], object] | None) -> None:
+    def _watch_lease(self, callback: Callable[[], object] | None) -> None:
         """Call ``callback()`` whenever an extend changes the lease (a renewer re-plans);
         None stops it."""
         self._on_lease_change = callback
 
-    def renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
+    def _renewed(self, sent_at: float, seconds: float, expires_at_ms: int | None) -> bool:
         """Take in the answer to a renewal sent at ``sent_at`` (``time.monotonic()``) for
         ``seconds``: True when the slot is still ours. It does not mark the slot lost on
         False (the caller decides)."""

@@ -1,6 +1,9 @@
 """Live limits: a key's limit set in Redis by an operator, which wins over the limit its
-callers give until it is cleared (``set_limit.lua``). :class:`LiveLimits` holds the methods
-:class:`~celery_semaphore.core.admin.SemaphoreAdmin` offers for it."""
+callers give until it is cleared, and a key's pause, which makes that limit 0 until it is
+resumed (``set_limit.lua``). What the sync and asyncio admins share
+about them: the record, reading it, checking a change and logging it; the round trips are
+:meth:`SemaphoreAdmin.set_limit <celery_semaphore.core.admin.SemaphoreAdmin.set_limit>` and its
+asyncio twin's."""
 
 from __future__ import annotations
 
@@ -12,11 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from . import validation as check
-from .room import HandoffRoute
-from .scripts import Keys, Scripts, backend_errors
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +33,20 @@ class LiveLimit:
 
     limit: int
     set_at: float
+    by: str
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A key an operator paused: nothing new starts on it until it is resumed (see
+    :meth:`SemaphoreAdmin.pause`).
+
+    Attributes:
+        paused_at (float): when it was paused, epoch seconds by the Redis clock.
+        by (str): who paused it (``user@host pid N`` unless the pauser said otherwise).
+    """
+
+    paused_at: float
     by: str
 
 
@@ -60,6 +73,34 @@ def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
                      fields.get("by", ""))  # fmt: skip
 
 
+def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
+    """The pause a key's limits hash records, read from HGETALL's reply (bytes or text), or
+    None when the key is not paused."""
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    if "paused_at" not in fields:
+        return None
+    return Pause(int(fields["paused_at"]) / 1000, fields.get("paused_by", ""))
+
+
+def pause_change(key: object, by: object) -> tuple[str, str]:
+    """The arguments of a ``pause`` or ``resume`` (sync or asyncio) checked: the key and who
+    makes the change (``by``, else :func:`setter`).
+
+    Raises:
+        SemaphoreValidationError: ``key`` or ``by`` is invalid.
+    """
+    return check.check_key(key), setter() if by is None else check.check_key(by, "by")
+
+
+def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
+    """Log a pause or a resume at WARNING, beside the live limits' changes."""
+    if paused == was:
+        logger.info("semaphore %r: already %s (%s asked)", key, "paused" if was else "running",
+                    who)  # fmt: skip
+        return
+    logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
+
+
 def limit_change(key: object, limit: object, by: object) -> tuple[str, int | None, str]:
     """The arguments of a ``set_limit`` (sync or asyncio) checked: the key, the new limit
     (None clears it) and who sets it (``by``, else :func:`setter`).
@@ -82,58 +123,3 @@ def log_limit_change(key: str, limit: int | None, previous: int | None, who: str
         "none" if previous is None else previous,
         who,
     )
-
-
-class LiveLimits:
-    """The live-limit methods of :class:`~celery_semaphore.core.admin.SemaphoreAdmin` (the
-    attributes and the method below are the admin's own)."""
-
-    client: redis.Redis
-    handoffs: HandoffRoute
-    _scripts: Scripts
-
-    def keys_of(self, key: str) -> Keys:
-        raise NotImplementedError
-
-    def live_limit(self, key: str) -> LiveLimit | None:
-        """The live limit of ``key``, or None when none is set (one round trip).
-
-        Raises:
-            SemaphoreValidationError: ``key`` is not a non-empty str.
-            SemaphoreBackendError: Redis failed.
-        """
-        keys = self.keys_of(check.check_key(key))
-        with backend_errors(key):
-            return live_limit_of(self.client.hgetall(keys.limits))
-
-    def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
-        """Set the live limit of ``key``, which wins over the limit every caller gives until it
-        is cleared; None clears it (callers' own limits apply again). One round trip; the
-        change is logged (who, from which host and pid) and shown by the views.
-
-        Lowering the limit evicts no holder: new ones are refused until the key is under it.
-        Raising it hands the freed capacity to the oldest parked waiters in the same script
-        call (published through this admin's hand-off route; with no publisher, the next
-        sweep hands them out) and wakes callers waiting in ``acquire(wait=...)``.
-
-        Args:
-            key (str): the semaphore's key.
-            limit (int | None): the new limit (1 to 2**31 - 1), or None to clear.
-            by (str | None): who sets it, for the views; None: ``user@host pid N``.
-
-        Returns:
-            int | None: the live limit it replaced (None: there was none).
-
-        Raises:
-            SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid (nothing is sent).
-            SemaphoreBackendError: Redis failed.
-        """
-        key, limit, who = limit_change(key, limit, by)
-        keys = self.keys_of(key)
-        with backend_errors(key, limit):
-            previous, _, handed = self._scripts.set_limit(
-                keys, limit, who, self.handoffs.release_claim_ms
-            )
-        self.handoffs.deliver(key, handed)
-        log_limit_change(key, limit, previous, who)
-        return previous

@@ -1,7 +1,7 @@
 """What the sync :class:`~celery_semaphore.core.semaphore.Semaphore` and the asyncio
 :class:`~celery_semaphore.asyncio.semaphore.AsyncSemaphore` check and build alike, before
-anything is sent to Redis: the constructor's options, an acquire's arguments, and the
-holder record an acquire stores."""
+anything is sent to Redis: the constructor's options, an acquire's arguments, the
+holder record an acquire stores, and a park's arguments."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from typing import Any, NamedTuple
 from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
-from .scripts import Admitted, Keys
+from .names import Keys
+from .replies import Admitted
+
+KeySpecs = Sequence[tuple[str, int] | tuple[str, int, int]]
+"""``(key, limit)`` or ``(key, limit, weight)`` of each of several keys."""
+
+DEFAULT_LEASE = 60.0
+"""Seconds a slot lives without an extend, unless a semaphore or a call says otherwise."""
 
 
 def semaphore_options(limit: int, lease: float, prefix: str) -> tuple[int, float, str]:
@@ -106,6 +113,41 @@ def check_acquire(
     limit = default_limit if limit is None else check.check_limit(limit)
     weight = check.check_weight(weight, limit)
     return CheckedAcquire(*checked, limit, weight, keys_of(checked.key))
+
+
+class AcquireChecks:
+    """:func:`check_acquire` for one semaphore, whose defaults it knows; a plain call (every
+    option left at its default) is checked once per key, then found again.
+
+    Args:
+        limit (int): the semaphore's limit.
+        lease (float): its lease, seconds.
+        keys_of (Callable[[str], Keys]): the Redis keys of a key.
+    """
+
+    def __init__(self, limit: int, lease: float, keys_of: Callable[[str], Keys]) -> None:
+        self.limit, self.lease, self.keys_of = limit, lease, keys_of
+        self._plain: dict[str, CheckedAcquire] = {}
+
+    def __call__(
+        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+        retry_delay: float, wait: float, plain: bool,
+    ) -> CheckedAcquire:  # fmt: skip
+        """The arguments checked (see :func:`check_acquire`); ``plain`` says the call left
+        every option at its default, which a key's first plain call checks for the rest.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid.
+        """
+        checked = self._plain.get(key) if plain else None
+        if checked is None:
+            checked = check_acquire(key, limit, weight, lease, retries, retry_delay, wait,
+                                    self.limit, self.lease, self.keys_of)  # fmt: skip
+            if plain:
+                if len(self._plain) >= PLAIN_KEPT:
+                    self._plain.clear()
+                self._plain[key] = checked
+        return checked
 
 
 def hold_interval(
@@ -283,3 +325,90 @@ class HolderRecord:
         if plain:
             self._plain = (pid, text)
         return text
+
+
+def check_waiter(waiter: object, payload: object) -> None:
+    """Refuse a waiter id the room cannot tell apart from its own marks, or a payload that is
+    not bytes.
+
+    Raises:
+        SemaphoreValidationError: ``waiter`` is empty, starts with ``~`` or ``!`` or holds a
+            ``#``, or ``payload`` is not bytes.
+    """
+    waiter = check.check_key(waiter, "waiter")
+    if waiter[0] in "~!" or "#" in waiter:
+        raise SemaphoreValidationError(
+            f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
+        )
+    if not isinstance(payload, bytes):
+        raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+
+
+class ParkArgs(NamedTuple):
+    """A park's timing arguments, checked (see :func:`park_args`)."""
+
+    seconds: float
+    ms: int
+    arrival_ms: int | None
+    max_queued: int
+    ttl_ms: int
+
+
+def park_args(
+    lease: float | None, default_lease: float, arrival: float | None, max_queued: int,
+    room_ttl: float, waited: float | None = None,
+) -> ParkArgs:  # fmt: skip
+    """The lease (seconds and ms), arrival (epoch ms; a negative number is a wait, in ms
+    before the server's now, from ``waited``), room size and room TTL (ms) of a park or
+    claim, checked.
+
+    Raises:
+        SemaphoreValidationError: one of them is invalid, or both ``arrival`` and
+            ``waited`` are given; the message names it.
+    """
+    arrival_ms = None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
+    if waited is not None:
+        if arrival is not None:
+            raise SemaphoreValidationError("give park() arrival or waited, not both")
+        waited_ms = round(check.check_delay(waited, "waited") * 1000)
+        arrival_ms = -waited_ms if waited_ms else None
+    seconds, ms, queued, ttl_ms = _park_timing(lease, default_lease, max_queued, room_ttl)
+    return ParkArgs(seconds, ms, arrival_ms, queued, ttl_ms)
+
+
+def check_delivery(delivery: object) -> None:
+    """Refuse a claim's ``delivery`` id that is neither "" nor a non-empty str.
+
+    Raises:
+        SemaphoreValidationError: it is not a str.
+    """
+    if delivery != "":
+        check.check_key(delivery, "delivery")
+
+
+def deadline_ms(deadline: float | None, budget: float | None) -> int:
+    """A park's give-up time for park.lua: 0 for none, epoch ms from ``deadline``, or a
+    negative number, ``budget`` seconds in ms, which the server counts from the waiter's
+    arrival on its own clock.
+
+    Raises:
+        SemaphoreValidationError: ``deadline`` is not epoch seconds, ``budget`` is not a
+            positive number of seconds, or both are given.
+    """
+    if budget is not None:
+        if deadline is not None:
+            raise SemaphoreValidationError("give park() deadline or budget, not both")
+        return -check.lease_ms(budget, "budget")
+    return 0 if deadline is None else round(check.check_epoch(deadline, "deadline") * 1000)
+
+
+def _check_park_timing(
+    lease: float | None, default_lease: float, max_queued: int, room_ttl: float
+) -> tuple[float, int, int, int]:
+    seconds = default_lease if lease is None else lease
+    return (float(seconds), check.lease_ms(seconds), check.check_retries(max_queued, "max_queued"),
+            check.lease_ms(room_ttl, "room_ttl"))  # fmt: skip
+
+
+_park_timing = check.Memoised(_check_park_timing)
+"""A park's lease, room size and room TTL checked, once per distinct value."""

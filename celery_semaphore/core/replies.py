@@ -9,6 +9,7 @@ contract that opens its ``lua/*.lua`` file.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +18,16 @@ from typing import Any
 @dataclass(frozen=True)
 class Handoff:
     """A slot reserved for a parked waiter, whose payload the caller must now publish; or,
-    with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail."""
+    with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail.
+
+    With ``gather`` (the slots keys of every key it needs), a waiter of several keys was
+    given a reservation of one of them: not to be published, but gathered (gather.lua),
+    which hands it off once it holds all of them (see :class:`~.handoff.HandoffRoute`)."""
 
     waiter: str
     payload: bytes
     give_up: bool = False
+    gather: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -46,9 +52,12 @@ class RoomFull:
 @dataclass(frozen=True)
 class NotWaiting:
     """park.lua in claim mode: nothing is reserved or parked for the waiter. ``again`` when
-    the claiming delivery is the one that claimed its slot before (its run was lost)."""
+    the claiming delivery is the one that claimed its slot before (its run was lost);
+    ``recorded`` False when no claim of the waiter is on record at all (it left the room
+    without one, or the store lost the record in a restart)."""
 
     again: bool = False
+    recorded: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,12 +98,18 @@ class Full:
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
-    """The {waiter, payload} pairs at ``reply[start:]``."""
-    return [
-        Handoff(_text(reply[i]), reply[i + 1] if isinstance(reply[i + 1], bytes)
-                else str(reply[i + 1]).encode(), give_up)
-        for i in range(start, len(reply) - 1, 2)
-    ]  # fmt: skip
+    """The {waiter, payload} pairs at ``reply[start:]``; a waiter written ``!<waiter>`` has
+    its keys (a JSON list) in place of a payload, to be gathered (see room.lua), and one
+    written ``~sweep`` is a room left to a sweep (see :data:`.handoff.SWEEP_DUE`)."""
+    found = []
+    for i in range(start, len(reply) - 1, 2):
+        waiter, payload = _text(reply[i]), reply[i + 1]
+        if waiter.startswith("!"):
+            found.append(Handoff(waiter[1:], b"", gather=tuple(json.loads(payload))))
+        else:
+            payload = payload if isinstance(payload, bytes) else str(payload).encode()
+            found.append(Handoff(waiter, payload, give_up))
+    return found
 
 
 def _text(value: Any) -> str:
@@ -127,11 +142,24 @@ def parse_extend(reply: Any) -> list[int | None]:
 
 
 def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
-    """release.lua's (and cancel.lua's) reply: the flag, and the hand-offs (release.lua
+    """release.lua's (and recover.lua's) reply: the flag, and the hand-offs (release.lua
     answers a bare flag when it handed nothing off)."""
     if isinstance(reply, int):
         return reply == 1, []
     return int(reply[0]) == 1, _handoffs(reply, 1)
+
+
+def parse_cancel(reply: Any) -> tuple[bool, list[Handoff], tuple[str, ...]]:
+    """cancel.lua's reply: the flag and the hand-offs; or, for a waiter of several keys that
+    was not cancelled yet, the slots keys of all of them (to cancel it with)."""
+    if int(reply[0]) == -1:
+        return False, [], tuple(json.loads(reply[1]))
+    return int(reply[0]) == 1, _handoffs(reply, 1), ()
+
+
+def parse_gather(reply: Any) -> list[Handoff]:
+    """gather.lua's reply: the hand-offs."""
+    return _handoffs(reply, 0)
 
 
 def parse_park(
@@ -153,14 +181,20 @@ def parse_park(
     elif status == -1:
         result = RoomFull(value)
     else:
-        result = NotWaiting(again=value == 1)
+        result = NotWaiting(again=value == 1, recorded=value != 2)
     return result, _handoffs(reply, 4)
 
 
 def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:
     """set_limit.lua's reply: the live limit before (None: none), the server's time, and
     the hand-offs."""
-    return int(reply[0]) or None, int(reply[1]), _handoffs(reply, 2)
+    return int(reply[0]) or None, int(reply[1]), _handoffs(reply, 3)
+
+
+def parse_pause(reply: Any) -> tuple[bool, list[Handoff]]:
+    """set_limit.lua's reply to a pause or a resume: whether the key was paused before, and
+    the hand-offs (a resume hands the free capacity out)."""
+    return int(reply[2]) == 1, _handoffs(reply, 3)
 
 
 def parse_park_many(
@@ -177,7 +211,7 @@ def parse_park_many(
     elif status == -1:
         result = RoomFull(value)
     else:
-        result = NotWaiting(again=value == 1)
+        result = NotWaiting(again=value == 1, recorded=value != 2)
     return result, _handoffs(reply, 4)
 
 
@@ -187,10 +221,17 @@ def parse_waiting(reply: Any) -> tuple[int, int, list[tuple[str, int]]]:
     return int(reply[0]), int(reply[1]), rows
 
 
-def parse_sweep(reply: Any) -> tuple[bool, list[Handoff]]:
-    """sweep.lua's reply: whether the room still exists, then hand-offs and give-ups."""
-    alive, handed, give_ups = reply
-    return int(alive) == 1, _handoffs(handed, 0) + _handoffs(give_ups, 0, give_up=True)
+def parse_sweep(reply: Any) -> tuple[bool, list[Handoff], int]:
+    """sweep.lua's reply: whether the room still exists, its hand-offs and give-ups, and
+    when it next needs a sweep (epoch ms by the server's clock; -1: never, it is gone)."""
+    alive, handed, give_ups, next_ms = reply
+    found = _handoffs(handed, 0) + _handoffs(give_ups, 0, give_up=True)
+    return int(alive) == 1, found, int(next_ms)
+
+
+def parse_held(reply: Any) -> list[bool]:
+    """held.lua's reply: whether each token asked about is a live holder."""
+    return [int(value) == 1 for value in reply]
 
 
 def parse_holders(reply: Any) -> tuple[int, list[tuple[str, int, str]]]:
@@ -199,3 +240,41 @@ def parse_holders(reply: Any) -> tuple[int, list[tuple[str, int, str]]]:
         (_text(reply[i]), int(reply[i + 1]), _text(reply[i + 2])) for i in range(1, len(reply), 3)
     ]
     return int(reply[0]), rows
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One parked waiter, as the room records it.
+
+    Attributes:
+        waiter (str): its id (a Celery task id).
+        arrival (float): when it first asked, epoch seconds: by the server's clock (a park
+            that gave ``waited`` or nothing), or by the parking process's (an ``arrival``).
+        waited (float): seconds from ``arrival`` to the server's "now".
+    """
+
+    waiter: str
+    arrival: float
+    waited: float
+
+
+@dataclass(frozen=True)
+class DueRooms:
+    """due_rooms.lua's reply: the rooms handed to this caller to sweep, now theirs until
+    one interval from ``now_ms``.
+
+    Attributes:
+        keys (tuple[str, ...]): the semaphore keys whose rooms to sweep, most overdue first.
+        now_ms (int): the server's time, epoch ms.
+        next_ms (int): when the earliest room left in the index is due, epoch ms (at most
+            ``now_ms`` when more were due than the call took); -1 when the index is empty.
+    """
+
+    keys: tuple[str, ...]
+    now_ms: int
+    next_ms: int
+
+
+def parse_due_rooms(reply: Any) -> DueRooms:
+    """due_rooms.lua's reply as :class:`DueRooms`."""
+    return DueRooms(tuple(_text(key) for key in reply[2:]), int(reply[0]), int(reply[1]))

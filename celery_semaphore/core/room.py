@@ -1,102 +1,420 @@
-"""The waiting room, Python side: where the slots a release hands to parked waiters go.
-
-A run that finds its key full can be *parked* (:meth:`Semaphore.park`) with an opaque
-payload, the message that starts it again. A release then hands the freed slot to the oldest
-parked waiter in the same script call: the slot stays held, reserved for that waiter, and
-the releasing process publishes the payload (:class:`HandoffRoute`). The waiter's run claims
-the reservation when it starts (:meth:`Semaphore.claim`); a reservation not claimed within
-``claim_timeout`` lapses and its waiter goes back to the head of the room. The Lua side is
-``lua/room.lua`` and the scripts that include it.
-"""
+"""The waiting room: runs that found their key full wait here, in Redis, in arrival order.
+A waiter *parks* with its payload; a release reserves the freed slot for the oldest and hands
+the payload to the :class:`~.handoff.HandoffRoute`; the waiter's run *claims* it; a *sweep*
+is the safety net. A :class:`~.semaphore.Semaphore` owns a :class:`WaitingRoom`
+(``sem.room``). The Lua: ``room.lua`` (shared steps), ``park.lua``, ``park_many.lua``,
+``sweep.lua``, ``cancel.lua``, ``waiting.lua``, ``recover.lua``; ``many.lua`` and
+``gather.lua`` for waiters of several keys."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from redis import Redis, RedisCluster
+
+from ..errors import SemaphoreValidationError
 from . import validation as check
-from .scripts import Handoff
+from .admin import DEFAULT_PREFIX
+from .group import SlotGroup
+from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
+from .names import Keys, Namespace
+from .options import (
+    DEFAULT_LEASE,
+    HolderRecord,
+    KeySpecs,
+    check_delivery,
+    check_waiter,
+    deadline_ms,
+    many_args,
+    park_args,
+)
+from .process import new_token
+from .recovery import recovering
+from .replies import Admitted, Declined, NotWaiting, Parked, RoomFull, Waiter
+from .room_index import RoomIndex, give_up_ms
+from .room_sweeps import sweep_rooms
+from .scripts import Scripts, backend_errors
+from .slot import Slot
+from .tracing import acquire_span
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_CLAIM_TIMEOUT = 30.0
-"""Seconds a hand-off's reservation waits for its run before it lapses."""
-DEFAULT_HANDOFF_GRACE = 1.0
-"""Seconds a reservation is kept for its run before a run that asks in person may take it.
-Long enough that a burst's own messages, queued ahead of its first hand-offs, do not reorder
-it (see the performance page); short enough that a reserved slot never idles for long behind
-a broker backlog."""
 DEFAULT_ROOM_TTL = 24 * 3600.0
-"""Seconds an idle room (no park, no hand-off) lives before Redis expires it."""
-
-Publisher = Callable[[str, Sequence[Handoff]], object]
-"""``publish(key, handoffs)``: start the runs whose slots were just reserved."""
-
-
-@dataclass(frozen=True)
-class Waiter:
-    """One parked waiter, as the room records it.
-
-    Attributes:
-        waiter (str): its id (a Celery task id).
-        arrival (float): when it first asked, epoch seconds by the clock of the process
-            that parked it.
-        waited (float): seconds from ``arrival`` to the server's "now".
-    """
-
-    waiter: str
-    arrival: float
-    waited: float
+"""Seconds a room outlives its last touch (a park, claim, release into it, sweep)."""
+# The ``semaphore.outcome`` of a park or claim's span (see .tracing).
+OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
+ROOMS_KEPT = 4096  # keys a room remembers as having waiters (then it forgets them all)
 
 
-class HandoffRoute:
-    """Where the hand-offs of one semaphore go.
+class WaitingRoom:
+    """The waiting rooms of every semaphore key under ``prefix``.
 
     Args:
-        claim_timeout (float): seconds a reservation waits for its run.
-        publisher (Publisher | None): called with each batch of hand-offs; None leaves them
-            to lapse and be handed out again by a sweep (a process that cannot publish).
-        grace (float): seconds a reservation is kept for its run alone; after that, a run
-            that asks for a slot in person (parks) takes it instead, and the passed-over
-            waiter stays at the head of the room. 0: never.
+        client (redis.Redis | redis.RedisCluster): where the rooms live.
+        prefix (str): the keys' namespace (default ``"semaphore"``).
+        handoffs (HandoffRoute | None): where the slots its calls reserve go; None: they
+            lapse, and a sweep by a process that can publish hands them out again.
+        limit (int | None): the limit of a park or claim that gives none (None: required).
+        lease (float): seconds a slot taken by a park or claim lives without an extend,
+            unless the call says otherwise. Default 60.0.
 
     Raises:
-        SemaphoreValidationError: ``claim_timeout`` is not a positive number of seconds,
-            or ``grace`` is negative.
+        SemaphoreValidationError: an argument is invalid.
     """
 
     def __init__(
         self,
-        claim_timeout: float,
-        publisher: Publisher | None,
-        grace: float = DEFAULT_HANDOFF_GRACE,
+        client: Redis,
+        prefix: str = DEFAULT_PREFIX,
+        handoffs: HandoffRoute | None = None,
+        *,
+        limit: int | None = None,
+        lease: float = DEFAULT_LEASE,
     ) -> None:
-        self.claim_ms = check.lease_ms(claim_timeout, "claim_timeout")
-        self.publisher = check.check_callback(publisher, "on_handoff")
-        self.grace_ms = round(check.check_delay(grace, "handoff_grace") * 1000)
+        self.client = client
+        self.names = Namespace(check.check_key(prefix, "prefix"), isinstance(client, RedisCluster))
+        self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
+        self.limit = None if limit is None else check.check_limit(limit)
+        check.lease_ms(lease)
+        self.lease = float(lease)
+        self._scripts = Scripts(client)
+        self._record = HolderRecord(self.limit or 1)
+        self.index = RoomIndex(client, self.names, self._scripts)
+        self._rooms: set[str] = set()  # keys a park last found with waiters
 
-    @property
-    def release_claim_ms(self) -> int:
-        """The claim lease for release.lua: 0 (hand nothing off) with no publisher, so the
-        freed slot stays free for the next sweep (run by a process that can publish) to hand
-        out, rather than sit reserved for a run nobody starts."""
-        return self.claim_ms if self.publisher is not None else 0
+    def __repr__(self) -> str:
+        return f"<WaitingRoom prefix={self.names.prefix!r} limit={self.limit}>"
 
-    def deliver(self, key: str, handoffs: Sequence[Handoff]) -> None:
-        """Hand ``handoffs`` to the publisher. Never raises: a failure is logged, and the
-        reservations lapse and are handed out again."""
-        if not handoffs:
+    def park(
+        self,
+        key: str,
+        waiter: str,
+        payload: bytes | Callable[[], bytes],
+        *,
+        limit: int | None = None,
+        weight: int = 1,
+        tenant: str = "",
+        arrival: float | None = None,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        max_queued: int = 0,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        deadline: float | None = None,
+        waited: float | None = None,
+        budget: float | None = None,
+    ) -> Slot | Parked | RoomFull:
+        """Take a slot of ``key`` in arrival order, or park ``waiter`` in its waiting room.
+
+        The waiter joins the room first, so a free slot goes to it only when no older waiter
+        is parked. Parked, it waits for a release to hand it a slot: the releasing process
+        reserves the slot for it and passes ``payload`` to the hand-off route's publisher,
+        which starts the waiter's run again; that run calls :meth:`claim`. Parking a waiter
+        that is already parked keeps its first arrival and replaces its payload.
+
+        Args:
+            key (str): the semaphore's key.
+            waiter (str): the waiter's id, unique among the key's waiters (a Celery task id);
+                must not start with ``~`` or ``!`` nor hold a ``#``.
+            payload (bytes | Callable[[], bytes]): what the publisher gets to start the
+                waiter again (opaque), or a function that makes it only if the waiter is to
+                park (then a key with no waiters when last seen is first tried without it).
+            limit (int | None): the key's limit (None: the room's); the room hands slots out
+                by the limit its last parked waiter gave (or by a live limit, when set).
+            weight (int): units of the limit the waiter takes (1 to ``limit``). The room
+                serves waiters in strict order: a heavy waiter at its head waits for room
+                enough, and lighter ones behind it are not served first.
+            tenant (str): the waiter's tenant for fair turns, or "" for none: it parks at its
+                tenant's next turn (one past the tenant's last, never before the room's
+                head), so tenants take turns (see the waiting-room how-to). Give every
+                waiter of a key a tenant, or none.
+            arrival (float | None): epoch seconds when the waiter first asked, by the
+                caller's clock; None: now, by the server's.
+            lease (float | None): lease of a slot taken now; None: the room's.
+            metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
+                as for :meth:`Semaphore.acquire`.
+            max_queued (int): refuse to park a new waiter past this many (0: no limit).
+            room_ttl (float): seconds an idle room lives before Redis expires it.
+            deadline (float | None): epoch seconds after which a newly parked waiter gives
+                up (a sweep publishes its payload marked ``give_up``; its run should
+                :meth:`cancel` itself and fail); None: never. A re-park keeps the first.
+            waited (float | None): seconds it asked before this call, in place of
+                ``arrival``: it arrived that long before the server's now.
+            budget (float | None): in place of ``deadline``, seconds from its arrival to
+                giving up, judged by the server's clock alone (a skewed caller's is moot).
+
+        Returns:
+            Slot | Parked | RoomFull: the slot (the caller must release it), or where the
+            waiter stands, or a refusal because the room is full.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        result = self._one(key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
+                           False, deadline_ms(deadline, budget), "", limit, weight, tenant,
+                           waited)  # fmt: skip
+        assert not isinstance(result, NotWaiting)
+        return result
+
+    def claim(
+        self,
+        key: str,
+        waiter: str,
+        *,
+        limit: int | None = None,
+        weight: int = 1,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        delivery: str = "",
+    ) -> Slot | Parked | NotWaiting:
+        """Take the slot a hand-off reserved for ``waiter`` (its run has started).
+
+        Its other arguments are :meth:`park`'s (``weight`` the one the waiter parked with).
+
+        Args:
+            delivery (str): an id of the message that started this run (each publish of a
+                hand-off gets its own), recorded with the claim: if the same message is
+                delivered again, its run was lost, and :class:`NotWaiting` says ``again``.
+
+        Returns:
+            Slot | Parked | NotWaiting: the slot; :class:`Parked`: the reservation lapsed and
+            the waiter is back in the room (end the run; a hand-off starts it again);
+            :class:`NotWaiting`: nothing for it, a duplicate copy (end it quietly) or, with
+            ``again``, the same delivery once more (its run was lost: run it).
+
+        Errors as :meth:`park`.
+        """
+        check_delivery(delivery)
+        result = self._one(key, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
+                           delivery, limit, weight, "", None)  # fmt: skip
+        assert not isinstance(result, RoomFull)
+        return result
+
+    def _one(
+        self, key: str, waiter: str, payload: bytes | Callable[[], bytes], arrival: float | None,
+        lease: float | None, metadata: Mapping[str, Any] | None, max_queued: int,
+        room_ttl: float, claim_only: bool, deadline: int, delivery: str, limit: int | None,
+        weight: int, tenant: str, waited: float | None,
+    ) -> Slot | Parked | RoomFull | NotWaiting:  # fmt: skip
+        key = check.check_key(key)
+        make = payload if callable(payload) else None
+        check_waiter(waiter, b"" if make is not None else payload)
+        if tenant != "":
+            check.check_key(tenant, "tenant")
+        seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
+            lease, self.lease, arrival, max_queued, room_ttl, waited
+        )
+        limit = self._limit(limit)
+        weight = check.check_weight(weight, limit)
+        info = self._record.encode(metadata, limit, weight)
+        keys = self.names.keys_of(key)
+        token = new_token()
+        with (
+            acquire_span(key, limit) as record,
+            backend_errors(key, limit),
+            recovering(self._scripts, keys, key, token, self.handoffs),
+        ):
+            if make is not None and key not in self._rooms:
+                sent_at = time.monotonic()
+                taken = self._scripts.take(keys, limit, ms, token, info, weight)
+                if isinstance(taken, Admitted):
+                    record(1, OUTCOMES[Admitted])
+                    return self._slot(keys, key, limit, token, seconds, taken, sent_at, weight)
+            if make is not None:
+                payload = make()
+                check_waiter(waiter, payload)
+            assert isinstance(payload, bytes)
+            sent_at = time.monotonic()
+            result, handed = self._scripts.park(
+                keys, limit, ms, token, info, waiter, arrival_ms, payload,
+                self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline,
+                self.handoffs.grace_ms, delivery, weight, tenant,
+            )  # fmt: skip
+            assert not isinstance(result, Declined)
+            record(1, OUTCOMES[type(result)])
+        self._saw_waiters(key, not (isinstance(result, Admitted) and result.roomless))
+        self.handoffs.deliver(key, handed, self._scripts)
+        if isinstance(result, Parked):
+            self.index.add(key, ttl_ms, result.position == 0,
+                           give_up_ms(deadline, arrival_ms, result.now_ms))  # fmt: skip
+        if isinstance(result, Admitted):
+            return self._slot(keys, key, limit, token, seconds, result, sent_at, weight)
+        return result
+
+    def park_many(
+        self,
+        keys: KeySpecs,
+        waiter: str,
+        payload: bytes,
+        *,
+        arrival: float | None = None,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        max_queued: int = 0,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        deadline: float | None = None,
+        waited: float | None = None,
+        budget: float | None = None,
+    ) -> SlotGroup | Parked | RoomFull:
+        """Take a slot of every key in arrival order, all in one script call, or park
+        ``waiter`` in the room of every key at once, keeping its place in each; it is handed
+        off once it holds a reservation of every key (see the several-keys how-to), and its
+        run calls :meth:`claim_many`.
+
+        Args:
+            keys (KeySpecs): ``(key, limit[, weight])`` of each key, as for
+                :meth:`Semaphore.acquire_many`.
+            payload (bytes): as for :meth:`park`, as are ``waiter``, ``arrival``, ``lease``,
+                ``metadata``, ``room_ttl``, ``deadline``, ``waited`` and ``budget``;
+                ``max_queued`` counts each room it would wait in.
+
+        Returns:
+            SlotGroup | Parked | RoomFull: the slots; or where the waiter stands
+            (``Parked.index`` is the 1-based first key whose order it waits in); or a
+            refusal, that room being full.
+
+        Errors as :meth:`park`.
+        """
+        result = self._many(keys, waiter, payload, arrival, lease, metadata, max_queued,
+                            room_ttl, False, deadline_ms(deadline, budget), "", waited)  # fmt: skip
+        assert not isinstance(result, NotWaiting)
+        return result
+
+    def claim_many(
+        self,
+        keys: KeySpecs,
+        waiter: str,
+        *,
+        lease: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        room_ttl: float = DEFAULT_ROOM_TTL,
+        delivery: str = "",
+    ) -> SlotGroup | Parked | NotWaiting:
+        """Take every key with the units a hand-off reserved for ``waiter``, or wait on
+        in their rooms; see :meth:`park_many` and, for the answers, :meth:`claim`.
+
+        Errors as :meth:`park`.
+        """
+        check_delivery(delivery)
+        result = self._many(keys, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
+                            delivery, None)  # fmt: skip
+        assert not isinstance(result, RoomFull)
+        return result
+
+    def _many(
+        self, keys: KeySpecs, waiter: str, payload: bytes, arrival: float | None,
+        lease: float | None, metadata: Mapping[str, Any] | None, max_queued: int,
+        room_ttl: float, claim_only: bool, deadline: int, delivery: str,
+        waited: float | None,
+    ) -> SlotGroup | Parked | RoomFull | NotWaiting:  # fmt: skip
+        specs = many_args(keys)
+        check_waiter(waiter, payload)
+        seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
+            lease, self.lease, arrival, max_queued, room_ttl, waited
+        )
+        info = self._record.encode(metadata, specs[0][1], specs[0][2])
+        all_keys = self.names.keys_of_many([key for key, _, _ in specs])
+        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(all_keys, specs, strict=True)]
+        token = new_token()
+        label = "+".join(key for key, _, _ in specs)
+        sent_at = time.monotonic()
+        with (
+            acquire_span(label, specs[0][1], [key for key, _, _ in specs]) as record,
+            backend_errors(label, specs[0][1]),
+            recovering(self._scripts, all_keys[0], label, token, self.handoffs),
+        ):
+            result, handed = self._scripts.park_many(
+                groups, ms, token, info, waiter, arrival_ms, payload, self.handoffs.claim_ms,
+                ttl_ms, max_queued, claim_only, deadline, delivery,
+            )  # fmt: skip
+            record(1, OUTCOMES[type(result)])
+        self.handoffs.deliver(label, handed, self._scripts)
+        if isinstance(result, Parked):  # it waits in every key's room
+            due_ms = give_up_ms(deadline, arrival_ms, result.now_ms)
+            for key, _, _ in specs:
+                self.index.add(key, ttl_ms, due_ms=due_ms)
+        if isinstance(result, Admitted):
+            return SlotGroup(
+                [self._slot(k, key, limit, token, seconds, Admitted(result.expires_at_ms,
+                            result.now_ms, limit), sent_at, weight)
+                 for k, (key, limit, weight) in zip(all_keys, specs, strict=True)]
+            )  # fmt: skip
+        return result
+
+    def cancel(self, key: str, waiter: str) -> bool:
+        """Take ``waiter`` out of ``key``'s room (its run was revoked or expired), its
+        reservation, if any, to the next waiter; a waiter of several keys out of all of
+        their rooms at once. True when it was there.
+
+        Raises:
+            SemaphoreValidationError: ``key`` or ``waiter`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        keys = self.names.keys_of(check.check_key(key))
+        check.check_key(waiter, "waiter")
+        with backend_errors(key), recovering(self._scripts, keys, key, "", self.handoffs):
+            found, handed = self._scripts.cancel(keys, waiter, self.handoffs.claim_ms)
+        self.handoffs.deliver(key, handed, self._scripts)
+        return found
+
+    def sweep(self, key: str) -> int:
+        """The room's safety net for ``key``: requeue waiters whose reservation lapsed, hand
+        every free slot to the oldest waiters, and give up waiters past their deadline (see
+        :meth:`park`); a room found gone leaves the index (see :class:`RoomIndex`). Returns
+        how many slots were handed off and waiters given up.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        return self.sweep_many([key])
+
+    def sweep_many(self, keys: Sequence[str], idle: float | None = None) -> int:
+        """:meth:`sweep` the room of each of ``keys`` in one pipelined round trip, each room
+        swept again within ``idle`` seconds (see :func:`~.room_sweeps.sweep_rooms`)."""
+        return sweep_rooms(self._scripts, self.names, self.handoffs, self.index, keys, idle)
+
+    def waiters(self, key: str) -> list[Waiter]:
+        """The waiters parked on ``key``, oldest first (not those holding a reservation, nor
+        waiters of several keys that let it serve others first). Errors as :meth:`head`."""
+        return self._waiting(key, -1)[1]
+
+    def head(self, key: str) -> tuple[int, Waiter | None]:
+        """How many waiters are parked on ``key``, and the oldest (one round trip).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        count, head = self._waiting(key, 0)
+        return count, (head[0] if head else None)
+
+    def _waiting(self, key: str, last: int) -> tuple[int, list[Waiter]]:
+        keys = self.names.keys_of(check.check_key(key))
+        with backend_errors(key):
+            now_ms, count, rows = self._scripts.waiting(keys, last)
+        return count, [
+            Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
+        ]
+
+    def _limit(self, limit: int | None) -> int:
+        if limit is not None:
+            return check.check_limit(limit)
+        if self.limit is None:
+            raise SemaphoreValidationError("limit is required: this room has no default limit")
+        return self.limit
+
+    def _slot(self, keys: Keys, key: str, limit: int, token: str, lease: float,
+              admitted: Admitted, sent_at: float, weight: int) -> Slot:  # fmt: skip
+        return Slot(self._scripts, keys, key, limit, token, lease, admitted, sent_at,
+                    self.handoffs, weight)  # fmt: skip
+
+    def _saw_waiters(self, key: str, waiters: bool) -> None:
+        # A take of a key remembered with waiters is not tried: it would find them.
+        if not waiters:
+            self._rooms.discard(key)
             return
-        if self.publisher is None:
-            logger.warning(
-                "semaphore %r: %d hand-off(s) with no publisher; they lapse after %.1fs",
-                key,
-                len(handoffs),
-                self.claim_ms / 1000,
-            )
-            return
-        try:
-            self.publisher(key, handoffs)
-        except Exception:
-            logger.exception("semaphore %r: could not publish %d hand-off(s)", key, len(handoffs))
+        if len(self._rooms) >= ROOMS_KEPT:
+            self._rooms.clear()
+        self._rooms.add(key)

@@ -25,35 +25,20 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.exceptions import NoScriptError, RedisClusterException
 
 from ..errors import SemaphoreBackendError
-from .calls import ROOM_KEYS, SCRIPT_KEYS, acquire_argv, call_of, release_argv
-from .calls import Call as Call
-from .calls import Renewal as Renewal
-from .calls import acquire_call as acquire_call
-from .calls import acquire_many_call as acquire_many_call
-from .calls import block_call as block_call
-from .calls import count_call as count_call
-from .calls import extend_call as extend_call
-from .calls import force_release_all_call as force_release_all_call
-from .calls import holders_call as holders_call
-from .calls import release_call as release_call
-from .calls import set_limit_call as set_limit_call
-from .names import Keys as Keys
-from .names import check_cluster_key as check_cluster_key
-from .names import redis_keys as redis_keys
-from .replies import Admitted as Admitted
-from .replies import Declined as Declined
-from .replies import Full as Full
-from .replies import Handoff as Handoff
-from .replies import NotWaiting as NotWaiting
-from .replies import Parked as Parked
-from .replies import RoomFull as RoomFull
+from . import calls
+from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, Renewal, acquire_argv, release_argv
+from .names import Keys, keys_named
 from .replies import (
+    Admitted,
+    Declined,
+    DueRooms,
+    Full,
+    Handoff,
+    NotWaiting,
+    Parked,
+    RoomFull,
     parse_acquire,
-    parse_park,
-    parse_park_many,
     parse_release,
-    parse_sweep,
-    parse_waiting,
 )
 
 T = TypeVar("T")
@@ -63,11 +48,14 @@ def _lua(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-_ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit")
+_ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit", "recover", "gather")
 """Scripts that run the waiting room's shared steps (``lua/room.lua``): in place of the
 script's ``--[[room.lua]]`` line, so that a fast path above it never defines them, or else
 at its top."""
 _ROOM_MARK = "--[[room.lua]]"
+_MANY = ("park_many", "gather")
+"""Scripts given every key of a waiter of several keys: ``lua/many.lua``'s steps go below
+room.lua's at their top."""
 
 
 def _source(name: str) -> str:
@@ -76,6 +64,8 @@ def _source(name: str) -> str:
         return text
     if _ROOM_MARK in text:
         return text.replace(_ROOM_MARK, _lua("room"))
+    if name in _MANY:
+        return _lua("room") + "\n" + _lua("many") + "\n" + text
     return _lua("room") + "\n" + text
 
 
@@ -213,6 +203,39 @@ class Scripts:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
         return call.parse(self._evalsha(call.script, call.keys, call.args))
 
+    def run_many(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
+        """Send ``calls`` in one pipelined round trip (not a transaction: each runs on its
+        own, atomically); after a NOSCRIPT, load the script and send those again.
+
+        Returns:
+            list[T | Exception]: each call's parsed reply, or the error the server answered
+            it with (a :class:`redis.ResponseError`), in order.
+
+        Raises:
+            redis.RedisError: the round trip failed: which calls ran is not known.
+        """
+        replies = self._pipelined(calls)
+        again = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        for name in {calls[n].script for n in again}:
+            script = self._scripts[name]
+            script.sha = _text(self.client.script_load(script.script))
+            self._shas[name] = _ascii(script.sha)
+        for n, reply in zip(again, self._pipelined([calls[n] for n in again]), strict=True):
+            replies[n] = reply
+        return [
+            reply if isinstance(reply, Exception) else call.parse(reply)
+            for call, reply in zip(calls, replies, strict=True)
+        ]
+
+    def _pipelined(self, calls: Sequence[Call[Any]]) -> list[Any]:
+        if not calls:
+            return []
+        with self.client.pipeline(transaction=False) as pipe:
+            send: Callable[..., Any] = pipe.execute_command
+            for call in calls:
+                send("EVALSHA", self._shas[call.script], len(call.keys), *call.keys, *call.args)
+            return list(pipe.execute(raise_on_error=False))
+
     def acquire(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Full:
@@ -225,16 +248,16 @@ class Scripts:
         self, groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
     ) -> list[Admitted] | tuple[int, Full]:
         """Take a slot of every key or none (one round trip; see :func:`acquire_many_call`)."""
-        return self.run(acquire_many_call(groups, lease_ms, token, metadata))
+        return self.run(calls.acquire_many_call(groups, lease_ms, token, metadata))
 
     def block(self, keys: Keys, token: str, for_ms: int) -> int:
         """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
-        return self.run(block_call(keys, token, for_ms))
+        return self.run(calls.block_call(keys, token, for_ms))
 
     def extend(self, renewals: Sequence[Renewal]) -> list[int | None]:
         """Renew each ``(keys, token, lease_ms, weight)`` in one call (see
         :func:`extend_call`)."""
-        return self.run(extend_call(renewals))
+        return self.run(calls.extend_call(renewals))
 
     def release(
         self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1
@@ -261,27 +284,20 @@ class Scripts:
         grace_ms: int,
         delivery: str = "",
         weight: int = 1,
-        group: str = "",
+        tenant: str = "",
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
-        """Take a slot in arrival order or park (see park.lua's contract)."""
-        args = (
-            limit, lease_ms, token, metadata, weight, "claim" if claim_only else "park",
-            waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
-            max_queued, deadline_ms, grace_ms, delivery, group, payload,
-        )  # fmt: skip
-        reply = self._evalsha("park", self._encoded(keys).names[SCRIPT_KEYS["park"]], args)
-        return parse_park(reply, limit, lease_ms)
+        """Take a slot in arrival order or park (see :func:`~.calls.park_call`)."""
+        return self.run(calls.park_call(
+            keys, limit, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
+            room_ttl_ms, max_queued, claim_only, deadline_ms, grace_ms, delivery, weight, tenant,
+        ))  # fmt: skip
 
     def take(
         self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
     ) -> Admitted | Declined:
-        """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
-        mode): what a park would do on such a key, without the payload it would park with."""
-        args = (b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, "take")
-        reply = self._evalsha("park", self._encoded(keys).names[SCRIPT_KEYS["park"]], args)
-        result, _ = parse_park(reply, limit, lease_ms)
-        assert isinstance(result, (Admitted, Declined))
-        return result
+        """Take a free slot of a key that has no waiting room, or do nothing (see
+        :func:`~.calls.take_call`)."""
+        return self.run(calls.take_call(keys, limit, lease_ms, token, metadata, weight))
 
     def park_many(
         self,
@@ -299,49 +315,54 @@ class Scripts:
         deadline_ms: int,
         delivery: str = "",
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
-        """Take a slot of every ``(keys, limit, weight)`` in arrival order, or park in the
-        room of the first that cannot take it yet (see park_many.lua's contract). A
-        :class:`Parked` answer's ``index`` says which."""
-        keys = [name for k, _, _ in groups for name in k[SCRIPT_KEYS["park_many"]]]
-        args: list[str | int | bytes] = [
-            lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
-            payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
-            deadline_ms, delivery,
-        ]  # fmt: skip
-        args += [value for _, limit, weight in groups for value in (limit, weight)]
-        return self.run(Call("park_many", keys, args, parse_park_many))
+        """Take every key in arrival order, or park in the room of the first that cannot
+        take it yet (see :func:`~.calls.park_many_call`)."""
+        return self.run(calls.park_many_call(
+            groups, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
+            room_ttl_ms, max_queued, claim_only, deadline_ms, delivery,
+        ))  # fmt: skip
 
     def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
-        """The server's time (epoch ms), how many are parked, and the oldest ``rows`` parked
-        ``(waiter, arrival_ms)`` (-1: all), oldest first."""
-        return self.run(call_of("waiting", keys, (rows,), parse_waiting))
-
-    def sweep(self, keys: Keys, claim_ms: int) -> tuple[bool, list[Handoff]]:
-        """Requeue lapsed reservations, hand free slots to the oldest waiters and give up
-        waiters past their deadline: whether the room still exists, and what to publish."""
-        return self.run(call_of("sweep", keys, (claim_ms,), parse_sweep))
+        """The room's size and oldest waiters (see :func:`~.calls.waiting_call`)."""
+        return self.run(calls.waiting_call(keys, rows))
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
-        """Take ``waiter`` out of the room: whether it was there, and the hand-offs."""
-        return self.run(call_of("cancel", keys, (waiter, claim_ms), parse_release))
+        """Take ``waiter`` out of the room (see :func:`~.calls.cancel_call`); a waiter of
+        several keys out of all of their rooms at once, which costs a second round trip."""
+        found, handed, every = self.run(calls.cancel_call([keys], waiter, claim_ms))
+        if every:
+            found, handed, _ = self.run(
+                calls.cancel_call([keys_named(slots) for slots in every], waiter, claim_ms)
+            )
+        return found, handed
+
+    def recover(
+        self, keys: Keys, token: str, claim_ms: int, since_ms: int
+    ) -> tuple[bool, list[Handoff]]:
+        """Put right a call whose answer was lost (see :func:`~.calls.recover_call`)."""
+        return self.run(calls.recover_call(keys, token, claim_ms, since_ms))
 
     def set_limit(
         self, keys: Keys, limit: int | None, by: str, claim_ms: int
     ) -> tuple[int | None, int, list[Handoff]]:
         """Set or clear the key's live limit (see :func:`set_limit_call`)."""
-        return self.run(set_limit_call(keys, limit, by, claim_ms))
+        return self.run(calls.set_limit_call(keys, limit, by, claim_ms))
 
     def count(self, keys: Keys) -> int:
         """How many holders are live by the server's clock."""
-        return self.run(count_call(keys))
+        return self.run(calls.count_call(keys))
 
     def holders(self, keys: Keys) -> tuple[int, list[tuple[str, int, str]]]:
         """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
-        return self.run(holders_call(keys))
+        return self.run(calls.holders_call(keys))
 
     def force_release_all(self, keys: Keys) -> int:
         """Delete the semaphore; how many live holders it had."""
-        return self.run(force_release_all_call(keys))
+        return self.run(calls.force_release_all_call(keys))
+
+    def due_rooms(self, index: str, interval_ms: int, count: int, ttl_ms: int) -> DueRooms:
+        """Take the rooms due for a sweep (see :func:`~.calls.due_rooms_call`)."""
+        return self.run(calls.due_rooms_call(index, interval_ms, count, ttl_ms))
 
 
 class AsyncScripts:

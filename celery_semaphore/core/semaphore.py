@@ -1,10 +1,8 @@
 """The leased counting semaphore: acquire a slot, keep it alive, give it back.
 
-This module is the policy: leases, renewal, and when a slot counts as lost. The atomic
-operations live in :mod:`celery_semaphore.core.scripts` (and its ``lua/`` files), the held
-slot in :mod:`celery_semaphore.core.slot`, the renewal thread in
-:mod:`celery_semaphore.core.heartbeat`, and holding a slot for a block (renewed, released,
-judged) in :mod:`celery_semaphore.core.guard`. Nothing in ``celery_semaphore.core`` imports Celery.
+The policy of leases lives here; the atomic operations in :mod:`.scripts` (and ``lua/``),
+the held slot in :mod:`.slot`, renewal in :mod:`.heartbeat`, a slot held for a block in
+:mod:`.guard`, the waiting room in :mod:`.room` and the operator's side in :mod:`.admin`.
 
 Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
 by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
@@ -16,44 +14,46 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
-from ..errors import (
-    SemaphoreBackendError,
-    SemaphoreNotAcquiredError,
-    SemaphoreValidationError,
-)
 from . import validation as check
-from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
-from .clients import RedisClient, client_from_url
-from .group import ManyKeys
+from .admin import DEFAULT_PREFIX, SemaphoreAdmin
+from .clients import RedisClient, client_of
+from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
+from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
+from .interrupt import Interrupter
 from .lease import RenewErrorCallback
+from .names import Keys, Namespace
 from .options import (
-    PLAIN_KEPT,
-    CheckedAcquire,
+    DEFAULT_LEASE,
+    AcquireChecks,
     HolderRecord,
-    check_acquire,
     hold_interval,
+    many_plan,
     semaphore_options,
 )
 from .process import new_token
-from .room import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .scripts import REDIS_ERRORS, Admitted, Full, Keys, Scripts, backend_error, backend_errors
+from .refusals import is_paused, not_acquired
+from .replies import Admitted, Full
+from .room import WaitingRoom
+from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
+from .wake import wait_for_slot
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_LEASE = 60.0
+__all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
 
 
-class Semaphore(ManyKeys):
+class Semaphore:
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -69,17 +69,12 @@ class Semaphore(ManyKeys):
         prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
             ``"semaphore"``; must be non-empty and free of braces.
         claim_timeout (float): seconds a slot handed to a parked waiter stays reserved for
-            it before it lapses and the waiter goes back to the head of the room (see
-            :meth:`park`). Default 30.0.
-        on_handoff (Callable[[str, Sequence[Handoff]], object] | None): called with the key
-            and the hand-offs whenever a call of this semaphore reserves freed slots for
-            parked waiters: it must publish their payloads. None leaves them to lapse and be
-            handed out again by a sweep.
-        handoff_grace (float): seconds a reservation is kept for its waiter alone. A
-            waiter whose payload is slow to arrive (its message queued behind a backlog,
-            say) would leave the slot idle; past this grace a waiter that parks in person
-            takes the slot, and the passed-over one keeps its place at the head of the
-            room. Default 1.0; 0: strict order, never taken.
+            it (see :class:`HandoffRoute`). Default 30.0.
+        on_handoff (Callable[[str, Sequence[Handoff]], object] | None): publishes the
+            payloads of parked waiters whose slots this semaphore's calls reserved (see
+            :class:`HandoffRoute`); None: they lapse, and a sweep hands them out again.
+        handoff_grace (float): seconds a reservation is kept for its waiter alone (see
+            :class:`HandoffRoute`). Default 1.0; 0: strict order.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -88,6 +83,13 @@ class Semaphore(ManyKeys):
 
     On a Redis Cluster, keys that start with ``}`` are rejected with
     :class:`SemaphoreValidationError` (see :func:`redis_keys`).
+
+    Attributes:
+        admin (SemaphoreAdmin): the operator's side of the same keys: holders, force
+            release, live limits.
+        room (WaitingRoom): the keys' waiting rooms: park, claim, cancel, sweep.
+        handoffs (HandoffRoute): where the slots this semaphore's calls reserve for parked
+            waiters go.
 
     Example::
 
@@ -107,53 +109,22 @@ class Semaphore(ManyKeys):
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
     ) -> None:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
-        client: RedisClient
-        if isinstance(redis, str):
-            client = client_from_url(redis)
-        elif isinstance(redis, (Redis, RedisCluster)) and not hasattr(redis, "execute"):
-            client = redis  # a pipeline is a Redis subclass, but cannot run our calls
-        else:
-            raise SemaphoreValidationError(
-                "redis must be a redis.Redis or redis.RedisCluster client or a URL, "
-                f"got {type(redis).__name__}"
-            )
-        self.client = client
+        self.client = client = client_of(redis)
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = Scripts(cast(Redis, client))
+        self.names = Namespace(self.prefix, isinstance(client, RedisCluster))
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
+        self.room = WaitingRoom(cast(Redis, client), prefix, self.handoffs, limit=self.limit,
+                                lease=self.lease)  # fmt: skip
         self._record = HolderRecord(self.limit)
-        self._plain: dict[str, CheckedAcquire] = {}
-        self._rooms: set[str] = set()
+        self._checked = AcquireChecks(self.limit, self.lease, self.names.keys_of)
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
 
-    def _redis_keys(self, key: str) -> Keys:
-        return self.admin.keys_of(key)
-
-    def _give_back(self, keys: Keys, key: str, token: str) -> None:
-        try:
-            with backend_errors(key, self.limit):
-                _, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
-            self.handoffs.deliver(key, handed)
-        except SemaphoreBackendError:
-            logger.warning("could not give back a late slot of %r; it lapses", key)
-
-    def _metadata(
-        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
-    ) -> str:
-        return self._record.encode(metadata, limit, weight)
-
     def _limit(self, limit: int | None) -> int:
         return self.limit if limit is None else check.check_limit(limit)
-
-    def _check(
-        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
-        delay: float, wait: float,
-    ) -> CheckedAcquire:  # fmt: skip
-        return check_acquire(key, limit, weight, lease, retries, delay, wait, self.limit,
-                             self.lease, self._redis_keys)  # fmt: skip
 
     def acquire(
         self,
@@ -172,7 +143,7 @@ class Semaphore(ManyKeys):
         Args:
             key (str): the semaphore's key; any non-empty str.
             limit (int | None): this call's limit for ``key`` (a limit computed per key, say);
-                None: the semaphore's. A live limit set on the key (:meth:`set_limit`) wins
+                None: the semaphore's. A live limit (:meth:`SemaphoreAdmin.set_limit`) wins
                 over either.
             weight (int): how many units of the limit the slot takes, 1 to ``limit``
                 (default 1): the weights of a key's live holders never sum above its limit.
@@ -184,11 +155,11 @@ class Semaphore(ManyKeys):
                 in arrival order.
             retry_delay (float): seconds between attempts. Default 0.1.
             metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
-                shown by :meth:`holders` beside ``host``, ``pid`` and ``limit``.
+                shown by :meth:`SemaphoreAdmin.holders` beside ``host``, ``pid``, ``limit``.
             wait (float): seconds to wait for a slot when every one is held, woken by the
-                release that frees one (no polling; see :meth:`_wait_for_slot`). A slot the
-                release hands to a parked waiter (:meth:`park`) does not wake anyone. Not
-                together with ``retries``. Default 0: fail fast.
+                release that frees one (no polling; see :mod:`~celery_semaphore.core.wake`).
+                A slot the release hands to a parked waiter (:meth:`WaitingRoom.park`) does
+                not wake anyone. Not together with ``retries``. Default 0: fail fast.
 
         Returns:
             Slot | None: the slot, which the caller must release; None if every attempt found
@@ -201,22 +172,14 @@ class Semaphore(ManyKeys):
         """
         # A call that leaves every option at its default (the very objects of the signature,
         # which also rules out a True for a 1) was checked when its key first came.
-        checked = None
-        if (
+        plain = (
             type(key) is str and limit is None and lease is None and metadata is None
             and weight is _DEFAULT["weight"] and retries is _DEFAULT["retries"]
             and retry_delay is _DEFAULT["retry_delay"] and wait is _DEFAULT["wait"]
-        ):  # fmt: skip
-            checked = self._plain.get(key)
-            if checked is None:
-                checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
-                if len(self._plain) >= PLAIN_KEPT:
-                    self._plain.clear()
-                self._plain[key] = checked
-        if checked is None:
-            checked = self._check(key, limit, weight, lease, retries, retry_delay, wait)
+        )  # fmt: skip
+        checked = self._checked(key, limit, weight, lease, retries, retry_delay, wait, plain)
         key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
-        info = self._metadata(metadata, limit, weight)
+        info = self._record.encode(metadata, limit, weight)
         token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
@@ -233,11 +196,15 @@ class Semaphore(ManyKeys):
                         return self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
-                    self._give_back(keys, key, token)
+                    late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
+                    late.give_back_late()
             if wait and isinstance(reply, Full):
-                slot = self._wait_for_slot(
-                    keys, key, token, seconds, info, reply, wait, limit, weight
-                )
+                slot = wait_for_slot(
+                    self._scripts, cast(Redis, self.client), keys, key, token, seconds, info,
+                    wait, limit, weight,
+                    lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
+                                                      weight),
+                )  # fmt: skip
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -272,6 +239,8 @@ class Semaphore(ManyKeys):
         heartbeat: float | bool | None = None,
         on_renew_error: RenewErrorCallback | None = None,
         metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
+        interrupt: bool = False,
     ) -> Iterator[Slot]:
         """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
 
@@ -289,6 +258,11 @@ class Semaphore(ManyKeys):
                 renewal round trip that failed (a dropped connection, a timeout). That is not
                 a loss: the next tick retries. Without it such errors are dropped.
             metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
+            wait (float): as for :meth:`acquire`.
+            interrupt (bool): raise :class:`~celery_semaphore.errors.LeaseInterrupted` in
+                the thread running the block the moment the slot is lost (see
+                :mod:`~celery_semaphore.core.interrupt`). Default False: the block runs on,
+                and can watch ``slot.lost``.
 
         Yields:
             Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
@@ -303,17 +277,84 @@ class Semaphore(ManyKeys):
         """
         key = check.check_key(key)
         interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
+        check.check_flag(interrupt, "interrupt")
         slot = self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
-            retry_delay=retry_delay, metadata=metadata,
+            retry_delay=retry_delay, metadata=metadata, wait=wait,
         )  # fmt: skip
         if slot is None:
-            limit = self._limit(limit)
-            raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {limit} slots held", key, limit
-            )
-        with guard(slot, interval, on_renew_error):
+            raise not_acquired(key, self._limit(limit), wait, paused=is_paused(self.admin, key))
+        with guard(slot, interval, on_renew_error), _interrupting(slot, interrupt):
             yield slot
+
+    def acquire_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        *,
+        lease: float | None = None,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SlotGroup | None:
+        """Take a slot of every key, all in one script call or none: a run bounded at
+        several levels at once (the provider's limit and a tenant's) never holds one slot
+        while it waits for another.
+
+        Args:
+            keys (Sequence[tuple[str, int] | tuple[str, int, int]]): ``(key, limit)`` or
+                ``(key, limit, weight)`` for each key, at least one, no key twice. On Redis
+                Cluster they must share a hash tag (``"{llm}openai"``,
+                ``"{llm}tenant:acme"``). A live limit set on a key wins over its limit.
+            lease (float | None): as for :meth:`acquire`; so are ``retries``,
+                ``retry_delay`` and ``metadata``.
+
+        Returns:
+            SlotGroup | None: the slots, which the caller must release (one round trip per
+            key); None if every attempt found some key without room.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
+                cluster the keys share no shard (nothing is sent to Redis).
+            SemaphoreBackendError: Redis failed.
+        """
+        plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
+                         self._record.encode, self.names.keys_of_many)  # fmt: skip
+        return take_group(self._scripts, plan, self._slot)
+
+    @contextlib.contextmanager
+    def hold_many(
+        self,
+        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        *,
+        retries: int = 0,
+        retry_delay: float = 0.1,
+        lease: float | None = None,
+        heartbeat: float | bool | None = None,
+        on_renew_error: RenewErrorCallback | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        interrupt: bool = False,
+    ) -> Iterator[SlotGroup]:
+        """Hold a slot of every key (``keys`` as for :meth:`acquire_many`) for the ``with``
+        block, renewing them all with the process's other slots; the other arguments are
+        :meth:`hold`'s. Yields the :class:`SlotGroup`, whose ``lost`` is set the moment any
+        slot is known gone.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (checked before acquiring).
+            SemaphoreNotAcquiredError: every attempt found some key without room.
+            SemaphoreLeaseLostError: a slot was lost while the block ran (its key is named),
+                even if the block itself succeeded; if the block raised, that propagates.
+            SemaphoreBackendError: Redis failed while acquiring.
+        """
+        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
+        check.check_flag(interrupt, "interrupt")
+        group = self.acquire_many(
+            keys, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
+        )
+        if group is None:
+            raise group_refused(keys)
+        with guard(group, interval, on_renew_error), _interrupting(group, interrupt):
+            yield group
 
     def run(
         self,
@@ -328,22 +369,18 @@ class Semaphore(ManyKeys):
         heartbeat: float | bool | None = None,
         on_renew_error: RenewErrorCallback | None = None,
         metadata: Mapping[str, Any] | None = None,
+        wait: float = 0.0,
+        interrupt: bool = False,
     ) -> T:
         """Call ``fn(slot)`` while holding a slot of ``key``; return what it returns.
 
         Arguments, renewal and errors are those of :meth:`hold`.
         """
         with self.hold(
-            key,
-            limit=limit,
-            weight=weight,
-            retries=retries,
-            retry_delay=retry_delay,
-            lease=lease,
-            heartbeat=heartbeat,
-            on_renew_error=on_renew_error,
-            metadata=metadata,
-        ) as slot:
+            key, limit=limit, weight=weight, retries=retries, retry_delay=retry_delay,
+            lease=lease, heartbeat=heartbeat, on_renew_error=on_renew_error,
+            metadata=metadata, wait=wait, interrupt=interrupt,
+        ) as slot:  # fmt: skip
             return fn(slot)
 
     def count(self, key: str) -> int:
@@ -355,7 +392,7 @@ class Semaphore(ManyKeys):
         """
         key = check.check_key(key)
         with backend_errors(key, self.limit):
-            return self._scripts.count(self._redis_keys(key))
+            return self._scripts.count(self.names.keys_of(key))
 
     def available(self, key: str, limit: int | None = None) -> int:
         """The key's limit (its live limit if one is set, else ``limit``, else the
@@ -365,40 +402,9 @@ class Semaphore(ManyKeys):
         effective = live.limit if live is not None else self._limit(limit)
         return max(0, effective - self.count(key))
 
-    def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
-        """Set the live limit of ``key`` (None: clear it) in one round trip; see
-        :meth:`SemaphoreAdmin.set_limit`. Slots a raise frees go to parked waiters through
-        this semaphore's ``on_handoff``.
 
-        Args:
-            key (str): the semaphore's key.
-            limit (int | None): the new live limit, 1 to 2**31 - 1; None clears it.
-            by (str | None): who sets it, for the views; None: ``user@host pid N``.
-
-        Returns:
-            int | None: the live limit it replaced (None: there was none).
-
-        Raises:
-            SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
-            SemaphoreBackendError: Redis failed.
-        """
-        return self.admin.set_limit(key, limit, by)
-
-    def holders(self, key: str) -> list[Holder]:
-        """Every live holder of ``key``, soonest expiry first. Errors as :meth:`count`."""
-        return self.admin.holders(key, self.limit)
-
-    def force_release(self, key: str, token: str) -> bool:
-        """Free one holder's slot by its token; see :meth:`SemaphoreAdmin.force_release`."""
-        return self.admin.force_release(key, token, self.limit)
-
-    def force_release_all(self, key: str) -> int:
-        """Free every slot of ``key`` at once; see :meth:`SemaphoreAdmin.force_release_all`.
-
-        The displaced holders keep running; each learns of it at its next renewal or release,
-        which answers "gone" (so :meth:`hold` raises :class:`SemaphoreLeaseLostError`).
-        """
-        return self.admin.force_release_all(key, self.limit)
+def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:
+    return Interrupter(slot) if interrupt else contextlib.nullcontext()
 
 
 _DEFAULT: dict[str, Any] = Semaphore.acquire.__kwdefaults__ or {}

@@ -1,10 +1,13 @@
 """A held slot: the lease a holder keeps alive, gives back, or learns it has lost.
 
 :class:`Slot` is what :meth:`~celery_semaphore.core.semaphore.Semaphore.acquire` returns. Its
-public surface serves two readers: the holder (``extend``, ``release``, ``lost``,
-``when_lost``) and the renewer (``renewal``, ``renewed``, ``deadline``, ``renewed_at``,
-``released``, ``mark_lost``, ``check_deadline``, ``watch_lease``), which needs nothing
-private.
+public surface is the holder's: ``key``, ``token``, ``limit``, ``weight``, ``lease``,
+``acquired_at``, ``expires_at``, ``deadline``, ``lost``, ``when_lost``, ``extend``, ``is_held``,
+``release``, ``released``. The renewer's side (``_renewal``, ``_renewed``, ``_renewed_at``,
+``_mark_lost``, ``_check_deadline``, ``_watch_lease``) is the package's own, shared with
+:class:`~celery_semaphore.asyncio.slot.AsyncSlot` through
+:class:`~celery_semaphore.core.lease.LeaseRecord`: underscored, so it stays out of the API
+reference and of a user's completion.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..errors import SemaphoreBackendError
 from . import validation as check
+from .calls import held_call
+from .handoff import HandoffRoute
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
-from .room import HandoffRoute
-from .scripts import REDIS_ERRORS, Admitted, Keys, Scripts, backend_error, backend_errors
+from .names import Keys
+from .recovery import recover_later
+from .replies import Admitted
+from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +86,7 @@ class Slot(LeaseRecord):
         """Whether :meth:`release` has run (whatever it answered)."""
         return self._released is not None
 
-    def mark_lost(self, reason: str) -> None:
+    def _mark_lost(self, reason: str) -> None:
         """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
         with self._callbacks_lock:
             if self.lost.is_set():
@@ -104,12 +112,12 @@ class Slot(LeaseRecord):
                 return
         callback(self)
 
-    def check_deadline(self) -> None:
+    def _check_deadline(self) -> None:
         """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
         if self._released is None and time.monotonic() >= self.deadline:
-            self.mark_lost("no renewal succeeded within one lease")
+            self._mark_lost("no renewal succeeded within one lease")
 
-    def renew(self, lease: float | None = None) -> bool:
+    def _renew(self, lease: float | None = None) -> bool:
         """One extend round trip: True when the slot is still ours. It does not mark the
         slot lost on False (the renewer decides); see :meth:`extend` for that.
 
@@ -122,9 +130,9 @@ class Slot(LeaseRecord):
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
             [expires_at_ms] = self._scripts.extend([(self._keys, self.token, ms, self.weight)])
-        return self.renewed(sent_at, seconds, expires_at_ms)
+        return self._renewed(sent_at, seconds, expires_at_ms)
 
-    def renewal(self) -> tuple[Scripts, Keys, str, int]:
+    def _renewal(self) -> tuple[Scripts, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
         return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
@@ -148,10 +156,28 @@ class Slot(LeaseRecord):
             check.lease_ms(lease)
         if self._released is not None:
             return False
-        if self.renew(lease):
+        if self._renew(lease):
             return True
-        self.mark_lost("extend found the slot gone")
+        self._mark_lost("extend found the slot gone")
         return False
+
+    def is_held(self) -> bool:
+        """Ask the store whether this slot is still ours: present, with a lease that has not
+        run out by the server's clock (one read-only round trip).
+
+        It changes nothing, in the store or here: the lease is not renewed, and a False does
+        not set :attr:`lost` (the renewer, :meth:`extend` and :meth:`release` judge that).
+
+        Returns:
+            bool: True while the slot is held; False once it was released, lapsed, or taken
+            away by an operator (:meth:`SemaphoreAdmin.force_release`, say).
+
+        Raises:
+            SemaphoreBackendError: the round trip failed; nothing is known either way.
+        """
+        with backend_errors(self.key, self.limit):
+            [held] = self._scripts.run(held_call([(self._keys, self.token)]))
+        return held
 
     def release(self) -> bool:
         """Give the slot back (one round trip; later calls repeat the first answer). When
@@ -167,17 +193,30 @@ class Slot(LeaseRecord):
             SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
         """
         if self._released is None:
+            sent_at = time.monotonic()
             try:
                 self._released, handed = self._scripts.release(
                     self._keys, self.token, self._handoffs.release_claim_ms, self.weight
                 )
             except REDIS_ERRORS as exc:
+                # It may have run: its hand-off, or the slot, must not wait for a lease.
+                recover_later(self._scripts, self._keys, self.key, self.token, self._handoffs,
+                              sent_at, exc)  # fmt: skip
                 raise backend_error(exc, self.key, self.limit) from exc
             if handed:
-                self._handoffs.deliver(self.key, handed)
+                self._handoffs.deliver(self.key, handed, self._scripts)
             if not self._released:
-                self.mark_lost("release found the slot already gone")
+                self._mark_lost("release found the slot already gone")
         return self._released
+
+    def give_back_late(self) -> None:
+        """Release a slot whose acquire was answered only after a whole lease (a paused
+        server, a stalled network): it cannot be trusted to be ours. Never raises: a slot
+        that cannot be given back lapses with its lease."""
+        try:
+            self.release()
+        except SemaphoreBackendError:
+            logger.warning("could not give back a late slot of %r; it lapses", self.key)
 
     def __enter__(self) -> Slot:
         return self

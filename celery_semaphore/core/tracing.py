@@ -7,6 +7,10 @@ recorded as the span's exception). An acquire of several keys at once is one spa
 ``semaphore.key`` joins the keys with ``+`` and whose ``semaphore.keys`` lists them apart,
 so a query by one key finds it (its ``semaphore.limit`` is the first key's).
 
+A run that fails for want of a slot adds a ``semaphore.refused`` event, with its
+``semaphore.refusal`` (see :class:`~celery_semaphore.errors.Refusal`), to the span current
+then (see :func:`refusal_event`).
+
 Without an SDK configured the API's spans are no-ops, and without the package installed
 nothing is imported: ``pip install 'celery-semaphore[tracing]'`` to have it.
 """
@@ -94,3 +98,19 @@ def _span(key: str, limit: int, keys: Sequence[str]) -> Iterator[Record]:
             span.set_attribute("semaphore.outcome", outcome)
 
         yield record
+
+
+def refusal_event(key: str, limit: int | None, reason: str) -> None:
+    """Add a ``semaphore.refused`` event (``semaphore.key``, ``semaphore.limit``,
+    ``semaphore.refusal``) to the current span, when a tracer is configured and a span
+    records: the task's own span, say, from Celery's OpenTelemetry instrumentation. An
+    acquire's span has ended by the time a run is refused, so the run's span carries it."""
+    if _no_tracer():
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    attributes: dict[str, str | int] = {"semaphore.key": key, "semaphore.refusal": reason}
+    if limit is not None:
+        attributes["semaphore.limit"] = limit
+    span.add_event("semaphore.refused", attributes)

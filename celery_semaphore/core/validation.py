@@ -152,6 +152,17 @@ def heartbeat_interval(heartbeat: object, lease: float, name: str = "heartbeat")
     return seconds
 
 
+def check_flag(value: object, name: str) -> bool:
+    """``value`` if it is True or False.
+
+    Raises:
+        SemaphoreValidationError: ``value`` is anything else (a 1, a "yes").
+    """
+    if not isinstance(value, bool):
+        raise SemaphoreValidationError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def check_callback(callback: object, name: str) -> Callable[..., Any] | None:
     """Return ``callback`` if it is None or callable, else raise."""
     if callback is not None and not callable(callback):

@@ -20,14 +20,14 @@ POLL = 0.1
 class Ask(NamedTuple):
     """One run's ask: ``key`` (the keys joined with ``+`` when there are several, for log
     lines), ``limit`` and ``weight`` (the first key's), ``many``, the ``(key, limit,
-    weight)`` of each key when the run holds several, else None, and ``group``, its
-    fair-turn group in the waiting room ("" for none)."""
+    weight)`` of each key when the run holds several, else None, and ``tenant``, its
+    tenant for fair turns in the waiting room ("" for none)."""
 
     key: str
     limit: int
     weight: int
     many: list[tuple[str, int, int]] | None = None
-    group: str = ""
+    tenant: str = ""
 
     @property
     def keys(self) -> list[str]:
@@ -59,8 +59,8 @@ def ask_for(
         return Ask("+".join(k for k, _, _ in many), many[0][1], many[0][2], many)
     key = template.render(args, kwargs)
     limit = limits.for_call(key, args, kwargs)
-    group = "" if fair is None else fair.render(args, kwargs)
-    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, group)
+    tenant = "" if fair is None else fair.render(args, kwargs)
+    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, tenant)
 
 
 def take(

@@ -29,13 +29,14 @@ from ..asyncio.clients import AsyncClient
 from ..asyncio.guard import guard
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
-from ..errors import SemaphoreNotAcquiredError, SemaphoreValidationError
+from ..core.refusals import is_paused_async, not_acquired
+from ..errors import SemaphoreValidationError
 from .current import UNBOUNDED
 from .limits import LimitSpec
 from .policy import Policy
-from .room import publisher_for
 from .runner import Runner
 from .settings import app_settings, client_for
+from .waiting_room.handoffs import publisher_for
 
 CoroutineFunction = Callable[..., Coroutine[Any, Any, Any]]
 
@@ -129,8 +130,6 @@ class CoroutineRunner:
             retry_delay=runner.retry_delay, wait=wait,
         )  # fmt: skip
         if slot is None:
-            raise SemaphoreNotAcquiredError(
-                f"semaphore {key!r} has all {limit} slots held", key, limit
-            )
+            raise not_acquired(key, limit, wait, paused=await is_paused_async(semaphore.admin, key))
         async with guard(slot, interval, interrupt=policy.interrupt):
             return await fn(*args, **kwargs)

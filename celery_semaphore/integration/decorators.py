@@ -79,8 +79,8 @@ def bounded(
         retries (int): plain calls only: further attempts when every slot is held.
         retry_delay (float): plain calls only: seconds between attempts.
         **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``wait_timeout``,
-            ``claim_timeout``, ``handoff_grace``, ``max_queued``, ``on_lease_lost``,
-            ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
+            ``queue_timeout``, ``claim_timeout``, ``handoff_grace``, ``max_queued``,
+            ``on_lease_lost``, ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
             ``shed_max_retries``, ``shed_timeout``, ``interrupt``); see
             :class:`celery_semaphore.integration.policy.Policy`.
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..core import validation as check
-from ..core.room import DEFAULT_HANDOFF_GRACE
+from ..core.handoff import DEFAULT_HANDOFF_GRACE
 from ..core.semaphore import DEFAULT_LEASE
 from ..errors import SemaphoreValidationError
 
@@ -48,12 +49,17 @@ class Policy:
             :class:`SemaphoreNotAcquiredError`; None: no limit. A parked run is not shed, so
             this does not apply to ``"queue"`` (except to the countdown sheds taken when
             Redis is unreachable).
-        shed_timeout (float | None): seconds after the first shed (or, with ``"queue"``,
-            after the run first asked) after which the task fails instead of being shed
-            again or waiting on in the room; None: no limit. Parked runs are given up by
-            the workers' sweep, so within about 2 seconds after the budget. Outside a
-            worker (eager mode, a direct call) this is how long to wait for a slot; when it
-            is None such a call waits up to one lease.
+        shed_timeout (float | None): seconds after the first shed after which the task
+            fails instead of being shed again; None: no limit. Outside a worker (eager mode,
+            a direct call) of a task that sheds or raises, this is how long to wait for a
+            slot; when it is None such a call waits up to one lease. Deprecated for a parked
+            run: with ``"queue"`` or ``"wait"`` and no ``queue_timeout``, it still bounds
+            the wait in the room, with a :class:`DeprecationWarning` once per task.
+        queue_timeout (float | None): with ``"queue"`` or ``"wait"``: seconds after the run
+            first asked after which it fails instead of waiting on in the room; None: no
+            limit. Parked runs are given up by the workers' sweep, so within about 2 seconds
+            after the budget. Outside a worker, how long such a task's call waits for a slot
+            (one lease when unset).
         interrupt (bool): when the slot is lost, raise an exception inside the running body
             (at its next Python bytecode; a body blocked in C code notices when it returns).
         claim_timeout (float): with ``"queue"``: seconds a slot handed to a parked run stays
@@ -83,6 +89,7 @@ class Policy:
     max_queued: int | None = None
     handoff_grace: float = DEFAULT_HANDOFF_GRACE
     wait_timeout: float = 5.0
+    queue_timeout: float | None = None
 
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
@@ -102,17 +109,31 @@ class Policy:
             check.check_limit(self.max_queued, "max_queued")
         check.check_delay(self.handoff_grace, "handoff_grace")
         check.check_delay(self.wait_timeout, "wait_timeout")
+        if self.queue_timeout is not None:
+            check.check_delay(self.queue_timeout, "queue_timeout")
 
     def with_options(self, options: Mapping[str, Any]) -> Policy:
         """A copy with ``options`` (task options; None values ignored) applied and checked."""
         given = {k: v for k, v in options.items() if v is not None}
         return dataclasses.replace(self, **given)
 
+    @property
+    def parks(self) -> bool:
+        """Whether a run that finds its key full waits in the room (``"queue"``, ``"wait"``)."""
+        return self.on_full in ("queue", "wait")
+
+    def queue_budget(self) -> tuple[float | None, str]:
+        """A parked run's budget in seconds (None: no limit), and the option it comes from:
+        ``queue_timeout``, else the deprecated ``shed_timeout``."""
+        if self.queue_timeout is not None or self.shed_timeout is None:
+            return self.queue_timeout, "queue_timeout"
+        return self.shed_timeout, "shed_timeout"
+
     def wait_budget(self) -> float:
-        """Seconds a call outside a worker may wait for a slot before it raises."""
-        if self.shed_timeout is not None:
-            return self.shed_timeout
-        return self.lease
+        """Seconds a call outside a worker may wait for a slot before it raises: the budget
+        of the mode, else one lease."""
+        budget = self.queue_budget()[0] if self.parks else self.shed_timeout
+        return self.lease if budget is None else budget
 
 
 POLICY_FIELDS = tuple(f.name for f in dataclasses.fields(Policy))
@@ -128,8 +149,39 @@ def check_options(options: Mapping[str, Any]) -> None:
         SemaphoreValidationError: an option is invalid; the message names it.
     """
     given = {k: v for k, v in options.items() if v is not None}
+    one_budget(given)
     given.setdefault("lease", check.MAX_SECONDS)
     Policy().with_options(given)
+
+
+def warn_if_deprecated(policy: Policy, semaphore: str) -> None:
+    """Warn (:class:`DeprecationWarning`) when ``policy`` bounds a parked run's wait by
+    ``shed_timeout``, the budget's old name; a task's runner calls this once per app."""
+    if policy.parks and policy.queue_budget()[1] == "shed_timeout":
+        warnings.warn(
+            f"semaphore {semaphore!r}: shed_timeout bounds the wait of a parked run "
+            "(on_full='queue' or 'wait') only as a deprecated alias: name it queue_timeout",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
+def one_budget(options: Mapping[str, Any], where: str = "") -> None:
+    """Refuse ``queue_timeout`` and ``shed_timeout`` given together (in the same task
+    options, declaration or app settings) with different values: ``shed_timeout`` is the old
+    name of a parked run's budget, so the two would be two budgets for one wait.
+
+    Raises:
+        SemaphoreValidationError: both are set and differ; ``where`` opens the message.
+    """
+    queue, shed = options.get("queue_timeout"), options.get("shed_timeout")
+    if queue is not None and shed is not None and queue != shed:
+        raise SemaphoreValidationError(
+            f"{where}queue_timeout={queue!r} and {where}shed_timeout={shed!r} differ: "
+            "shed_timeout is the deprecated name of a parked run's budget, so give "
+            "queue_timeout alone here (a shed_timeout for countdown sheds may be given "
+            "app-wide or in app.conf.semaphores, apart from it)"
+        )
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:

@@ -42,9 +42,11 @@ from celery._state import get_current_app, get_current_task
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..core.group import SlotGroup
+from ..core.refusals import is_paused, not_acquired
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from ..errors import (
+    Refusal,
     SemaphoreBackendError,
     SemaphoreLeaseLostError,
     SemaphoreNotAcquiredError,
@@ -55,18 +57,13 @@ from .body import run_body
 from .current import UNBOUNDED
 from .keys import KeySet, KeyTemplate
 from .limits import LimitSpec, WeightSpec
-from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options
-from .room import (
-    claim_or_end,
-    give_up_or_end,
-    is_give_up,
-    is_handoff,
-    park_or_take,
-    publisher_for,
-)
+from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options, warn_if_deprecated
 from .settings import app_settings, client_for, policy_and_limits, task_options, task_policy
 from .shedding import first_asked, shed
-from .signals import Names, semaphore_refused
+from .signals import Names, report_refusal
+from .waiting_room.handoffs import claim_or_end, is_give_up, is_handoff, publisher_for
+from .waiting_room.parking import give_up_or_end, park_or_take
+from .waiting_room.queues import broadcast_queue_of, broadcast_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +99,9 @@ class Runner:
         weight (int | Callable[..., int] | None): units of the limit each run takes, or a
             callable of the task's arguments returning them (see :class:`~.limits.WeightSpec`);
             None: 1.
-        fair_by (str | Callable[..., str] | None): the fair-turn group of each run, a
+        fair_by (str | Callable[..., str] | None): the tenant of each run for fair turns, a
             template or callable as for ``semaphore``: runs waiting in the room take turns
-            across groups (see :meth:`Semaphore.park`); None: arrival order.
+            across tenants (see :meth:`WaitingRoom.park`); None: arrival order.
 
     Raises:
         SemaphoreValidationError: any option is invalid; the message names it.
@@ -204,6 +201,7 @@ class Runner:
                     handoff_grace=policy.handoff_grace,
                 )
                 found = Bound(semaphore, policy, limits)
+                warn_if_deprecated(policy, self.template.source)
                 if app is None:
                     self._unbound = found
                 else:
@@ -267,7 +265,8 @@ class Runner:
         started = time.monotonic()
         slot = take(bound.semaphore, ask, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
-            raise self._refused(None, _full_error(ask.key, ask.limit), names)
+            paused = is_paused(bound.semaphore.admin, ask.keys[0])
+            raise self._refused(None, not_acquired(ask.key, ask.limit, paused=paused), names)
         waited = time.monotonic() - started
         return run_body(None, slot, bound.policy, waited, names, fn, args, kwargs)
 
@@ -286,6 +285,7 @@ class Runner:
                     f"(task {task.name} run outside a worker waits instead of being shed)",
                     ask.key,
                     ask.limit,
+                    Refusal.TIMEOUT,
                 ),
                 names,
             )
@@ -302,13 +302,14 @@ class Runner:
         try:
             # A cluster client connects when it is made, so resolving can fail like acquiring.
             semaphore, policy, _ = bound = self.resolve(task.app)
+            if policy.on_full != "raise":
+                broadcast = broadcast_queue_of(task.app, request.delivery_info)
+                if broadcast is not None:  # a copy that parks or sheds would loop
+                    raise broadcast_refusal(task.name, broadcast, policy.on_full)
             ask = self._ask_for(task, bound, args, kwargs)
             limit = ask.limit
             if is_give_up(request):
-                try:
-                    give_up_or_end(task, semaphore, policy, ask.keys, limit)
-                except SemaphoreNotAcquiredError as exc:
-                    raise self._refused(task, exc, names) from None
+                give_up_or_end(task, semaphore, policy, ask.keys, limit)
             slot = (
                 claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
                 if is_handoff(request)
@@ -316,14 +317,17 @@ class Runner:
             )
             if slot is None:
                 slot = self._ask(task, semaphore, policy, ask, metadata, names)
+        except SemaphoreNotAcquiredError as exc:  # a parked run's budget, or a full room
+            raise self._refused(task, exc, names) from None
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
                 raise
-            self._shed(task, policy, names, limit, f"Redis unreachable: {exc}")
+            self._shed(task, policy, names, limit, f"Redis unreachable: {exc}", Refusal.BACKEND)
         if slot is None:
             if policy.on_full == "raise":
-                raise self._refused(task, _full_error(key, limit), names)
+                paused = is_paused(semaphore.admin, key)
+                raise self._refused(task, not_acquired(key, limit, paused=paused), names)
             self._shed(task, policy, names, limit, "all slots held")
         waited = time.monotonic() - started
         first = first_asked(request)
@@ -346,7 +350,7 @@ class Runner:
             if is_handoff(task.request):
                 with contextlib.suppress(SemaphoreBackendError):
                     for key in self.keys_for(args, kwargs):
-                        bound.semaphore.admin.cancel(key, task.request.id)
+                        bound.semaphore.room.cancel(key, task.request.id)
             raise
 
     def _ask(
@@ -358,12 +362,12 @@ class Runner:
         park = (ask.key, ask.limit, ask.weight, metadata, names)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, *park, many=ask.many, group=ask.group)
+            return park_or_take(task, semaphore, policy, *park, many=ask.many, tenant=ask.tenant)
         if policy.on_full == "wait":
             asked = time.time()
             slot = take(semaphore, ask, metadata=metadata, wait=policy.wait_timeout)
             if slot is None:
-                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many, ask.group)
+                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many, ask.tenant)
             return slot
         return take(semaphore, ask, metadata=metadata)
 
@@ -371,19 +375,18 @@ class Runner:
         self, task: Task | None, error: SemaphoreNotAcquiredError, names: Names
     ) -> SemaphoreNotAcquiredError:
         """Report that a run will not get a slot (no shed: it fails); returns ``error``."""
-        semaphore_refused.send(
-            sender=task, limit=error.limit, reason=error.message, **names.fields()
-        )
+        report_refusal(task, error, names)
         return error
 
     def _shed(
-        self, task: Task, policy: Policy, names: Names, limit: int | None, reason: str
-    ) -> NoReturn:
+        self, task: Task, policy: Policy, names: Names, limit: int | None, reason: str,
+        refusal: Refusal | None = None,
+    ) -> NoReturn:  # fmt: skip
         """Shed the running task (see :func:`.shedding.shed`), or fail it when its budget is
-        spent. ``limit`` is None when it could not be computed (Redis was unreachable
-        first)."""
+        spent (for ``refusal``, if given). ``limit`` is None when it could not be computed
+        (Redis was unreachable first)."""
         try:
-            shed(task, policy, names, limit, reason)
+            shed(task, policy, names, limit, reason, refusal)
         except SemaphoreNotAcquiredError as exc:
             raise self._refused(task, exc, names) from None
 
@@ -408,10 +411,6 @@ def refusal_of(task: Any) -> SemaphoreValidationError | None:
     """The error every run of ``task`` raises because its semaphore options are invalid."""
     error = getattr(run_function(task)[0], "__semaphore_error__", None)
     return error if isinstance(error, SemaphoreValidationError) else None
-
-
-def _full_error(key: str, limit: int | None) -> SemaphoreNotAcquiredError:
-    return SemaphoreNotAcquiredError(f"semaphore {key!r} has all {limit} slots held", key, limit)
 
 
 def _task_metadata(task: Task, request: Any) -> dict[str, Any]:

@@ -13,6 +13,9 @@ task option              app setting                  default    meaning
 (none)                   ``semaphore_flower_set_limit`` True     Flower page may set limits
 (none)                   ``semaphore_handoff_priority`` None     hand-offs' message priority
 (none)                   ``semaphore_handoff_queues`` True       hand-offs skip the backlog
+(none)                   ``semaphore_room_ttl``       86400.0    a room outlives its last touch
+(none)                   ``semaphore_journal``        True       journal parked runs per host
+(none)                   ``semaphore_sweep_interval`` 2.0        seconds between sweeps of a room
 ``limit``                (declared, else required)               slots per key (or per run)
 ``lease``                ``semaphore_lease``          60.0       seconds a slot lives unrenewed
 ``heartbeat``            ``semaphore_heartbeat``      lease / 4  renewal interval; False: none
@@ -27,7 +30,8 @@ task option              app setting                  default    meaning
 ``shed_backoff``         ``semaphore_shed_backoff``   True       exponential, full jitter
 ``shed_max_countdown``   ``semaphore_shed_max_countdown`` 60.0   cap on one countdown, s
 ``shed_max_retries``     ``semaphore_shed_max_retries``   None   sheds before failing
-``shed_timeout``         ``semaphore_shed_timeout``   None       seconds shed or parked, then fail
+``shed_timeout``         ``semaphore_shed_timeout``   None       seconds shed, then fail
+``queue_timeout``        ``semaphore_queue_timeout``  None       seconds parked, then fail
 ``interrupt``            ``semaphore_interrupt``      False      stop the body on lease loss
 ======================== ============================ ========== ==========================
 
@@ -38,8 +42,10 @@ otherwise it must be set.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -47,10 +53,17 @@ from celery import Celery
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
+from ..core.room import DEFAULT_ROOM_TTL
 from ..errors import SemaphoreValidationError
 from .limits import LimitSpec, declared_semaphores
-from .policy import POLICY_FIELDS, Policy
+from .policy import POLICY_FIELDS, Policy, one_budget
 from .store import Store, resolve_store
+from .waiting_room.journal import Journal, default_directory, journal_path
+
+DEFAULT_SWEEP_INTERVAL = 2.0
+"""Seconds between two sweeps of one waiting room by the whole fleet, unless
+``semaphore_sweep_interval`` says otherwise."""
+MAX_SWEEP_INTERVAL = 3600.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,16 @@ class AppSettings:
             deliver hand-offs ahead of a backlog sent at a lower priority.
         handoff_queues (bool): ``semaphore_handoff_queues``: whether workers consume a
             hand-off queue beside each of their queues, so that hand-offs do not wait behind
-            a backlog (see :mod:`~celery_semaphore.integration.handoff_queues`).
+            a backlog (see :mod:`~celery_semaphore.integration.waiting_room.queues`).
+        room_ttl (float): ``semaphore_room_ttl``: seconds a waiting room outlives its last
+            touch (a park, claim, release into it or sweep of it): a room whose fleet is gone
+            for that long expires, one that is still drained or swept never does.
+        journal (str | None): ``semaphore_journal``: the directory of the hosts' journals of
+            parked runs (see :mod:`~celery_semaphore.integration.waiting_room.journal`);
+            None when it is turned off (``False``).
+        sweep_interval (float): ``semaphore_sweep_interval``: seconds between two sweeps of
+            one waiting room by the whole fleet, and between a worker's checks of its store
+            (see :mod:`~celery_semaphore.integration.waiting_room.sweeps`).
     """
 
     store: Store
@@ -81,6 +103,9 @@ class AppSettings:
     flower_set_limit: bool = True
     handoff_priority: int | None = None
     handoff_queues: bool = True
+    room_ttl: float = DEFAULT_ROOM_TTL
+    journal: str | None = None
+    sweep_interval: float = DEFAULT_SWEEP_INTERVAL
 
     @property
     def url(self) -> str:
@@ -100,7 +125,8 @@ def app_settings(app: Celery) -> AppSettings:
         return cached
     conf = app.conf
     known = {"semaphore_url", "semaphore_prefix", "semaphore_flower_set_limit",
-             "semaphore_handoff_priority", "semaphore_handoff_queues",
+             "semaphore_handoff_priority", "semaphore_handoff_queues", "semaphore_room_ttl",
+             "semaphore_journal", "semaphore_sweep_interval",
              *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
     unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
     if unknown:
@@ -111,6 +137,7 @@ def app_settings(app: Celery) -> AppSettings:
     prefix = conf.get("semaphore_prefix") or DEFAULT_PREFIX
     check.check_key(prefix, "semaphore_prefix")
     options = {name: conf.get(f"semaphore_{name}") for name in POLICY_FIELDS}
+    one_budget(options, "app.conf.semaphore_")
     try:
         policy = Policy().with_options(options)
     except SemaphoreValidationError as exc:
@@ -120,7 +147,11 @@ def app_settings(app: Celery) -> AppSettings:
     settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared,
                            flower_set_limit=_flag(conf, "semaphore_flower_set_limit"),
                            handoff_priority=priority,
-                           handoff_queues=_flag(conf, "semaphore_handoff_queues"))  # fmt: skip
+                           handoff_queues=_flag(conf, "semaphore_handoff_queues"),
+                           room_ttl=_room_ttl(conf.get("semaphore_room_ttl")),
+                           journal=_journal(conf.get("semaphore_journal")),
+                           sweep_interval=_sweep_interval(
+                               conf.get("semaphore_sweep_interval")))  # fmt: skip
     app._semaphore_settings = settings
     return settings
 
@@ -134,6 +165,46 @@ def _flag(conf: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise SemaphoreValidationError(f"app.conf.{name} must be True or False, got {value!r}")
     return value
+
+
+def _room_ttl(value: object) -> float:
+    """``semaphore_room_ttl`` checked: None (the default), or positive seconds, at most 366
+    days."""
+    if value is None:
+        return DEFAULT_ROOM_TTL
+    check.lease_ms(value, "app.conf.semaphore_room_ttl")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _sweep_interval(value: object) -> float:
+    """``semaphore_sweep_interval`` checked: None (the default), or seconds from 0.05 to
+    3600."""
+    if value is None:
+        return DEFAULT_SWEEP_INTERVAL
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0.05 <= value <= MAX_SWEEP_INTERVAL
+    ):
+        raise SemaphoreValidationError(
+            "app.conf.semaphore_sweep_interval must be a number of seconds from 0.05 to "
+            f"{MAX_SWEEP_INTERVAL:g}, got {value!r}"
+        )
+    return float(value)
+
+
+def _journal(value: object) -> str | None:
+    """``semaphore_journal`` checked: True or None (the default directory), False (off), or a
+    directory (a str or path-like)."""
+    if value is None or value is True:
+        return str(default_directory())
+    if value is False:
+        return None
+    if isinstance(value, (str, os.PathLike)) and str(value):
+        return str(value)
+    raise SemaphoreValidationError(
+        f"app.conf.semaphore_journal must be True, False or a directory, got {value!r}"
+    )
 
 
 def _priority(value: object) -> int | None:
@@ -164,6 +235,31 @@ def client_for(app: Celery) -> redis.Redis:
     if client is None:
         client = app.__dict__["_semaphore_client"] = settings.store.connect()
     return client
+
+
+def journal_for(app: Celery) -> Journal | None:
+    """This host's journal of the app's parked runs (made once per app), or None when
+    ``semaphore_journal`` is False.
+
+    Raises:
+        SemaphoreValidationError: as :func:`app_settings`.
+    """
+    settings = app_settings(app)
+    if settings.journal is None:
+        return None
+    journal: Journal | None = app.__dict__.get("_semaphore_journal")
+    if journal is None:
+        path = journal_path(Path(settings.journal), settings.store.url, settings.prefix)
+        journal = app.__dict__["_semaphore_journal"] = Journal(path)
+    return journal
+
+
+def forget(app: Celery, task_id: str) -> None:
+    """Strike run ``task_id`` out of this host's journal of the app's parked runs (it left
+    the room, by a claim, a give-up, a revoke or an expiry), if there is a journal."""
+    journal = journal_for(app)
+    if journal is not None:
+        journal.forget(task_id)
 
 
 def declared_for(app: Celery | None, name: str, settings: bool = True) -> Mapping[str, Any]:

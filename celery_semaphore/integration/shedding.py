@@ -16,10 +16,12 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore
 
-from ..errors import SemaphoreNotAcquiredError
+from ..errors import Refusal, SemaphoreNotAcquiredError
 from .policy import Policy, countdown
+from .settings import forget
 from .signals import Names, semaphore_shed, send_event, task_label
 from .stats import bump
+from .waiting_room.headers import HANDOFF_HEADER, HANDOFF_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -31,25 +33,6 @@ SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
 """Message header: the ``request.retries`` the two above count for. Each attempt (each retry
 the task asks for itself) gets a fresh shed budget, so a user's ``self.retry()`` or
 ``autoretry_for`` is never refused for sheds an earlier attempt spent."""
-
-HANDOFF_HEADER = "semaphore_handoff"
-"""Message header of a run started by a hand-off of the waiting room: the attempt
-(``request.retries``) it was parked in. Only that attempt claims a reservation; a retry the
-task asks for itself carries the header on with a higher ``retries`` and is a new run."""
-
-HANDOFF_ID_HEADER = "semaphore_handoff_id"
-"""Message header: a fresh id for each publish of a hand-off, recorded when its run claims
-the slot, so that the broker delivering the same message again (the run was lost) is told
-from another copy of it (a duplicate, which ends quietly)."""
-
-GIVE_UP_HEADER = "semaphore_give_up"
-"""Message header of a parked run whose ``shed_timeout`` passed while it waited: the run
-takes itself out of the room and fails instead of running."""
-
-HANDOFF_QUEUE_HEADER = "semaphore_handoff_queue"
-"""Message header of a parked run's payload: the hand-off queue of the queue it came from
-(see :mod:`~celery_semaphore.integration.handoff_queues`), which a release publishes its
-hand-off to; the message's own routing is the run's own queue, which a sweep uses."""
 
 BROKER_HEADERS = frozenset(
     {
@@ -75,10 +58,9 @@ def retry_headers(request: Any) -> dict[str, Any]:
     """The headers Celery's own ``retry()`` would publish for ``request``, less anything the
     broker added (:data:`BROKER_HEADERS`) and the hand-off marks of this delivery."""
     headers = request.as_execution_options().get("headers") or {}
-    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS and k not in _OURS}
-
-
-_OURS = frozenset((HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER, HANDOFF_QUEUE_HEADER))
+    return {
+        k: v for k, v in headers.items() if k not in BROKER_HEADERS and k not in HANDOFF_HEADERS
+    }
 
 
 def first_asked(request: Any) -> float | None:
@@ -91,7 +73,10 @@ def first_asked(request: Any) -> float | None:
     return float(value) if value else None
 
 
-def shed(task: Task, policy: Policy, names: Names, limit: int | None, reason: str) -> NoReturn:
+def shed(
+    task: Task, policy: Policy, names: Names, limit: int | None, reason: str,
+    refusal: Refusal | None = None,
+) -> NoReturn:  # fmt: skip
     """Publish the running task again with a countdown and end this run in state RETRY.
 
     The RETRY state is stored *before* the message is published, and the run then ends with
@@ -108,6 +93,8 @@ def shed(task: Task, policy: Policy, names: Names, limit: int | None, reason: st
         names (Names): its key or keys, for the messages and the signal.
         limit (int | None): its (first key's) limit; None when it could not be computed.
         reason (str): why it is shed, for the log line and the signal.
+        refusal (Refusal | None): the error's reason if the budget is spent; None: ``FULL``
+            for a spent count (``shed_max_retries``), ``TIMEOUT`` for spent time.
 
     Raises:
         celery.exceptions.Ignore: always, after storing RETRY and publishing.
@@ -124,13 +111,16 @@ def shed(task: Task, policy: Policy, names: Names, limit: int | None, reason: st
     spent = ""
     if policy.shed_max_retries is not None and sheds >= policy.shed_max_retries:
         spent = f"shed {sheds} times (shed_max_retries={policy.shed_max_retries})"
+        refusal = refusal or Refusal.FULL
     elif policy.shed_timeout is not None and time.time() - first >= policy.shed_timeout:
         spent = f"shed for {time.time() - first:.1f}s (shed_timeout={policy.shed_timeout:g})"
+        refusal = refusal or Refusal.TIMEOUT
     if spent:
         raise SemaphoreNotAcquiredError(
             f"semaphore {key!r} (limit {limit}): {reason}; task {request.id} {spent}",
             key,
             limit,
+            refusal or Refusal.FULL,
         )
     delay = countdown(policy, sheds, random.random())
     headers.update(
@@ -138,6 +128,10 @@ def shed(task: Task, policy: Policy, names: Names, limit: int | None, reason: st
     )
     mark_retry(task)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
+    if HANDOFF_HEADER in (request.headers or {}):
+        # A run that parked before lives in the broker again: the journal must not send it
+        # again as lost from a store it could not reach (see waiting_room.journal).
+        forget(task.app, request.id)
     logger.info(
         "%ssemaphore %r (limit %s): shed (%s), runs again in %.2fs",
         task_label(task),

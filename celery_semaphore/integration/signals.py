@@ -22,7 +22,7 @@ signal                           keyword arguments (besides keys, templates)
 ``semaphore_released``           key, limit, template, slot, held (seconds), lost (bool)
 ``semaphore_shed``               key, limit, template, countdown (s), sheds (so far), reason
 ``semaphore_parked``             key, limit, template, position (older runs parked ahead)
-``semaphore_refused``            key, limit, template, reason (the run fails instead)
+``semaphore_refused``            key, limit, template, reason (a :class:`Refusal`), message
 ``semaphore_lease_lost``         key, limit, template, slot, reason
 ``semaphore_renew_failed``       key, limit, template, slot, error
 ================================ ==========================================================
@@ -45,6 +45,8 @@ from celery.utils.dispatch import Signal
 
 from ..core.group import SlotGroup
 from ..core.slot import Slot
+from ..core.tracing import refusal_event
+from ..errors import SemaphoreNotAcquiredError
 from . import stats
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ semaphore_shed = Signal(
     name="semaphore_shed", providing_args=_COMMON | {"countdown", "sheds", "reason"}
 )
 semaphore_parked = Signal(name="semaphore_parked", providing_args=_COMMON | {"position"})
-semaphore_refused = Signal(name="semaphore_refused", providing_args=_COMMON | {"reason"})
+semaphore_refused = Signal(name="semaphore_refused", providing_args=_COMMON | {"reason", "message"})
 semaphore_lease_lost = Signal(
     name="semaphore_lease_lost", providing_args=_COMMON | {"slot", "reason"}
 )
@@ -159,3 +161,22 @@ def report_lease_lost(task: Task | None, slot: Slot | SlotGroup, names: Names) -
     send_event(task, "lost", key=slot.key, limit=slot.limit, reason=reason)
     if task is not None:
         stats.bump(task.app, task.request.hostname, "lease_lost")
+
+
+def report_refusal(task: Task | None, error: SemaphoreNotAcquiredError, names: Names) -> None:
+    """Log, signal and trace that a run fails for want of a slot, with ``error.reason``: one
+    INFO line (Celery logs the failure itself), ``semaphore_refused``, and a
+    ``semaphore.refused`` event on the current span, if one records."""
+    logger.info(
+        "%ssemaphore %r (limit %s): refused (%s): %s",
+        task_label(task),
+        names.key,
+        error.limit,
+        error.reason,
+        error.message,
+    )
+    semaphore_refused.send(
+        sender=task, limit=error.limit, reason=error.reason, message=error.message,
+        **names.fields(),
+    )  # fmt: skip
+    refusal_event(names.key, error.limit, error.reason.value)

@@ -1,5 +1,7 @@
 """Per-worker counters kept in Redis: how often a worker's tasks were shed, parked or lost a
-slot.
+slot, how many waiting rooms the worker swept (its share of the fleet's sweeps), and how many
+hand-offs it fetched found nothing to claim (a reservation taken by a run that parked in
+person, another copy claimed first: a slow consumer's sign).
 
 A prefork worker's tasks run in child processes while ``celery inspect stats`` is answered by
 the main process, so the counters live in Redis, in one hash per worker node
@@ -29,7 +31,7 @@ from .settings import app_settings, client_for
 
 logger = logging.getLogger(__name__)
 
-FIELDS = ("shed", "parked", "lease_lost", "dead_released")
+FIELDS = ("shed", "parked", "lease_lost", "dead_released", "swept", "handoffs_missed")
 FLUSH_DELAY = 1.0
 """Seconds a process holds its counts before writing them to Redis."""
 _TTL = 24 * 3600
@@ -74,6 +76,10 @@ class _Pending:
                         pipe.hincrby(key, field, by)
                     pipe.expire(key, _TTL)
                 pipe.execute()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # A store out of reach is the worker's to report, once (see store_watch);
+                # these counts are telemetry, lost with it.
+                logger.debug("could not write the semaphore counters: %s", exc)
             except Exception:
                 logger.warning("could not write the semaphore counters", exc_info=True)
 

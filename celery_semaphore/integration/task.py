@@ -49,9 +49,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             ``"tenant:{tenant_id}"``: runs waiting in the key's room take turns across
             groups, so one tenant's burst does not hold back another's runs. Default: none,
             arrival order.
-        lease, heartbeat, on_full, wait_timeout, claim_timeout, handoff_grace, max_queued,
-        on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown, shed_max_retries,
-        shed_timeout, interrupt: see
+        lease, heartbeat, on_full, wait_timeout, queue_timeout, claim_timeout, handoff_grace,
+        max_queued, on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown,
+        shed_max_retries, shed_timeout, interrupt: see
             :class:`celery_semaphore.integration.policy.Policy`; None falls back to the app's
             ``semaphore_*`` setting, then to the default.
 
@@ -78,6 +78,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     max_queued: ClassVar[int | None] = None
     handoff_grace: ClassVar[float | None] = None
     wait_timeout: ClassVar[float | None] = None
+    queue_timeout: ClassVar[float | None] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:

@@ -34,16 +34,22 @@ from celery.signals import (
     worker_process_init,
     worker_process_shutdown,
 )
-from celery.worker.control import inspect_command
 
 from ..core.admin import Holder, SemaphoreAdmin
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
-from .handoff_queues import consume_handoff_queues, warm_publisher
+from .broker import survive_broker_restarts
+from .remote import worker_report  # importing it registers `celery inspect semaphores`
 from .runner import refusal_of, runner_of
-from .settings import app_settings, client_for, task_policy
+from .settings import app_settings, forget, task_policy
 from .store import broker_visibility_timeout
-from .sweeps import SWEEP_INTERVAL, RoomSweeper
+from .upkeep import Upkeep, start_upkeep
+from .waiting_room.queues import (
+    broadcast_refusal,
+    broadcast_route_of,
+    consume_handoff_queues,
+    warm_publisher,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,66 +59,6 @@ RECHECK = 0.1
 """Seconds between checks of whether a dead run's process has exited."""
 PATIENCE = 10.0
 """Seconds to keep checking before leaving a still-living holder's slot to its lease."""
-
-
-def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
-    """Every live slot whose holder recorded ``worker`` (a Celery node name) as its worker.
-
-    A holder that recorded the bare host part of the node name matches too: tasks run by
-    Celery's in-process test worker (``celery.contrib.testing``) see only that in
-    ``request.hostname``.
-
-    Returns:
-        list[dict[str, Any]]: one dict a slot: key, task_id, task_name, pid, held_for,
-        expires_in (seconds), token.
-
-    Raises:
-        SemaphoreBackendError: Redis failed.
-    """
-    admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
-    names = {worker, worker.partition("@")[2] or worker}
-    rows = []
-    for key in admin.scan_keys():
-        for holder in admin.holders(key):
-            meta = holder.metadata
-            if meta.get("worker") in names:
-                rows.append(
-                    {
-                        "key": key,
-                        "task_id": meta.get("task_id"),
-                        "task_name": meta.get("task_name"),
-                        "pid": meta.get("pid"),
-                        "held_for": holder.held_for,
-                        "expires_in": holder.expires_in,
-                        "token": holder.token,
-                    }
-                )
-    return rows
-
-
-def worker_report(app: Celery, worker: str) -> dict[str, Any]:
-    """The slots ``worker``'s tasks hold now, and its counters.
-
-    Returns:
-        dict[str, Any]: ``{"held": [...], "counters": {...}}``, or ``{"error": "..."}`` when
-        the semaphore store cannot be read (never raises: it answers remote control).
-    """
-    try:
-        stats.flush()
-        return {"held": held_by_worker(app, worker), "counters": stats.read(app, worker)}
-    except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
-
-
-def semaphores(state: Any, **_: Any) -> dict[str, Any]:
-    """Remote control: this worker's held slots (key, task id and name, pid, times)."""
-    consumer = state.consumer
-    return worker_report(consumer.app, consumer.hostname)
-
-
-inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(
-    semaphores
-)
 
 
 class DeadRunReleaser:
@@ -164,9 +110,10 @@ class DeadRunReleaser:
         runner, takes_task = found
         try:
             keys = runner.keys_for((task, *args) if takes_task else tuple(args), kwargs)
-            admin = runner.resolve(task.app)[0].admin
+            room = runner.resolve(task.app)[0].room
             for key in keys:
-                if admin.cancel(key, task_id):
+                if room.cancel(key, task_id):
+                    forget(self.app, task_id)
                     logger.info("semaphore %r: revoked task %s left the waiting room", key, task_id)
         except (SemaphoreError, TypeError) as exc:
             logger.warning("could not take task %s out of its waiting room: %s", task_id, exc)
@@ -271,7 +218,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: checks the bounded tasks, frees dead runs' slots, sweeps the waiting
     rooms, feeds ``inspect stats``, and makes the worker consume a hand-off queue beside each
     of its queues when the app has a queueing task (see
-    :mod:`~celery_semaphore.integration.handoff_queues`).
+    :mod:`~celery_semaphore.integration.waiting_room.queues`).
 
     Creating the step resolves every bounded task's options against the app's
     ``semaphore_*`` settings, so a bad setting, or a task option that conflicts with one,
@@ -279,7 +226,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     of failing the task's first run; so does a task whose own options are invalid. With a
     Redis broker, a ``shed_max_countdown`` above half the broker's ``visibility_timeout`` is
     refused the same way: a message held back longer than that is delivered again, and the
-    task runs twice.
+    task runs twice. So is a task that parks or sheds (any ``on_full`` but ``"raise"``) and
+    is routed to a broadcast queue (see
+    :func:`~celery_semaphore.integration.waiting_room.queues.broadcast_queue_of`).
     """
 
     requires = ("celery.worker.components:Timer", "celery.worker.components:Pool")
@@ -287,11 +236,15 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.releaser: DeadRunReleaser | None = None
-        self._sweeps: Any = None
+        self._upkeep: Upkeep | None = None
         # Sweeping scans the keyspace: only workers of an app with a queueing task do it.
         self.queues = False
+        self.bounded = False  # whether the app has a bounded task: then its store is watched
         app = worker.app
         visibility = broker_visibility_timeout(app)
+        # Shed runs wait out their countdown in this worker: a restart of a Redis broker
+        # must not take it down meanwhile (see broker.py).
+        survive_broker_restarts(app)
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
             refused = refusal_of(task)
@@ -300,6 +253,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             found = runner_of(task)
             if found is None:
                 continue
+            self.bounded = True
             try:
                 policy = task_policy(app, found[0].options_of(app))
             except SemaphoreValidationError as exc:
@@ -311,6 +265,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 ) from None
             # "wait" parks too, once its wait is over.
             self.queues = self.queues or policy.on_full in ("queue", "wait")
+            broadcast = broadcast_route_of(app, task) if policy.on_full != "raise" else None
+            if broadcast is not None:
+                raise broadcast_refusal(task.name, broadcast, policy.on_full)
             if visibility is not None and policy.shed_max_countdown > visibility / 2:
                 raise SemaphoreValidationError(
                     f"task {task.name!r}: shed_max_countdown ({policy.shed_max_countdown:g}s) "
@@ -342,33 +299,32 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         worker_process_shutdown.connect(_flush_counts, weak=False)
 
     def start(self, worker: Any) -> None:
-        self.releaser = DeadRunReleaser(worker.app, worker.timer)
+        app = worker.app
+        self.releaser = DeadRunReleaser(app, worker.timer)
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
-        if self.queues:
-            sweeper = RoomSweeper(worker.app)
-            self._sweeps = worker.timer.call_repeatedly(SWEEP_INTERVAL, sweeper.sweep)
-        try:
-            stats.reset(worker.app, worker.hostname)
-            admin = SemaphoreAdmin(client_for(worker.app), app_settings(worker.app).prefix)
-            for warning in admin.server_warnings():
-                logger.warning("%s", warning)
-        except Exception:  # telemetry and advice: never stop a worker over them
-            logger.warning("could not check the semaphore store", exc_info=True)
+        if not self.bounded:
+            return
+
+        self._upkeep = start_upkeep(app, worker.hostname, self.queues, worker.timer)
 
     def stop(self, worker: Any) -> None:
+        self.terminate(worker)  # first: its sweeps count too
         stats.flush()  # the counts of runs in this process (threads and solo pools)
         worker_process_shutdown.disconnect(_flush_counts)
         if self._warm is not None:
             worker_process_init.disconnect(self._warm)
             self._warm = None
-        if self._sweeps is not None:
-            self._sweeps.cancel()
-            self._sweeps = None
         if self.releaser is not None:
             task_failure.disconnect(self.releaser.on_task_failure)
             task_revoked.disconnect(self.releaser.on_task_revoked)
             self.releaser = None
+
+    def terminate(self, worker: Any) -> None:
+        # A cold shutdown calls this alone: the upkeep thread stops with the worker either way.
+        if self._upkeep is not None:
+            self._upkeep.stop()
+            self._upkeep = None
 
     def info(self, worker: Any) -> dict[str, Any]:
         return {"semaphore": worker_report(worker.app, worker.hostname)}

@@ -5,6 +5,8 @@ Installed through Celery's ``celery.commands`` entry point, so it is a subcomman
 
     celery -A proj semaphore status [KEY...] [--json]
     celery -A proj semaphore set-limit KEY LIMIT | set-limit KEY --clear
+    celery -A proj semaphore pause KEY [--by WHO] | resume KEY [--by WHO]
+    celery -A proj semaphore why TASK_ID [--json]
     celery -A proj semaphore release-all KEY [--yes]
     celery -A proj semaphore watch [KEY...] [--interval 1.0]
     celery -A proj semaphore flower [flower options]
@@ -17,16 +19,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 
 import click
 from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
-from ..core.room import HandoffRoute
+from ..core.handoff import HandoffRoute
 from ..errors import SemaphoreError
-from ..integration.room import publisher_for
 from ..integration.settings import app_settings, client_for
+from ..integration.waiting_room.handoffs import publisher_for
 from .inspection import SemaphoreView, views
+from .why import Standing, why
 
 
 def _app(ctx: click.Context) -> Celery:
@@ -37,13 +42,19 @@ def _app(ctx: click.Context) -> Celery:
     return app
 
 
-def _views(app: Celery, keys: tuple[str, ...]) -> list[SemaphoreView]:
+WAITING_SHOWN = 5
+"""Waiting runs ``status`` and ``watch`` list per key by default (their total is shown)."""
+
+
+def _views(
+    app: Celery, keys: tuple[str, ...], waiting: int | None = WAITING_SHOWN
+) -> list[SemaphoreView]:
     try:
         settings = app_settings(app)
         # Declared keys are listed even when idle; a template ("tenant:{id}") names no key.
         declared = {name: options["limit"] for name, options in settings.declared.items()
                     if isinstance(options.get("limit"), int) and "{" not in name}  # fmt: skip
-        return views(client_for(app), keys or None, settings.prefix, declared)
+        return views(client_for(app), keys or None, settings.prefix, declared, waiting)
     except SemaphoreError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -52,12 +63,27 @@ def _seconds(value: float) -> str:
     return f"{value:.1f}s"
 
 
-def _live(sem: SemaphoreView) -> str:
-    """What status says of a key's live limit: its value, who set it and when."""
-    if sem.live is None:
-        return ""
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sem.live.set_at))
-    return f" (live limit {sem.live.limit}, set by {sem.live.by} at {when})"
+def _reserved(meta: Mapping[str, object]) -> str:
+    """What a holder with no task is: a hand-off's reservation, or units kept for a run of
+    several keys that waits for the others."""
+    if "reserved_for" not in meta:
+        return "-"
+    return "(kept, waits for its other keys)" if meta.get("waiting") else "(handed off)"
+
+
+def _when(epoch: float) -> str:
+    # ISO 8601 with the UTC offset: operators on several time zones read the same moment.
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def _live(sem: SemaphoreView | Standing) -> str:
+    """What status and why say of a key's live limit and pause: who set them and when."""
+    said = ""
+    if sem.paused is not None:
+        said += f" PAUSED by {sem.paused.by} at {_when(sem.paused.paused_at)}"
+    if sem.live is not None:
+        said += f" (live limit {sem.live.limit}, set by {sem.live.by} at {_when(sem.live.set_at)})"
+    return said
 
 
 def render(semaphores: list[SemaphoreView]) -> str:
@@ -80,21 +106,29 @@ def render(semaphores: list[SemaphoreView]) -> str:
             rows.append(
                 (
                     str(meta.get("task_id") or meta.get("reserved_for") or "-"),
-                    str(
-                        meta.get("task_name") or ("(handed off)" if "reserved_for" in meta else "-")
-                    ),
+                    str(meta.get("task_name") or _reserved(meta)),
                     str(meta.get("worker") or meta.get("host") or "-"),
                     str(meta.get("pid") or "-"),
                     _seconds(holder.held_for),
                     _seconds(holder.expires_in),
                 )
             )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        lines.extend(
-            "  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows
-        )
+        lines.extend(_table(rows))
+        if sem.waiting:
+            shown = len(sem.waiting)
+            lines.append(f"  waiting, first served first ({shown} of {sem.queued}):"
+                         if shown < sem.queued else "  waiting, first served first:")  # fmt: skip
+            waiting = [("TASK ID", "WAITED")]
+            waiting += [(w.waiter, _seconds(w.waited)) for w in sem.waiting]
+            lines.extend("  " + line for line in _table(waiting))
     return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """``rows`` as text columns, indented under their key's line."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]  # fmt: skip
 
 
 @click.group(name="semaphore")
@@ -105,10 +139,15 @@ def semaphore() -> None:
 @semaphore.command()
 @click.argument("keys", nargs=-1)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@click.option(
+    "--waiting", type=click.IntRange(min=0, max=1000), default=WAITING_SHOWN, show_default=True,
+    help="Waiting runs to list per key, first served first (their total is always shown).",
+)  # fmt: skip
 @click.pass_context
-def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool) -> None:
-    """Every semaphore (or the KEYS given): limit, slots in use, and who holds them."""
-    found = _views(_app(ctx), keys)
+def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool, waiting: int) -> None:
+    """Every semaphore (or the KEYS given): limit, slots in use, who holds them, and how
+    many runs wait in its room, the oldest wait and the first of them."""
+    found = _views(_app(ctx), keys, waiting)
     if as_json:
         click.echo(json.dumps([sem.as_dict() for sem in found], indent=2, sort_keys=True))
     else:
@@ -130,18 +169,109 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
     """
     if (limit is None) == (not clear):
         raise click.UsageError("give a LIMIT, or --clear (not both)")
-    app = _app(ctx)
     try:
-        settings = app_settings(app)
-        route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
-                             settings.policy.handoff_grace)  # fmt: skip
-        admin = SemaphoreAdmin(client_for(app), settings.prefix, route)
-        previous = admin.set_limit(key, limit)
+        previous = _admin(_app(ctx)).set_limit(key, limit)
     except SemaphoreError as exc:
         raise click.ClickException(str(exc)) from exc
     was = "none" if previous is None else previous
     now = "cleared" if limit is None else f"set to {limit}"
     click.echo(f"Live limit of {key!r} {now} (was {was}).")
+
+
+def _admin(app: Celery) -> SemaphoreAdmin:
+    """An admin of ``app``'s store that publishes the hand-offs its changes make, as the
+    app's workers would."""
+    settings = app_settings(app)
+    route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
+                         settings.policy.handoff_grace)  # fmt: skip
+    return SemaphoreAdmin(client_for(app), settings.prefix, route)
+
+
+@semaphore.command()
+@click.argument("key")
+@click.option("--by", default=None, help="Who pauses it, for status (default: user@host pid N).")
+@click.pass_context
+def pause(ctx: click.Context, key: str, by: str | None) -> None:
+    """Pause KEY for every worker at once: running tasks finish, nothing new starts.
+
+    While KEY is paused its tasks park in its waiting room (on_full="queue", the default),
+    or shed or fail as their on_full says (SemaphoreNotAcquiredError, reason "paused"). Its
+    live limit, if any, is kept. status shows who paused it and when; `resume` undoes it.
+    """
+    try:
+        was = _admin(_app(ctx)).pause(key, by)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{key!r} was paused already." if was else f"Paused {key!r}.")
+
+
+@semaphore.command()
+@click.argument("key")
+@click.option("--by", default=None, help="Who resumes it, for the log (default: user@host pid N).")
+@click.pass_context
+def resume(ctx: click.Context, key: str, by: str | None) -> None:
+    """Resume KEY after `pause`: its free slots go to the oldest parked runs at once."""
+    try:
+        was = _admin(_app(ctx)).resume(key, by)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"Resumed {key!r}." if was else f"{key!r} was not paused: nothing to resume.")
+
+
+@semaphore.command(name="why")
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.pass_context
+def why_command(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Why is TASK_ID waiting: the rooms it is parked in, its place in each, the holders ahead
+    of it, the limit in force (live limit, pause) and its wait budget left.
+
+    It exits with 1 when the task is in no waiting room and holds no slot (its result
+    backend's state is shown then: it may have ended, or not have arrived yet).
+    """
+    app = _app(ctx)
+    try:
+        found = why(client_for(app), task_id, app_settings(app).prefix)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    state = None if found else str(app.AsyncResult(task_id).state)
+    if as_json:
+        click.echo(json.dumps({"task_id": task_id, "standings": [s.as_dict() for s in found],
+                               "result_state": state}, indent=2, sort_keys=True))  # fmt: skip
+    else:
+        click.echo(render_why(task_id, found, state))
+    if not found:
+        ctx.exit(1)
+
+
+def _where(s: Standing) -> str:
+    if s.state == "reserved":
+        return f"handed a slot, its message on the way (the slot waits {s.reserved_for:.1f}s more)"
+    if s.state == "passive":
+        return "parked, letting this key serve others first (it needs others too)"
+    if s.state == "holding":
+        return "holds a slot: its body runs"
+    return f"parked, {s.position} of {s.queued} in line"
+
+
+def render_why(task_id: str, found: Sequence[Standing], state: str | None) -> str:
+    """The text ``why`` prints for ``found`` (``state``: the result backend's, when empty)."""
+    if not found:
+        return (f"Task {task_id} is in no waiting room and holds no slot "
+                f"(its result backend says {state}).")  # fmt: skip
+    lines = [f"Task {task_id}:"]
+    for s in found:
+        where = _where(s)
+        waited = "" if s.waited is None else f", waiting {s.waited:.1f}s"
+        budget = "" if s.gives_up_in is None else f"; gives up in {max(0.0, s.gives_up_in):.1f}s"
+        lines.append(f"  {s.key!r}: {where}{waited}{budget}")
+        lines.append(f"    limit {s.limit if s.limit is not None else '?'} in force{_live(s)}")
+        held = [f"task {h.metadata.get('task_id') or h.token} on {h.metadata.get('host', '?')} "
+                f"(held {h.held_for:.1f}s, lease ends in {h.expires_in:.1f}s)"
+                for h in s.holders[:5]]  # fmt: skip
+        more = f" and {len(s.holders) - 5} more" if len(s.holders) > 5 else ""
+        lines.append(f"    {len(s.holders)} holder(s): " + ("; ".join(held) or "none") + more)
+    return "\n".join(lines)
 
 
 @semaphore.command(name="release-all")

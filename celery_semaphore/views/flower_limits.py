@@ -1,9 +1,11 @@
-"""The Semaphores page's control for live limits: ``POST /api/semaphores/limit``.
+"""The Semaphores page's control for live limits and pauses: ``POST /api/semaphores/limit``.
 
-The form on each card of the page (see :mod:`celery_semaphore.views.flower`) posts here;
+The forms on each card of the page (see :mod:`celery_semaphore.views.flower`) post here;
 scripts may too. The request sets a key's live limit (``key=openai&limit=30``) or clears it
-(``key=openai&clear=1``) through :meth:`SemaphoreAdmin.set_limit`, recording the Flower user,
-the client's address and the Flower process (``user@host pid N``) as who did it.
+(``key=openai&clear=1``) through :meth:`SemaphoreAdmin.set_limit`, or pauses the key
+(``key=openai&pause=1``) or resumes it (``pause=0``) through :meth:`SemaphoreAdmin.pause` and
+:meth:`~SemaphoreAdmin.resume`, recording the Flower user, the client's address and the
+Flower process (``user@host pid N``) as who did it.
 
 Who may post, in this order:
 
@@ -21,7 +23,8 @@ Who may post, in this order:
   off (403).
 
 Bad input (no key, a limit that is not an int from 1, both or neither of ``limit`` and
-``clear``) is answered 400 with the library's message, and nothing is sent to Redis.
+``clear``, ``pause`` beside either, or not a boolean) is answered 400 with the library's
+message, and nothing is sent to Redis.
 """
 
 from __future__ import annotations
@@ -49,11 +52,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "the Semaphores page needs Flower 2.1 or later: pip install 'celery-semaphore[flower]'"
     ) from exc
 
-__all__ = ["LiveLimitApi", "Setter", "refusal"]
+__all__ = ["LiveLimitApi", "Pauser", "Setter", "refusal"]
 
 Setter = Callable[[str, int | None, str], int | None]
 """``set_limit(key, limit_or_None, by)``, returning the live limit replaced: the signature of
 :meth:`SemaphoreAdmin.set_limit`. It blocks (it runs in Flower's thread pool)."""
+
+Pauser = Callable[[str, bool, str], bool]
+"""``pause(key, paused, by)``: pause the key (``paused``) or resume it, returning whether it
+was paused before (:meth:`SemaphoreAdmin.pause` and :meth:`~SemaphoreAdmin.resume`)."""
 
 _INTEGER = re.compile(r"-?[0-9]{1,20}")
 
@@ -92,8 +99,9 @@ def refusal(options: Any, set_limit: Setter | None) -> str | None:
 class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
     """``POST /api/semaphores/limit``: set or clear a key's live limit (see the module)."""
 
-    def initialize(self, set_limit: Setter | None) -> None:
+    def initialize(self, set_limit: Setter | None, pause: Pauser | None = None) -> None:
         self.set_limit = set_limit
+        self.pause = pause
         self._csrf_due = False
 
     def check_xsrf_cookie(self) -> None:
@@ -112,9 +120,11 @@ class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
 
     @tornado.web.authenticated
     async def post(self) -> None:
-        """Set (``limit``) or clear (``clear``) the live limit of ``key``.
+        """Set (``limit``) or clear (``clear``) the live limit of ``key``, or pause it
+        (``pause=1``) or resume it (``pause=0``).
 
-        Answers 200 with JSON ``{"key", "limit", "previous", "by"}``, or, to a browser's plain
+        Answers 200 with JSON ``{"key", "limit", "previous", "by"}`` (for a pause or a resume
+        ``{"key", "paused", "was_paused", "by"}``), or, to a browser's plain
         form post (``Accept: text/html``), 303 to the Semaphores page; 400 for bad input, 403
         when turned off, 503 when Redis fails (plain-text reasons).
         """
@@ -125,9 +135,17 @@ class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
             self._answer(403, f"Live limits cannot be changed here: {why}.")
             return
         who = self._who()
+        body: dict[str, Any]
         try:
-            key, limit = self._arguments()
-            previous = await IOLoop.current().run_in_executor(None, self.set_limit, key, limit, who)
+            key, limit, paused = self._arguments()
+            if paused is not None and self.pause is not None:
+                was = await IOLoop.current().run_in_executor(None, self.pause, key, paused, who)
+                body = {"key": key, "paused": paused, "was_paused": was, "by": who}
+            else:
+                previous = await IOLoop.current().run_in_executor(
+                    None, self.set_limit, key, limit, who
+                )
+                body = {"key": key, "limit": limit, "previous": previous, "by": who}
         except SemaphoreValidationError as exc:
             self._answer(400, str(exc))
             return
@@ -138,7 +156,6 @@ class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
             self.redirect(self.reverse_url("semaphores"), status=303)
             return
         self.set_header("Content-Type", "application/json; charset=UTF-8")
-        body = {"key": key, "limit": limit, "previous": previous, "by": who}
         self.finish(json.dumps(body))
 
     def _argument(self, name: str) -> str | None:
@@ -147,25 +164,35 @@ class LiveLimitApi(BaseApiHandler):  # type: ignore[misc]
         value: str | None = tornado.web.RequestHandler.get_argument(self, name, None, strip=False)
         return value
 
-    def _arguments(self) -> tuple[str, int | None]:
-        """The key and the limit (None: clear) the request asks for.
+    def _arguments(self) -> tuple[str, int | None, bool | None]:
+        """The key, the limit (None: clear) and the pause (None: neither a pause nor a
+        resume) the request asks for.
 
         Raises:
-            SemaphoreValidationError: no key, a bad limit, or both or neither of limit and
-                clear.
+            SemaphoreValidationError: no key, a bad limit, both or neither of limit and
+                clear, or a pause that is not a boolean or comes with either.
         """
         key = check.check_key(self._argument("key"))
         raw, clear = self._argument("limit") or "", self._argument("clear") or ""
-        try:
-            clearing = bool(strtobool(clear)) if clear else False
-        except ValueError:
-            message = f"clear must be true or false, got {clear!r:.60}"
-            raise SemaphoreValidationError(message, key) from None
+        pause = self._argument("pause")
+        clearing = self._flag(key, "clear", clear) if clear else False
+        if pause is not None:
+            if raw or clear:
+                raise SemaphoreValidationError("give pause alone, not with limit or clear", key)
+            return key, None, self._flag(key, "pause", pause)
         if clearing == bool(raw):
             raise SemaphoreValidationError("give a limit, or clear=1 (not both)", key)
         if clearing:
-            return key, None
-        return key, check.check_limit(int(raw) if _INTEGER.fullmatch(raw) else raw)
+            return key, None, None
+        return key, check.check_limit(int(raw) if _INTEGER.fullmatch(raw) else raw), None
+
+    @staticmethod
+    def _flag(key: str, name: str, value: str) -> bool:
+        try:
+            return bool(strtobool(value))
+        except ValueError:
+            message = f"{name} must be true or false, got {value!r:.60}"
+            raise SemaphoreValidationError(message, key) from None
 
     def _who(self) -> str:
         """Who is asking, for the record: the Flower user, their address, this process."""

@@ -13,8 +13,18 @@ from typing import Any
 
 import redis
 
+from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
-from ..core.room import Waiter
+from ..core.calls import waiting_call
+from ..core.live import Pause, live_limit_of, pause_of
+from ..core.names import Namespace
+from ..core.replies import Waiter
+from ..core.room import WaitingRoom
+from ..core.scripts import Scripts, backend_errors
+from ..errors import SemaphoreValidationError
+
+MAX_PAGE = 1000
+"""The most rows one page of a waiting room may ask for."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,10 @@ class SemaphoreView:
         live (LiveLimit | None): the live limit set on the key in Redis, with who set it and
             when (``celery semaphore set-limit``), or None.
         declared (int | None): the limit ``app.conf.semaphores`` declares for the key.
+        waiting_total (int | None): how many runs are parked, when ``waiting`` lists only
+            the first of them; None when it lists them all.
+        paused (Pause | None): who paused the key and when (``celery semaphore pause``),
+            or None when it is not paused.
     """
 
     key: str
@@ -41,11 +55,13 @@ class SemaphoreView:
     waiting: tuple[Waiter, ...] = ()
     live: LiveLimit | None = None
     declared: int | None = None
+    waiting_total: int | None = None
+    paused: Pause | None = None
 
     @property
     def queued(self) -> int:
         """How many runs are parked in the waiting room."""
-        return len(self.waiting)
+        return len(self.waiting) if self.waiting_total is None else self.waiting_total
 
     @property
     def oldest_wait(self) -> float | None:
@@ -58,13 +74,14 @@ class SemaphoreView:
         return sum(_weight(h) for h in self.holders)
 
     def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict: key, limit, live_limit (limit, set_at, by; or None),
-        declared_limit, in_use, queued, oldest_wait, each holder's fields and each parked
-        run's."""
+        """A JSON-ready dict: key, limit, live_limit (limit, set_at, by; or None), paused
+        (paused_at, by; or None), declared_limit, in_use, queued, oldest_wait, each holder's
+        fields and each parked run's."""
         return {
             "key": self.key,
             "limit": self.limit,
             "live_limit": None if self.live is None else asdict(self.live),
+            "paused": None if self.paused is None else asdict(self.paused),
             "declared_limit": self.declared,
             "in_use": self.in_use,
             "queued": self.queued,
@@ -79,23 +96,104 @@ def _weight(holder: Holder) -> int:
     return weight if isinstance(weight, int) and weight > 0 else 1
 
 
-def view(
-    client: redis.Redis, key: str, prefix: str = DEFAULT_PREFIX, declared: int | None = None
-) -> SemaphoreView:
-    """The live holders, the waiting room and the live limit of one semaphore (three round
-    trips); ``declared`` is its limit in ``app.conf.semaphores``, if any.
+@dataclass(frozen=True)
+class WaitingPage:
+    """One page of a key's waiting room, first served first.
+
+    Attributes:
+        key (str): the semaphore's key.
+        total (int): how many runs are parked in all.
+        offset (int): how many of them come before this page.
+        limit (int): how many the page was asked for (it holds fewer at the end).
+        waiting (tuple[Waiter, ...]): the page's runs.
+    """
+
+    key: str
+    total: int
+    offset: int
+    limit: int
+    waiting: tuple[Waiter, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: key, total, offset, limit and each parked run's fields."""
+        return {"key": self.key, "total": self.total, "offset": self.offset,
+                "limit": self.limit, "waiting": [asdict(w) for w in self.waiting]}  # fmt: skip
+
+
+def check_page(offset: object, limit: object) -> tuple[int, int]:
+    """``offset`` (an int >= 0) and ``limit`` (an int from 1 to :data:`MAX_PAGE`), checked.
 
     Raises:
-        SemaphoreValidationError: ``key`` is not a non-empty str.
+        SemaphoreValidationError: either is out of range or not an int.
+    """
+    first = check.check_retries(offset, "offset")
+    rows = check.check_limit(limit, "limit")
+    if rows > MAX_PAGE:
+        raise SemaphoreValidationError(f"limit must be at most {MAX_PAGE}, got {rows}")
+    return first, rows
+
+
+def waiting_page(
+    client: redis.Redis, key: str, prefix: str = DEFAULT_PREFIX, offset: int = 0,
+    limit: int = 100,
+) -> WaitingPage:  # fmt: skip
+    """The runs parked on ``key`` from the ``offset``-th, at most ``limit`` of them, and how
+    many are parked in all (one read-only round trip, whatever the room's size).
+
+    Raises:
+        SemaphoreValidationError: ``key``, ``offset`` or ``limit`` is invalid (see
+            :func:`check_page`); nothing is sent.
+        SemaphoreBackendError: Redis failed.
+    """
+    first, rows = check_page(offset, limit)
+    keys = Namespace(prefix, isinstance(client, redis.RedisCluster)).keys_of(check.check_key(key))
+    with backend_errors(key):
+        now_ms, total, found = Scripts(client).run(waiting_call(keys, first + rows - 1, first))
+    waiting = tuple(Waiter(w, arrival / 1000, (now_ms - arrival) / 1000) for w, arrival in found)
+    return WaitingPage(key, total, first, rows, waiting)
+
+
+def view(
+    client: redis.Redis, key: str, prefix: str = DEFAULT_PREFIX, declared: int | None = None,
+    waiting: int | None = None,
+) -> SemaphoreView:  # fmt: skip
+    """The live holders, the waiting room, and the live limit and pause of one semaphore
+    (three round trips); ``declared`` is its limit in ``app.conf.semaphores``, if any.
+    ``waiting`` lists at most that many parked runs (the first served), with their total;
+    None lists them all.
+
+    Raises:
+        SemaphoreValidationError: ``key`` or ``waiting`` is invalid.
         SemaphoreBackendError: Redis failed.
     """
     admin = SemaphoreAdmin(client, prefix)
     holders = tuple(admin.holders(key))
-    live = admin.live_limit(key)
+    with backend_errors(key):
+        raw = client.hgetall(admin.keys_of(key).limits)
+    live, paused = live_limit_of(raw), pause_of(raw)
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
     limit = live.limit if live else max(limits) if limits else declared
-    return SemaphoreView(key=key, limit=limit, holders=holders, waiting=tuple(admin.room(key)),
-                         live=live, declared=declared)  # fmt: skip
+    if waiting is None:
+        parked, total = tuple(WaitingRoom(client, prefix).waiters(key)), None
+    else:
+        page = waiting_page(client, key, prefix, 0, waiting)
+        parked, total = page.waiting, page.total
+    return SemaphoreView(key=key, limit=limit, holders=holders, waiting=parked, live=live,
+                         declared=declared, waiting_total=total, paused=paused)  # fmt: skip
+
+
+def semaphore_keys(
+    client: redis.Redis, prefix: str = DEFAULT_PREFIX, declared: Iterable[str] = ()
+) -> list[str]:
+    """Every key under ``prefix`` with a holder, a waiting room or a live limit, and every
+    key of ``declared``, sorted.
+
+    Raises:
+        SemaphoreBackendError: Redis failed.
+    """
+    admin = SemaphoreAdmin(client, prefix)
+    found = {*admin.scan_keys(), *admin.scan_keys(rooms=True), *admin.scan_keys(limits=True)}
+    return sorted(found | set(declared))
 
 
 def views(
@@ -103,18 +201,15 @@ def views(
     keys: Iterable[str] | None = None,
     prefix: str = DEFAULT_PREFIX,
     declared: Mapping[str, int] | None = None,
+    waiting: int | None = None,
 ) -> list[SemaphoreView]:
     """A view of each of ``keys``, or of every semaphore under ``prefix`` when None, plus
-    every key ``declared`` names (``app.conf.semaphores``' fixed limits by key), busy or not.
+    every key ``declared`` names (``app.conf.semaphores``' fixed limits by key), busy or not;
+    ``waiting`` as for :func:`view`.
 
     Raises:
         SemaphoreBackendError: Redis failed.
     """
     declared = declared or {}
-    if keys is None:
-        admin = SemaphoreAdmin(client, prefix)
-        found = {*admin.scan_keys(), *admin.scan_keys(rooms=True), *admin.scan_keys(limits=True)}
-        chosen = sorted(found | set(declared))
-    else:
-        chosen = list(keys)
-    return [view(client, key, prefix, declared.get(key)) for key in chosen]
+    chosen = semaphore_keys(client, prefix, declared) if keys is None else list(keys)
+    return [view(client, key, prefix, declared.get(key), waiting) for key in chosen]

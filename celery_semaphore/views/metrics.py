@@ -13,6 +13,9 @@ metric                               type      labels
                                                ``refused``)
 ``semaphore_sheds_total``            counter   key (re-queued: full, unreachable, lost+retry)
 ``semaphore_parked_total``           counter   key (runs parked in the waiting room)
+``semaphore_refused_total``          counter   key, reason (why a run got no slot and failed:
+                                               ``full``/``timeout``/``backend``/
+                                               ``room_full``/``shutdown``)
 ``semaphore_lease_lost_total``       counter   key
 ``semaphore_renew_errors_total``     counter   key
 ``semaphore_wait_seconds``           histogram key (time spent acquiring)
@@ -55,7 +58,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core.admin import DEFAULT_PREFIX, SemaphoreAdmin
+from ..core.admin import DEFAULT_PREFIX
+from ..core.room import WaitingRoom
 from ..errors import SemaphoreError
 from ..integration import signals
 
@@ -93,6 +97,7 @@ class Metrics:
     acquisitions: Counter
     sheds: Counter
     parked: Counter
+    refused: Counter
     lease_lost: Counter
     renew_errors: Counter
     wait: Histogram
@@ -133,6 +138,10 @@ def install(
     )
     sheds = Counter("semaphore_sheds", "Runs shed and re-queued.", ["key"], **opts)
     parked = Counter("semaphore_parked", "Runs parked in the waiting room.", ["key"], **opts)
+    refused = Counter(
+        "semaphore_refused", "Runs that got no slot and failed, by reason.", ["key", "reason"],
+        **opts,
+    )  # fmt: skip
     lease_lost = Counter("semaphore_lease_lost", "Slots lost while a body ran.", ["key"], **opts)
     renew_errors = Counter(
         "semaphore_renew_errors", "Renewal round trips that failed.", ["key"], **opts
@@ -179,9 +188,10 @@ def install(
             acquisitions.labels(label, "parked").inc()
             parked.labels(label).inc()
 
-    def on_refused(**fields: Any) -> None:
+    def on_refused(reason: object = "full", **fields: Any) -> None:
         for label in each(fields):
             acquisitions.labels(label, "refused").inc()
+            refused.labels(label, str(reason)).inc()
 
     def on_lost(**fields: Any) -> None:
         for label in each(fields):
@@ -203,7 +213,16 @@ def install(
     for signal, handler in handlers:
         signal.connect(handler, weak=False)
     return Metrics(
-        acquisitions, sheds, parked, lease_lost, renew_errors, wait, hold, in_use, handlers
+        acquisitions,
+        sheds,
+        parked,
+        refused,
+        lease_lost,
+        renew_errors,
+        wait,
+        hold,
+        in_use,
+        handlers,
     )
 
 
@@ -239,7 +258,7 @@ class RoomCollector(Collector):
     def __init__(
         self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, namespace: str = ""
     ) -> None:
-        self.admin = SemaphoreAdmin(client, prefix)
+        self.room = WaitingRoom(client, prefix)
         self.namespace = f"{namespace}_" if namespace else ""
 
     def collect(self) -> Iterator[Metric]:
@@ -253,8 +272,10 @@ class RoomCollector(Collector):
             labels=["key"],
         )
         try:
-            for key in self.admin.rooms():
-                count, head = self.admin.room_head(key)
+            for key in self.room.index.rooms():
+                count, head = self.room.head(key)
+                if not count:  # a room drained (or emptied) that its next sweep drops
+                    continue
                 queued.add_metric([key], count)
                 if head is not None:
                     oldest.add_metric([key], head.waited)

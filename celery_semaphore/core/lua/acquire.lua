@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  slots    sorted set: member = holder token, score = lease expiry (ms, Redis TIME)
 -- KEYS[2]  holders  hash: holder token -> "<acquired_at_ms>|<metadata JSON>"
--- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any
+-- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any;
+--                   "paused_at" while an operator paused the key (the limit is then 0)
 -- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless a
 --                     live limit is set, which wins
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
@@ -28,7 +29,8 @@
 -- integer (RESP2/RESP3 safe).
 local slots = KEYS[1]
 local holders = KEYS[2]
-local live_limit = tonumber(redis.call('HGET', KEYS[3], 'limit'))
+local set = redis.call('HMGET', KEYS[3], 'limit', 'paused_at')
+local live_limit = set[2] and 0 or tonumber(set[1])
 local limit = live_limit or tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]

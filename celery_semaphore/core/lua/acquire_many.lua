@@ -23,7 +23,8 @@ local count = #KEYS / 3
 
 local limits = {}
 for i = 1, count do
-  limits[i] = tonumber(redis.call('HGET', KEYS[3 * i], 'limit')) or tonumber(ARGV[2 * i + 2])
+  local set = redis.call('HMGET', KEYS[3 * i], 'limit', 'paused_at')  -- paused: 0
+  limits[i] = set[2] and 0 or tonumber(set[1]) or tonumber(ARGV[2 * i + 2])
 end
 
 local mine = tonumber(redis.call('ZSCORE', KEYS[1], token))

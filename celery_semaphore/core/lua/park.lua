@@ -13,12 +13,15 @@
 --                       the caller then parks with the rest of the arguments; only ARGV[1]
 --                       to ARGV[6] are sent)
 -- ARGV[7]  waiter       the waiter's id (a task id); never starts with "~" or "!"
--- ARGV[8]  arrival_ms   when it first asked (epoch ms), or "" for now; a waiter already
---                       parked keeps its first arrival
+-- ARGV[8]  arrival_ms   when it first asked (epoch ms), or "" for now, or -<ms>: that long
+--                       before now by this server's clock; a waiter already parked keeps
+--                       its first arrival
 -- ARGV[9]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
--- ARGV[10] room_ttl_ms  how long an idle room lives (integer >= 1)
+-- ARGV[10] room_ttl_ms  how long a room outlives its last touch (integer >= 1): recorded as
+--                       its "!ttl", which every room script renews (room_keep)
 -- ARGV[11] max_queued   refuse to park past this many waiters (0: no limit)
--- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0
+-- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0, or
+--                       -<ms>: that long after its arrival, by this server's clock
 -- ARGV[13] grace_ms     a reservation its run has not claimed within this long may be taken
 --                       by this waiter, which is here now (0: never)
 -- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
@@ -38,7 +41,8 @@
 --         {0, position, now_ms, limit, hand-offs...}        parked; position 0 is next served
 --         {-1, queued, now_ms, limit}                        the room is full (max_queued)
 --         {-2, again, now_ms, limit}                         claim mode: nothing reserved or parked
---                                                     for this waiter; again is 1 when this
+--                                                     for this waiter; again is 2 when no
+--                                                     claim of it is on record, 1 when this
 --                                                     very delivery claimed a slot before (the
 --                                                     broker delivered it again: its run was
 --                                                     lost), 0 for another copy (a duplicate)
@@ -64,8 +68,8 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 -- there has not made or sent the payload it would park with.
 local mode = ARGV[6]
 if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
-  local operator_limit = tonumber(redis.call('HGET', limits, 'limit'))
-  local limit = operator_limit or given
+  local set = redis.call('HMGET', limits, 'limit', 'paused_at')  -- paused: 0
+  local limit = set[2] and 0 or tonumber(set[1]) or given
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   if redis.call('ZCARD', slots) + weight <= limit
@@ -77,7 +81,7 @@ if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
       redis.call('PEXPIRE', slots, 2 * lease_ms)
       redis.call('PEXPIRE', holders, 2 * lease_ms)
     end
-    if operator_limit then return {2, now + lease_ms, now, limit} end
+    if set[1] then return {2, now + lease_ms, now, limit} end  -- a live limit applied
     return now
   end
 end
@@ -92,6 +96,11 @@ local group = ARGV[15] or ''
 
 local now = room_now_ms()
 local arrival = tonumber(ARGV[8]) or now
+-- A negative arrival is a wait the caller measured itself (ms before now), and a negative
+-- deadline a budget counted from the arrival: both then stand on this server's clock, not
+-- on the caller's, which may be off.
+if arrival < 0 then arrival = now + arrival end
+if deadline_ms < 0 then deadline_ms = arrival - deadline_ms end
 room_prune(slots, holders, room, parked, now)
 -- The room hands slots out by the limit its callers give now (one computed per run may
 -- change): every park and claim brings it up to date.
@@ -99,19 +108,22 @@ if redis.call('HEXISTS', parked, '!limit') == 1 then redis.call('HSET', parked, 
 
 -- Take a slot for the waiter, in place of `member` (a reservation of `units`), if any.
 local function take(member, units)
+  local waited = member == '~' .. waiter or redis.call('HEXISTS', parked, waiter) == 1
   if member then
     units_remove(slots, member, units)
     redis.call('HDEL', holders, member)
   end
-  if member == '~' .. waiter and delivery ~= '' then
-    -- Which message claimed the hand-off: if the broker delivers that one again, its run
-    -- was lost; any other copy is a duplicate.
-    redis.call('HSET', claims, waiter, delivery)
+  if waited then
+    -- Which message took the waiter's turn ("~": one that asked in person): if the broker
+    -- delivers that one again, its run was lost; any other copy is a duplicate; and no
+    -- record at all means the store lost it (a restart).
+    redis.call('HSET', claims, waiter, delivery ~= '' and delivery or '~')
     redis.call('PEXPIRE', claims, room_ttl_ms)
   end
   redis.call('ZREM', room, waiter)
-  redis.call('HDEL', parked, waiter)
-  redis.call('ZREM', deadlines, waiter)
+  redis.call('HDEL', parked, waiter, '!m:' .. waiter, '!p:' .. waiter, '!h:' .. waiter)
+  redis.call('ZREM', deadlines, waiter, '~' .. waiter)
+  room_keep(room, parked, deadlines)
   local expires_at_ms = now + lease_ms
   units_add(slots, token, weight, expires_at_ms)
   redis.call('HSET', holders, token, now .. '|' .. metadata)
@@ -125,13 +137,18 @@ end
 local mine = redis.call('ZSCORE', slots, token)
 if mine then return {1, tonumber(mine), now, limit} end
 if redis.call('ZSCORE', slots, '~' .. waiter) then
-  return {1, take('~' .. waiter, nil), now, limit}
+  local claimed = {1, take('~' .. waiter, nil), now, limit}
+  -- The last run of a drained room: the room goes now, not at its next sweep.
+  room_close_if_empty(room, parked, deadlines)
+  return claimed
 end
 
 local known = arrival_of(parked, waiter)
 if mode == 'claim' and not known then
-  local again = delivery ~= '' and redis.call('HGET', claims, waiter) == delivery
-  return {-2, again and 1 or 0, now, limit}
+  local claimed = redis.call('HGET', claims, waiter)
+  local again = 2  -- no claim of the waiter on record (the store may have lost it)
+  if claimed then again = (delivery ~= '' and claimed == delivery) and 1 or 0 end
+  return {-2, again, now, limit}
 end
 if not known and max_queued > 0 and redis.call('ZCARD', room) >= max_queued then
   return {-1, redis.call('ZCARD', room), now, limit}
@@ -158,12 +175,13 @@ if group ~= '' or turned then
   end
   tag = tag .. '@' .. place
 end
-redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given)
+redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given,
+  '!ttl', room_ttl_ms)
 redis.call('ZADD', room, place, waiter)
 if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
 local out = {}
-room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now, out)
 local reply = {0, 0, now, limit}
 local others = {}
 for i = 1, #out, 2 do
@@ -179,9 +197,12 @@ if reply[1] == 0 and grace_ms > 0 then
   -- a backlog in the broker queue, say) while this run is here now. This run takes the slot
   -- rather than leave it idle; the passed-over waiter keeps its place at the head of the
   -- room, and its message, when it comes, finds it parked and waits for the next hand-off.
+  -- Never a reservation of a waiter that needs several keys: it holds it while it waits for
+  -- its other keys (no message is on its way), and taking it would undo what it gathered.
   local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', now + claim_ms - grace_ms)
   for _, member in ipairs(stale) do
-    if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true) then
+    if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true)
+        and redis.call('HEXISTS', parked, '!m:' .. string.sub(member, 2)) == 0 then
       local passed = string.sub(member, 2)
       local entry = redis.call('HGET', parked, passed)
       local units = entry and weight_of(entry) or 1
@@ -196,12 +217,5 @@ if reply[1] == 0 and grace_ms > 0 then
 end
 if reply[1] == 0 then reply[2] = redis.call('ZRANK', room, waiter) end
 for _, value in ipairs(others) do reply[#reply + 1] = value end
-if redis.call('PTTL', room) < room_ttl_ms then
-  redis.call('PEXPIRE', room, room_ttl_ms)
-  redis.call('PEXPIRE', parked, room_ttl_ms)
-end
-local deadlines_ttl = redis.call('PTTL', deadlines)
-if deadlines_ttl ~= -2 and deadlines_ttl < room_ttl_ms then
-  redis.call('PEXPIRE', deadlines, room_ttl_ms)
-end
+room_keep(room, parked, deadlines, room_ttl_ms)
 return reply

@@ -4,7 +4,8 @@
 -- ARGV[1]  token     the holder's token
 -- ARGV[2]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1), or
 --                    0 when the caller cannot publish hand-offs: the slot is left free, and
---                    the next sweep hands it out
+--                    the next sweep hands it out (the reply then asks the caller, by the
+--                    pair {"~sweep", <the room index's key>}, to make that sweep due now)
 -- ARGV[3]  weight    the holder's weight when above 1 (absent: 1), or "" when the caller
 --                    does not know it (an operator's force release): then every
 --                    "<token>#i" member goes
@@ -45,15 +46,26 @@ if score then
   if tonumber(score) > now then owned = 1 end
   units_remove(slots, token, weight)
   redis.call('HDEL', holders, token)
+  -- A reservation taken away (an operator's force release): the next sweep puts its waiter
+  -- back into the room.
+  if string.sub(token, 1, 1) == '~' and redis.call('ZSCORE', KEYS[6], token) then
+    redis.call('ZADD', KEYS[6], now, token)
+  end
 end
 local limit = room_limit(limits, parked)
+if limit then room_keep(room, parked, KEYS[6]) end
 if limit and claim_ms > 0 then
   room_prune(slots, holders, room, parked, now)
-  room_hand_off(slots, holders, room, parked, limit, claim_ms, now, reply)
+  room_hand_off(slots, holders, room, parked, KEYS[6], limit, claim_ms, now, reply)
 elseif not limit and redis.call('ZCARD', slots) == 0 then
   redis.call('DEL', slots, holders)
 end
 if score and #reply == 0 then room_wake(blocked, wake, now) end
+if limit and claim_ms == 0 and redis.call('ZCARD', room) > 0 then
+  -- The room's score in the index says when its last sweep saw something fall due; a slot
+  -- left free for the next one is due now.
+  reply = {'~sweep', room_sweep_mark(slots, 0)}
+end
 if #reply == 0 then return owned end
 table.insert(reply, 1, owned)
 return reply

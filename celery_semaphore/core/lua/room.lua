@@ -8,15 +8,25 @@
 --            all with the same expiry, so the set's size is the units in use
 --   holders  hash: token -> "<acquired_at_ms>|<metadata JSON>"
 --   limits   hash: "limit" -> a live limit an operator set, "set_at" -> when (ms), "by" -> who;
---            it overrides the callers' limit while it exists (set_limit.lua)
+--            it overrides the callers' limit while it exists; "paused_at" -> when (ms) an
+--            operator paused the key, "paused_by" -> who: while paused, the limit that
+--            applies is 0 (set_limit.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
 --   parked   hash: waiter id -> "<arrival_ms>[#<weight>][@<turn>]|<payload>" (a weight above
---            1; the turn of a waiter parked with a fair-turn group, which is its place in
+--            1; the turn of a waiter parked with a tenant, which is its place in
 --            the room instead of its arrival), plus "!limit" -> the limit the last parking
---            caller gave (a live limit, when set, overrides it), and "!g:<group>" -> the
---            last turn given to a fair-turn group
---   deadlines  sorted set: waiter id -> when it gives up waiting (ms); only waiters with a
---            time budget are in it (sweep.lua sends them their give-up)
+--            caller gave (a live limit, when set, overrides it), "!g:<tenant>" -> the
+--            last turn given to a tenant, "!ttl" -> how long the room outlives its
+--            last touch (ms, room_keep), "!scan" -> where sweep.lua's backstop scan
+--            stands, "!claim" -> the shortest claim lease (ms) a reservation of the room
+--            had (room_hand_off; sweep.lua comes at least that often); and for a waiter that needs several keys (park_many.lua), which
+--            waits in each of their rooms at once: "!m:<waiter>" ->
+--            the JSON list of the slots keys of all of them, "!p:<waiter>" while it is
+--            passive here and "!h:<waiter>" once it holds what it is given (see many.lua)
+--   deadlines  sorted set: waiter id -> when it gives up waiting (ms), for waiters with a
+--            time budget (sweep.lua sends them their give-up); and "~<waiter>" -> when the
+--            reservation a hand-off made for it lapses, so a sweep finds the waiters whose
+--            reservation went without reading the whole room (room_reserve)
 --   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
 --   wake     list: one element pushed per freed slot that no parked waiter took, to wake one
 --            blocked caller (Semaphore.acquire with wait=...)
@@ -27,16 +37,29 @@
 -- waiter's run claims it when it starts (park.lua), or it lapses after the claim lease and
 -- the waiter goes back into the room at its old arrival time: nothing is lost, and the order
 -- is kept. (A plain acquire, which does not know the room, may prune a lapsed reservation
--- without requeueing it; sweep.lua finds such waiters.)
+-- without requeueing it; sweep.lua finds such waiters by the reservation's "~<waiter>" in
+-- deadlines once it is due.)
+--
+-- A waiter that needs several keys is reserved the same way in each of its rooms, but its
+-- run can start only once it holds them all, and a script of one key cannot see the others
+-- (on Redis Cluster a script touches only the keys it is given). So a room's hand-off
+-- answers {"!<waiter>", <its "!m:" record>} for it instead of the payload, and marks the
+-- reservation "waiting": whoever made the call runs gather.lua with all of those keys, which
+-- decides whether it keeps the units (many.lua) and hands it off once every key holds a
+-- reservation for it. A passive one is out of the room's order (not in `room`), keeping its
+-- place in the parked hash: the steps here pass it by.
 
 local function room_now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- The limit that applies: a live limit if one is set, else `given` (a number or nil).
+-- The limit that applies: 0 while the key is paused, a live limit if one is set, else
+-- `given` (a number or nil).
 local function live_limit(limits, given)
-  return tonumber(redis.call('HGET', limits, 'limit')) or given
+  local set = redis.call('HMGET', limits, 'limit', 'paused_at')
+  if set[2] then return 0 end
+  return tonumber(set[1]) or given
 end
 
 -- The limit a release or sweep hands slots out by, or nil when the key has no room.
@@ -87,6 +110,51 @@ local function units_remove(slots, member, weight)
   end
 end
 
+-- Keep the room's keys alive for their TTL ("!ttl", which park.lua records) from now, when
+-- less than half of it is left: a room lives while anyone parks, claims, releases into or
+-- sweeps it, however long its backlog takes to drain, and an abandoned one (nobody touched
+-- it for a whole TTL) still goes away. About one PEXPIRE per half TTL on a busy room.
+-- A park passes its `ttl` and may just have made the room's sorted sets anew (a room whose
+-- waiters were all reserved, a first deadline): then each key is looked at; elsewhere the
+-- parked hash speaks for all three, which only a park or room_requeue creates.
+local function room_keep(room, parked, deadlines, ttl)
+  local keys = {parked}
+  if ttl then
+    keys = {room, parked, deadlines}
+  else
+    ttl = tonumber(redis.call('HGET', parked, '!ttl'))
+    if not ttl then return end
+  end
+  for _, key in ipairs(keys) do
+    local left = redis.call('PTTL', key)
+    if left == -1 or (left >= 0 and left < ttl / 2) then
+      redis.call('PEXPIRE', room, ttl)
+      redis.call('PEXPIRE', parked, ttl)
+      redis.call('PEXPIRE', deadlines, ttl)
+      return
+    end
+  end
+end
+
+-- The "~sweep" mark's payload for the room of `slots`: the room index's key, when its
+-- sweep is due (epoch ms; 0: now), and the semaphore key (see handoff.py's SWEEP_DUE).
+local function room_sweep_mark(slots, due)
+  local prefix, key = string.match(slots, '^(.-):{(.*)}$')
+  return prefix .. ':rooms ' .. due .. ' ' .. key
+end
+
+-- Delete a room nobody is left in (no waiter in line, no reservation or passive turn noted
+-- in its deadlines, no parked entry but the room's own "!" marks): true when it did. A key
+-- with no room takes its slots on park.lua's short path again.
+local function room_close_if_empty(room, parked, deadlines)
+  if redis.call('ZCARD', room) > 0 or redis.call('ZCARD', deadlines) > 0 then return false end
+  for _, field in ipairs(redis.call('HKEYS', parked)) do
+    if string.sub(field, 1, 1) ~= '!' then return false end
+  end
+  redis.call('DEL', room, parked, deadlines)
+  return true
+end
+
 -- Put a waiter back into the room. If the room had emptied (and so was deleted), this
 -- re-creates it: give it the parked hash's TTL, as park.lua would have, so no key of the
 -- room is ever left without one.
@@ -113,10 +181,26 @@ local function room_prune(slots, holders, room, parked, now)
   end
 end
 
+-- Reserve `weight` units of `slots` for `waiter` until `expires` (ms), and note when the
+-- reservation lapses in `deadlines`, where a sweep looks at it then (sweep.lua). A
+-- deadlines set this makes lives as long as the parked hash, as room_requeue's room does.
+local function room_reserve(slots, deadlines, parked, waiter, weight, expires)
+  units_add(slots, '~' .. waiter, weight, expires)
+  redis.call('ZADD', deadlines, expires, '~' .. waiter)
+  if redis.call('PTTL', deadlines) == -1 then
+    local ttl = redis.call('PTTL', parked)
+    if ttl > 0 then redis.call('PEXPIRE', deadlines, ttl) else
+      redis.call('PEXPIREAT', deadlines, expires) end
+  end
+end
+
 -- Reserve free slots for the oldest waiters, in strict order: a head whose weight does not
--- fit waits, and nobody behind it is served first. Append {waiter, payload} pairs to out.
-local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now, out)
+-- fit waits, and nobody behind it is served first. Append {waiter, payload} pairs to out,
+-- or {"!<waiter>", keys} for a waiter that needs several keys (see the top of this file).
+local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
+                             out)
   if claim_ms <= 0 then return end
+  local made = false
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end
@@ -125,14 +209,26 @@ local function room_hand_off(slots, holders, room, parked, limit, claim_ms, now,
     if entry then
       local weight = weight_of(entry)
       if redis.call('ZCARD', slots) + weight > limit then break end
-      units_add(slots, '~' .. waiter, weight, now + claim_ms)
+      room_reserve(slots, deadlines, parked, waiter, weight, now + claim_ms)
       local record = {reserved_for = waiter, limit = limit}
       if weight > 1 then record.weight = weight end
+      local keys = redis.call('HGET', parked, '!m:' .. waiter)
+      if keys then record.waiting = true end
       redis.call('HSET', holders, '~' .. waiter, now .. "|" .. cjson.encode(record))
-      out[#out + 1] = waiter
-      out[#out + 1] = payload_of(entry)
+      out[#out + 1] = keys and ('!' .. waiter) or waiter
+      out[#out + 1] = keys or payload_of(entry)
+      made = true
     end
     redis.call('ZREM', room, waiter)
+  end
+  -- The room's sweeps come at least once per shortest claim lease its reservations had
+  -- ("!claim", see sweep.lua); one shorter than any before may lapse before the sweep the
+  -- room is scored for: the "~sweep" mark asks the caller to bring it on to that lapse.
+  local least = made and tonumber(redis.call('HGET', parked, '!claim'))
+  if made and (not least or claim_ms < least) then
+    redis.call('HSET', parked, '!claim', claim_ms)
+    out[#out + 1] = '~sweep'
+    out[#out + 1] = room_sweep_mark(slots, now + claim_ms)
   end
   if redis.call('PTTL', slots) < claim_ms then
     redis.call('PEXPIRE', slots, claim_ms)

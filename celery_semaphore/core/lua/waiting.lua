@@ -3,7 +3,9 @@
 -- KEYS[1]  room    sorted set: waiter id -> its place, the arrival ms or a fair turn
 --                  (see room.lua)
 -- KEYS[2]  parked  hash: waiter id -> "<arrival_ms>...|<payload>" (see room.lua)
--- ARGV[1]  rows    how many of the first to list (-1: all)
+-- ARGV[1]  last    the index of the last to list, counted from the first served (0: only
+--                  the first; -1: to the end)
+-- ARGV[2]  first   the index of the first to list (absent: 0), for a page further down
 --
 -- Returns {now_ms, count, waiter_1, arrival_ms_1, waiter_2, ...}, first served first (with
 -- fair turns, not always the oldest first). Server time
@@ -12,7 +14,8 @@
 local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local reply = {now_ms, redis.call('ZCARD', KEYS[1])}
-local rows = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]), 'WITHSCORES')
+local first = tonumber(ARGV[2] or 0)
+local rows = redis.call('ZRANGE', KEYS[1], first, tonumber(ARGV[1]), 'WITHSCORES')
 for i = 1, #rows, 2 do
   local entry = redis.call('HGET', KEYS[2], rows[i])
   reply[#reply + 1] = rows[i]

@@ -30,6 +30,8 @@ from celery import Celery
 from kombu.common import maybe_declare
 from kombu.entity import Queue
 
+from ...errors import SemaphoreValidationError
+
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".semaphore-handoffs"
@@ -135,6 +137,56 @@ def warm_publisher(app: Celery) -> None:
                     maybe_declare(consumed[name], producer.channel)  # type: ignore[no-untyped-call]
     except Exception:
         logger.warning("could not connect to the broker ahead of hand-offs", exc_info=True)
+
+
+def broadcast_queue_of(app: Celery, delivery_info: Mapping[str, Any] | None) -> str | None:
+    """The broadcast (fanout) queue a run delivered as ``delivery_info`` says came through,
+    among those a worker of ``app`` consumes (its alias, as ``task_queues`` names it);
+    None for any other delivery.
+
+    Every worker consuming a broadcast queue gets its own copy of each message, under one
+    task id. A copy that parks or sheds publishes itself through the same fanout exchange
+    again, to every worker: parked copies take one another's hand-offs for redeliveries of
+    their own and park again, and shed copies multiply, for ever. So a run that would park
+    or shed is refused there (see :func:`broadcast_refusal`).
+    """
+    exchange = (delivery_info or {}).get("exchange")
+    if not exchange:
+        return None
+    for queue in app.amqp.queues.consume_from.values():
+        if _fanout(queue) and queue.exchange.name == exchange:
+            return str(getattr(queue, "alias", None) or queue.name)
+    return None
+
+
+def broadcast_route_of(app: Celery, task: Any) -> str | None:
+    """The broadcast (fanout) queue ``task``'s messages go to when sent with no queue of
+    their own (its ``queue`` option, else ``task_routes``), as Celery routes them; None for
+    any other route, or one Celery cannot compute (it says so when the task is sent)."""
+    options = {"queue": task.queue} if getattr(task, "queue", None) else {}
+    try:
+        route = app.amqp.router.route(options, task.name, (), {}, task)
+    except Exception:
+        return None
+    queue = route.get("queue")
+    if isinstance(queue, Queue) and _fanout(queue):
+        return str(getattr(queue, "alias", None) or queue.name)
+    return None
+
+
+def broadcast_refusal(task_name: str, queue: str, on_full: str) -> SemaphoreValidationError:
+    """The error of a bounded task that parks or sheds (``on_full``) and meets the broadcast
+    queue ``queue``: at a worker's start-up, or at a run delivered through it."""
+    return SemaphoreValidationError(
+        f"task {task_name!r} (on_full={on_full!r}) meets broadcast queue {queue!r}: every "
+        "worker runs its own copy of a broadcast message under one task id, and a copy that "
+        "parks or sheds would be published to every worker again, for ever; give the task "
+        "on_full='raise', or route it to a direct queue"
+    )
+
+
+def _fanout(queue: Queue) -> bool:
+    return queue.exchange is not None and queue.exchange.type == "fanout"
 
 
 def _direct(queue: Queue) -> bool:

@@ -1,0 +1,105 @@
+"""``celery inspect semaphores``: what a worker answers about its slots.
+
+Each worker answers for the slots its own tasks hold (read from Redis, so a pool process's
+slots too), the waiting rooms of those keys (how many wait, the oldest wait, the first few in
+line) and its counters (:mod:`.stats`). Registered with Celery's remote control when
+:mod:`.worker` is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from celery import Celery
+from celery.worker.control import inspect_command
+
+from ..core.admin import SemaphoreAdmin
+from ..core.calls import waiting_call
+from ..core.names import Namespace
+from ..core.scripts import Scripts, backend_errors
+from . import stats
+from .settings import app_settings, client_for
+
+
+def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
+    """Every live slot whose holder recorded ``worker`` (a Celery node name) as its worker.
+
+    A holder that recorded the bare host part of the node name matches too: tasks run by
+    Celery's in-process test worker (``celery.contrib.testing``) see only that in
+    ``request.hostname``.
+
+    Returns:
+        list[dict[str, Any]]: one dict a slot: key, task_id, task_name, pid, held_for,
+        expires_in (seconds), token.
+
+    Raises:
+        SemaphoreBackendError: Redis failed.
+    """
+    admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+    names = {worker, worker.partition("@")[2] or worker}
+    rows = []
+    for key in admin.scan_keys():
+        for holder in admin.holders(key):
+            meta = holder.metadata
+            if meta.get("worker") in names:
+                rows.append(
+                    {
+                        "key": key,
+                        "task_id": meta.get("task_id"),
+                        "task_name": meta.get("task_name"),
+                        "pid": meta.get("pid"),
+                        "held_for": holder.held_for,
+                        "expires_in": holder.expires_in,
+                        "token": holder.token,
+                    }
+                )
+    return rows
+
+
+def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str, Any]:
+    """For each of ``keys``: how many runs its room holds, how long the oldest has waited
+    (seconds; None when none waits) and the task ids of the ``first`` served next; one round
+    trip a key.
+
+    Raises:
+        SemaphoreBackendError: Redis failed.
+    """
+    client = client_for(app)
+    names, scripts = Namespace(app_settings(app).prefix, False), Scripts(client)
+    found = {}
+    for key in sorted(set(keys)):
+        with backend_errors(key):
+            now_ms, total, rows = scripts.run(waiting_call(names.keys_of(key), first - 1))
+        found[key] = {"queued": total, "first": [waiter for waiter, _ in rows],
+                      "oldest_wait": (now_ms - rows[0][1]) / 1000 if rows else None}  # fmt: skip
+    return found
+
+
+def worker_report(app: Celery, worker: str) -> dict[str, Any]:
+    """The slots ``worker``'s tasks hold now, the rooms of their keys (see
+    :func:`waiting_by_key`), and its counters.
+
+    Returns:
+        dict[str, Any]: ``{"held": [...], "waiting": {...}, "counters": {...}}``, or
+        ``{"error": "..."}`` when the semaphore store cannot be read (never raises: it
+        answers remote control).
+    """
+    try:
+        stats.flush()
+        held = held_by_worker(app, worker)
+        waiting = waiting_by_key(app, (row["key"] for row in held))
+        return {"held": held, "waiting": waiting, "counters": stats.read(app, worker)}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def semaphores(state: Any, **_: Any) -> dict[str, Any]:
+    """Remote control: this worker's held slots (key, task id and name, pid, times)."""
+    consumer = state.consumer
+    return worker_report(consumer.app, consumer.hostname)
+
+
+inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(
+    semaphores
+)

@@ -1,0 +1,162 @@
+"""Hand-offs, Celery side: publish the message of a run whose slot a release or sweep just
+reserved, and claim that slot when the run starts.
+
+A release (or a sweep, or a raised live limit) reserves a freed slot for the oldest parked
+run in the same script call and hands this process the run's payload: its message as
+Celery's ``retry()`` would publish it (see :mod:`.parking`). :func:`publisher_for` publishes
+it with a fresh :data:`~.headers.HANDOFF_ID_HEADER`, to the run's hand-off queue (see
+:mod:`.queues`); the run then calls :func:`claim_or_end` when it starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery, Task
+from celery.exceptions import Ignore
+
+from ...core.group import SlotGroup
+from ...core.handoff import Publisher
+from ...core.replies import Handoff, NotWaiting, Parked
+from ...core.semaphore import Semaphore
+from ...core.slot import Slot
+from ..settings import app_settings, forget
+from ..signals import task_label
+from ..stats import bump
+from .endings import has_ended, message_of
+from .headers import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
+from .queues import handoff_queue
+
+logger = logging.getLogger(__name__)
+
+_PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
+"""The AsyncResults of this process's latest hand-off publishes (see :func:`publisher_for`)."""
+
+
+def forget_published() -> None:
+    """Drop the kept AsyncResults without letting them talk to their result backends, which
+    may be gone (a test's server, a closed connection) and would then be retried at length.
+
+    Registered to run at exit, while Celery's modules still stand: collected during
+    interpreter teardown instead, each would print a TypeError from its ``__del__``.
+    """
+    for result in _PUBLISHED:
+        result.backend = None  # AsyncResult.__del__ does nothing without a backend
+    _PUBLISHED.clear()
+
+
+atexit.register(forget_published)
+
+
+def is_handoff(request: Any) -> bool:
+    """Whether this delivery was published by a hand-off for this very attempt."""
+    mark = (request.headers or {}).get(HANDOFF_HEADER)
+    return mark is not None and mark == (request.retries or 0)
+
+
+def is_give_up(request: Any) -> bool:
+    """Whether this delivery was published by a sweep because the run's deadline (its
+    ``queue_timeout``, or its ``expires``) passed while it was parked."""
+    return bool((request.headers or {}).get(GIVE_UP_HEADER)) and is_handoff(request)
+
+
+def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
+    """``on_handoff`` for ``app``'s semaphores: publish each handed-off run's message.
+
+    Args:
+        app (Celery): the app whose tasks' runs are handed off.
+        handoff_queues (bool): publish each run to the hand-off queue its payload names, if
+            any (a release's hand-off, meant to be fetched at once); False: to the run's own
+            queue, which the sweeps use, so that a run whose hand-off queue nobody consumes
+            any more (its last worker stopped, or ``semaphore_handoff_queues`` turned off)
+            still reaches a worker once its reservation lapses.
+    """
+
+    def publish(key: str, handoffs: Sequence[Handoff]) -> None:
+        priority = app_settings(app).handoff_priority
+        for handoff in handoffs:
+            signature = app.signature(message_of(handoff.payload))
+            headers = signature.options.setdefault("headers", {})
+            headers[HANDOFF_ID_HEADER] = uuid.uuid4().hex
+            if handoff.give_up:
+                headers[GIVE_UP_HEADER] = True
+            if priority is not None:
+                signature.options["priority"] = priority
+            lane = headers.get(HANDOFF_QUEUE_HEADER)
+            if handoff_queues and isinstance(lane, str):
+                signature.options["queue"] = handoff_queue(app, lane)
+                for routing in ("exchange", "routing_key"):
+                    signature.options.pop(routing, None)
+            # Celery before 5.5 stops listening for a task's result when any AsyncResult of
+            # that id is collected, including a get() waiting in this process: keep ours.
+            _PUBLISHED.append(signature.apply_async())
+            logger.debug(
+                "semaphore %r: %s task %s",
+                key,
+                "gave up" if handoff.give_up else "handed a slot to",
+                handoff.waiter,
+            )
+
+    return publish
+
+
+def claim_or_end(
+    task: Task,
+    semaphore: Semaphore,
+    key: str,
+    limit: int,
+    weight: int,
+    metadata: dict[str, Any],
+    many: Sequence[tuple[str, int, int]] | None = None,
+) -> Slot | SlotGroup | None:
+    """Claim the slot a hand-off reserved for the running task, or end the run.
+
+    With ``many`` (``(key, limit, weight)`` of each of several keys), the run claims them
+    all (see :meth:`Semaphore.claim_many`).
+
+    Returns:
+        Slot | SlotGroup | None: the reserved slot; or None when this very message claimed the slot
+        before and the broker delivers it again (its run was lost after the claim, say a
+        worker killed with ``acks_late``): it is a new run, and asks for a slot as any run
+        does. Another copy of a hand-off (a stranded prefetch, a sweep's second publish)
+        carries another id, and ends quietly.
+
+    Raises:
+        celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
+            next hand-off starts it), or there was nothing to claim (a duplicate delivery,
+            whose task already ran or runs elsewhere).
+    """
+    delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
+    result: Slot | SlotGroup | Parked | NotWaiting
+    if many:
+        result = semaphore.room.claim_many(
+            many, task.request.id, metadata=metadata, delivery=delivery
+        )
+    else:
+        result = semaphore.room.claim(
+            key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
+        )
+    if isinstance(result, (Slot, SlotGroup)):
+        forget(task.app, task.request.id)  # out of the room: nothing for the journal
+        return result
+    if isinstance(result, NotWaiting):
+        # The broker delivers a message again when the run it started was lost (its worker
+        # died): the claim it made is then on record, unless the store lost the record in a
+        # restart, when the broker's own word is all there is, and the result backend's: a
+        # run that ended (another copy of the hand-off ran it) is not run twice.
+        redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
+        if result.again or (redelivered and not result.recorded
+                            and not has_ended(task.app, task.request.id)):  # fmt: skip
+            return None
+        logger.info(
+            "%sa hand-off of semaphore %r finds nothing to claim (another copy claimed it, "
+            "or the store lost it and this host's journal sends the run again); it ends here",
+            task_label(task), key,
+        )  # fmt: skip
+    bump(task.app, task.request.hostname, "handoffs_missed")
+    raise Ignore()

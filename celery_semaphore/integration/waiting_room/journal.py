@@ -1,0 +1,181 @@
+"""The journal: each host's own record of the runs its processes parked, so that a restart of
+the semaphore store that loses the waiting rooms loses no run.
+
+A parked run's message is acknowledged when it parks: the room in the store holds its only
+copy. A store restarted without persistence (or rolled back to an older snapshot) would
+lose it for good, where Celery alone, on a broker that kept the message, would have lost
+nothing. So a process about to park a run first writes the run's message to a SQLite file
+on its host (one per store, prefix and host, shared by the worker's processes), stamped with
+the store's *incarnation* (:mod:`.incarnation`) as read before the park; a run that takes a
+slot instead, or claims its slot on this host, is struck out at once. Written before the
+park, the entry is there before any hand-off of the run can strike it out; stamped before
+it, a restart in between leaves the older incarnation, and the run is looked for again.
+
+Each worker pages through its host's journal on its timer
+(:class:`JournalKeeper`): an entry whose run is still parked stays; one whose run left the
+room since the store last changed incarnation was served elsewhere and goes; and one whose
+run is gone from a store of another incarnation was lost by the store, and is sent again to
+its own queue, as a new arrival that keeps its first arrival time (see the guarantees page).
+An entry younger than :data:`~.keeper.SETTLE` seconds is not judged: its park may still be
+on its way to the store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS parked (waiter TEXT PRIMARY KEY, keys TEXT NOT NULL, "
+    "payload BLOB NOT NULL, incarnation TEXT NOT NULL, at REAL NOT NULL DEFAULT 0)"
+)
+
+
+def default_directory() -> Path:
+    """Where journals go unless ``semaphore_journal`` names a directory: the user's state
+    directory (``$XDG_STATE_HOME``, else ``~/.local/state``), ``celery-semaphore`` in it; it
+    outlives a worker's restart, unlike most temporary directories after a reboot."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "celery-semaphore"
+
+
+def journal_path(directory: Path, store_url: str, prefix: str) -> Path:
+    """The journal file of this host for one store and prefix (a host that shares its
+    directory with others, over NFS say, still writes a file of its own)."""
+    name = hashlib.sha256(f"{store_url}\n{prefix}".encode()).hexdigest()[:16]
+    return directory / f"{socket.gethostname()}-{name}.sqlite3"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One journaled run: its row, id (the waiter), the keys it asks for (a run of several
+    keys waits in one room after another), its payload (the message a hand-off publishes),
+    the store's incarnation when it was about to park, and when it was journaled (epoch
+    seconds)."""
+
+    row: int
+    waiter: str
+    keys: tuple[str, ...]
+    payload: bytes
+    incarnation: str
+    at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        """The keys, joined with ``+`` (for messages)."""
+        return "+".join(self.keys)
+
+
+class Journal:
+    """A host's journal file (see the module). Every method but :meth:`page` never raises: a
+    journal that cannot be written is logged, and the run is no worse off than without one.
+
+    Args:
+        path (Path): the SQLite file; its directory is made if missing.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._local = threading.local()
+
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection (a forked process makes its own)."""
+        found: tuple[int, sqlite3.Connection] | None = getattr(self._local, "db", None)
+        if found is not None and found[0] == os.getpid():
+            return found[1]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+        # Several processes write at once: WAL lets readers and one writer work together.
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(_SCHEMA)
+        if "at" not in {row[1] for row in db.execute("PRAGMA table_info(parked)")}:
+            db.execute("ALTER TABLE parked ADD COLUMN at REAL NOT NULL DEFAULT 0")  # 0.1.0's
+        self._local.db = (os.getpid(), db)
+        return db
+
+    def record(
+        self, waiter: str, keys: Sequence[str], payload: bytes, incarnation: str,
+        at: float | None = None,
+    ) -> None:  # fmt: skip
+        """Journal a run of ``keys`` about to park, at ``at`` (epoch seconds; None: now). A
+        run parked again keeps one entry, stamped anew."""
+        self._write(
+            "INSERT OR REPLACE INTO parked (waiter, keys, payload, incarnation, at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (waiter, json.dumps(list(keys)), payload, incarnation,
+             time.time() if at is None else at),
+        )  # fmt: skip
+
+    def forget(self, waiter: str) -> None:
+        """Strike out a run that left the room (claimed its slot, gave up, was revoked)."""
+        self._write("DELETE FROM parked WHERE waiter = ?", (waiter,))
+
+    def take(self, entry: Entry) -> bool:
+        """Strike ``entry`` out for the caller alone: True for the one caller of the host's
+        processes that struck it (which then sends its run again), False for every other
+        (another worker of the host took it first, or the run left the room meanwhile).
+
+        Raises:
+            sqlite3.Error, OSError: the file cannot be written.
+        """
+        cursor = self._db().execute(
+            "DELETE FROM parked WHERE rowid = ? AND waiter = ?", (entry.row, entry.waiter)
+        )
+        return cursor.rowcount == 1
+
+    def restamp(self, waiter: str, incarnation: str) -> None:
+        """Mark a run as found parked in the store's ``incarnation``."""
+        self._write("UPDATE parked SET incarnation = ? WHERE waiter = ?", (incarnation, waiter))
+
+    def _write(self, sql: str, args: tuple[object, ...]) -> None:
+        try:
+            self._db().execute(sql, args)
+        except (sqlite3.Error, OSError) as exc:
+            logger.warning("could not write the waiting room's journal %s: %s", self.path, exc)
+
+    def page(self, after: int, limit: int) -> list[Entry]:
+        """Up to ``limit`` entries after row ``after``, in row order.
+
+        Raises:
+            sqlite3.Error, OSError: the file cannot be read.
+        """
+        rows = self._db().execute(
+            "SELECT rowid, waiter, keys, payload, incarnation, at FROM parked WHERE rowid > ? "
+            "ORDER BY rowid LIMIT ?", (after, limit),
+        )  # fmt: skip
+        return [Entry(int(r), str(w), tuple(json.loads(k)), bytes(p), str(i), float(a))
+                for r, w, k, p, i, a in rows]  # fmt: skip
+
+    def keys_of(self, waiters: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """The keys each of ``waiters`` that this host journaled asks for (those it did not
+        journal are left out).
+
+        Raises:
+            sqlite3.Error, OSError: the file cannot be read.
+        """
+        found: dict[str, tuple[str, ...]] = {}
+        db = self._db()
+        for waiter in waiters:  # a look-up by primary key each: revokes come a few at a time
+            row = db.execute("SELECT keys FROM parked WHERE waiter = ?", (waiter,)).fetchone()
+            if row is not None:
+                found[waiter] = tuple(json.loads(row[0]))
+        return found
+
+    def entries(self, page: int = 500) -> Iterator[Entry]:
+        """Every entry, a page at a time (for tests and the views)."""
+        after = 0
+        while batch := self.page(after, page):
+            yield from batch
+            after = batch[-1].row

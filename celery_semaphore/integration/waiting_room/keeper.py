@@ -1,0 +1,153 @@
+"""The journal's keeper: once a sweep interval, in each worker's upkeep thread, look up a page
+of the host's journaled runs in the store, strike out the ones served elsewhere, and send
+again the ones the store lost.
+
+The cost of a tick is one page (:data:`PAGE` entries, one pipelined round trip, two
+``HEXISTS`` each) and two reads of the incarnation marker, whatever the backlog: a host's
+journal is gone through a page per tick, from the start again once it reaches the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+from celery import Celery
+from redis import RedisCluster
+
+from ...core.names import Namespace
+from ...core.scripts import REDIS_ERRORS
+from ...errors import SemaphoreBackendError, SemaphoreRunLostError
+from ..settings import app_settings, client_for, journal_for
+from .endings import has_ended, message_of
+from .headers import HANDOFF_HEADERS
+from .incarnation import checked_incarnation, incarnation_of, marker_key
+from .journal import Entry, Journal
+
+logger = logging.getLogger(__name__)
+
+PAGE = 500
+"""Journaled runs looked up per tick."""
+
+SETTLE = 10.0
+"""Seconds a journal entry is left alone when its run is not in the room: a run is journaled
+just before it parks, and its park may still be on its way to the store (a slow store, or
+one that restarts meanwhile)."""
+
+
+def resend(app: Celery, entry: Entry) -> None:
+    """Publish a journaled run's message again, to its own queue, as a new arrival: without
+    the marks of the hand-off it was parked for (a run that finds nothing to claim ends), and
+    with the headers that keep its first arrival and its budget.
+
+    Raises:
+        Exception: the message cannot be read or published.
+    """
+    signature = app.signature(message_of(entry.payload))
+    headers = signature.options.setdefault("headers", {})
+    for mark in HANDOFF_HEADERS:
+        headers.pop(mark, None)
+    signature.apply_async()
+
+
+class JournalKeeper:
+    """Keeps ``app``'s journal on this host (a worker's upkeep thread calls :meth:`keep`).
+
+    Args:
+        app (Celery): the worker's app.
+    """
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+        self._after = 0  # the last row looked up; the next tick goes on from there
+
+    def keep(self) -> None:
+        """Look up the next page of journaled runs. Never raises: a store or journal that
+        fails is logged, and the page is looked up again at the next tick."""
+        journal = journal_for(self.app)
+        if journal is None:
+            return
+        try:
+            self._keep(journal)
+        except (*REDIS_ERRORS, SemaphoreBackendError) as exc:  # the store's watch reports it
+            logger.warning("could not look up the waiting room's journal: %s", exc)
+        except Exception:
+            logger.warning("could not look up the waiting room's journal", exc_info=True)
+
+    def _keep(self, journal: Journal) -> None:
+        client = client_for(self.app)
+        prefix = app_settings(self.app).prefix
+        current = checked_incarnation(client, prefix)
+        entries = journal.page(self._after, PAGE)
+        if not entries:
+            self._after = 0
+            return
+        names = Namespace(prefix, isinstance(client, RedisCluster))
+        # A run of several keys waits in one room after another: it is parked if any has it.
+        # One the store claimed is served too: a run stamped just before a restart may have
+        # parked in the new store, and been handed off and claimed there.
+        with client.pipeline(transaction=False) as pipe:
+            for entry in entries:
+                for key in entry.keys:
+                    keys = names.keys_of(key)
+                    pipe.hexists(keys.parked, entry.waiter)
+                    pipe.hexists(keys.claims, entry.waiter)
+            # Read again after the lookups: a store that restarted in between answered them
+            # from its new, empty rooms, which must not read as runs served elsewhere.
+            pipe.get(marker_key(prefix))
+            answers: list[Any] = pipe.execute()
+        if incarnation_of(answers.pop()) != current:
+            return
+        parked, start = [], 0
+        for entry in entries:
+            parked.append(any(answers[start : start + 2 * len(entry.keys)]))
+            start += 2 * len(entry.keys)
+        lost: collections.Counter[str] = collections.Counter()
+        settled = time.time() - SETTLE
+        for entry, here in zip(entries, parked, strict=True):
+            if here:
+                if entry.incarnation != current:
+                    journal.restamp(entry.waiter, current)
+            elif entry.at > settled:
+                continue
+            elif entry.incarnation == current:
+                journal.forget(entry.waiter)  # it left the room: claimed elsewhere, or ended
+            elif self._resend(journal, entry):
+                lost[entry.key] += 1
+        self._after = entries[-1].row
+        for key, count in sorted(lost.items()):
+            logger.error(
+                "semaphore %r: the store lost %d parked run(s) (restarted without persistence, "
+                "or from an older snapshot); sent them again from this host's journal", key,
+                count,
+            )  # fmt: skip
+
+    def _resend(self, journal: Journal, entry: Entry) -> bool:
+        """Send a run the store lost again; True when sent. The host's workers share its
+        journal, so only the one that strikes the entry out sends it. One that cannot be read
+        is failed with :class:`SemaphoreRunLostError`; one that cannot be published now goes
+        back into the journal for the next pass."""
+        if not journal.take(entry):
+            return False
+        if has_ended(self.app, entry.waiter):
+            return False  # served on another host before the restart, whose claim it lost
+        try:
+            resend(self.app, entry)
+        except (ValueError, KeyError, TypeError) as exc:
+            error = SemaphoreRunLostError(
+                f"semaphore {entry.key!r}: the store lost parked run {entry.waiter}, and its "
+                f"journaled message cannot be sent again ({exc})", entry.key,
+            )  # fmt: skip
+            logger.error("%s", error.message)
+            try:
+                self.app.backend.mark_as_failure(entry.waiter, error)
+            except Exception:
+                logger.warning("could not store the loss of %s", entry.waiter, exc_info=True)
+        except Exception:
+            logger.warning("could not send lost run %s again yet", entry.waiter, exc_info=True)
+            journal.record(entry.waiter, entry.keys, entry.payload, entry.incarnation)
+            return False
+        logger.info("semaphore %r: sent lost run %s again", entry.key, entry.waiter)
+        return True

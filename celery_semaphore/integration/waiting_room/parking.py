@@ -1,0 +1,220 @@
+"""Parking, Celery side: a run that found its key full waits in the key's waiting room with
+its message, instead of in a worker process.
+
+With ``on_full="queue"`` (the default) a run that finds every slot held is parked in the
+key's room (see :mod:`celery_semaphore.core.room`) with its message, as Celery's own
+``retry()`` would publish it, and ends with its state left as it was (PENDING, or STARTED
+with ``task_track_started``): it has not run yet. A release then reserves the slot for the
+oldest parked run and publishes that run's message (:mod:`.handoffs`); the run claims the
+reservation when it starts. The workers sweep the rooms between them (:mod:`.sweeps`), so
+a room drains even when the process that should have published a hand-off died.
+
+Why not RETRY, as a shed stores: a shed publishes its message only after storing RETRY, but a
+parked run's message is published by whoever releases a slot, possibly before the parking
+run could store anything; its RETRY could then land on top of the SUCCESS of its own hand-off
+run, and ``AsyncResult.get()`` would wait for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore
+from kombu.serialization import dumps
+
+from ...core.group import SlotGroup
+from ...core.replies import Parked, RoomFull
+from ...core.scripts import REDIS_ERRORS
+from ...core.semaphore import Semaphore
+from ...core.slot import Slot
+from ...errors import Refusal, SemaphoreNotAcquiredError
+from ..policy import Policy
+from ..settings import app_settings, forget, journal_for
+from ..shedding import FIRST_SHED_HEADER, SHED_ATTEMPT_HEADER, retry_headers
+from ..signals import Names, semaphore_parked, send_event, task_label
+from ..stats import bump
+from .endings import end_as_revoked, expires_at
+from .headers import HANDOFF_HEADER, HANDOFF_QUEUE_HEADER
+from .incarnation import incarnation
+from .queues import handoff_queue_for
+
+logger = logging.getLogger(__name__)
+
+
+def payload_of(task: Task, request: Any, headers: dict[str, Any]) -> bytes:
+    """The running task's message (``request``) as Celery's ``retry()`` would publish it,
+    serialized with the task's serializer, plus ``headers``, and the name of the hand-off
+    queue of the queue it came from, when its worker consumes one (see
+    :mod:`~celery_semaphore.integration.waiting_room.queues`)."""
+    own, lane = handoff_queue_for(task.app, request.delivery_info)
+    if lane is not None:
+        headers = {**headers, HANDOFF_QUEUE_HEADER: lane}
+    signature = task.signature_from_request(request, headers=headers, queue=own)
+    serializer = task.serializer or task.app.conf.task_serializer
+    content_type, encoding, body = dumps(dict(signature), serializer=serializer)  # type: ignore[no-untyped-call]
+    data = body.encode(encoding) if isinstance(body, str) else body
+    return f"{content_type}\n{encoding}\n".encode() + data
+
+
+def give_up_or_end(
+    task: Task, semaphore: Semaphore, policy: Policy, keys: Sequence[str], limit: int
+) -> NoReturn:
+    """End a run whose deadline passed while it was parked: take it out of the room and fail
+    it, unless a hand-off got to it first (then this delivery ends quietly). A run whose
+    ``expires`` came before its ``queue_timeout`` ends as an expired task instead: REVOKED,
+    as Celery stores one (a sweep ends most such runs itself; this is the one whose
+    give-up a sweep published because, by its worker's clock, it had not expired yet).
+
+    Raises:
+        SemaphoreNotAcquiredError: the run was still parked; it is out of the room now.
+        celery.exceptions.Ignore: it was no longer parked, or it expired.
+    """
+    key = "+".join(keys)
+    if not any([semaphore.room.cancel(k, task.request.id) for k in keys]):
+        raise Ignore()
+    forget(task.app, task.request.id)
+    request = task.request
+    headers = request.headers or {}
+    first = float(headers.get(FIRST_SHED_HEADER) or time.time())
+    expires = expires_at(request.expires)
+    seconds, option = policy.queue_budget()
+    budget = None if seconds is None else first + seconds
+    if expires is not None and (budget is None or expires <= budget):
+        end_as_revoked(task.app, request.id, "expired", request)
+        raise Ignore()
+    waited = time.time() - first
+    raise SemaphoreNotAcquiredError(
+        f"semaphore {key!r} (limit {limit}): parked for {waited:.1f}s, past "
+        f"{option}={seconds}; task {task.request.id} gives up",
+        key,
+        limit,
+        Refusal.TIMEOUT,
+    )
+
+
+def park_or_take(
+    task: Task,
+    semaphore: Semaphore,
+    policy: Policy,
+    key: str,
+    limit: int,
+    weight: int,
+    metadata: dict[str, Any],
+    names: Names,
+    asked: float | None = None,
+    many: Sequence[tuple[str, int, int]] | None = None,
+    tenant: str = "",
+) -> Slot | SlotGroup:
+    """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
+
+    ``asked`` is when this run first asked for a slot (epoch seconds; None: now), for a run
+    that waited in the worker before parking. With ``many`` (``(key, limit, weight)`` of each
+    of several keys), it takes every key or waits in the room of the first that cannot take
+    it yet (see :meth:`WaitingRoom.park_many`). ``tenant`` is its tenant for fair turns (see
+    :meth:`WaitingRoom.park`). ``names`` names the key or keys in the parked signal.
+
+    Returns:
+        Slot | SlotGroup: a slot (of each key), when no older run is parked and one was free.
+
+    Raises:
+        celery.exceptions.Ignore: the run is parked (its state is left as it was); a hand-off starts
+            it again.
+        SemaphoreNotAcquiredError: the room already holds ``max_queued`` runs.
+
+    With ``queue_timeout`` (or the deprecated ``shed_timeout``) set, the run gives up that
+    many seconds after it first asked: a sweep publishes it marked to fail (see
+    :func:`give_up_or_end`). With ``expires`` set, the next sweep after it passes takes the
+    run out and stores it REVOKED, as Celery stores an expired task (see :mod:`.sweeps`).
+    """
+    request = task.request
+    attempt = request.retries or 0
+    marks = request.headers or {}
+    # A retry the task asked for itself carries the headers on: it is a new arrival.
+    same_attempt = marks.get(SHED_ATTEMPT_HEADER) == attempt
+    now = time.time() if asked is None else asked
+    arrival = float(marks.get(FIRST_SHED_HEADER) or now) if same_attempt else now
+
+    made: list[bytes] = []
+    keys = [k for k, _, _ in many] if many else [key]
+
+    def payload() -> bytes:
+        """The message to park, journaled first (see :mod:`.journal` for why before)."""
+        headers = retry_headers(request)
+        headers.update(
+            {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
+        )
+        made.append(payload_of(task, request, headers))
+        _journal(task, semaphore, keys, made[-1])
+        return made[-1]
+
+    # The room judges the wait on the store's clock: it is told how long this run has asked
+    # already (this worker's clock, measured against itself) and its budget, never a
+    # timestamp that a worker whose clock is off would shift. An expiry counts as a budget
+    # too (what is left of it by this worker's clock, as Celery judges expiry): a sweep then
+    # takes the run out once it expired, rather than keep it parked (and counted against
+    # max_queued) until a slot frees.
+    waited = max(0.0, time.time() - arrival)
+    expiry = expires_at(request.expires)
+    budgets = [policy.queue_budget()[0],
+               None if expiry is None else max(0.001, waited + expiry - time.time())]  # fmt: skip
+    options: dict[str, Any] = {"waited": waited, "metadata": metadata,
+                               "budget": min((b for b in budgets if b is not None), default=None),
+                               "max_queued": policy.max_queued or 0,
+                               "room_ttl": app_settings(task.app).room_ttl}  # fmt: skip
+    result: Slot | SlotGroup | Parked | RoomFull
+    if many:
+        result = semaphore.room.park_many(many, request.id, payload(), **options)
+    else:
+        # The message is serialized only if the run is to park: a run that finds a free slot
+        # on a key with no room takes it without (unless it has waited in the worker for a
+        # full key already, asked, and would only pay one more round trip for the try).
+        result = semaphore.room.park(
+            key, request.id, payload if asked is None else payload(), limit=limit,
+            weight=weight, tenant=tenant, **options,
+        )  # fmt: skip
+    if not isinstance(result, Parked) and (made or HANDOFF_HEADER in marks):
+        forget(task.app, task.request.id)  # journaled to park, or parked before: not waiting
+    if isinstance(result, (Slot, SlotGroup)):
+        return result
+    if isinstance(result, RoomFull):
+        raise SemaphoreNotAcquiredError(
+            f"semaphore {key!r} (limit {limit}): all slots held and "
+            f"{result.queued} runs already parked (max_queued={policy.max_queued})",
+            key,
+            limit,
+            Refusal.ROOM_FULL,
+        )
+    _parked(task, names, result.limit or limit, result)
+
+
+def _journal(task: Task, semaphore: Semaphore, keys: list[str], payload: bytes) -> None:
+    """Write the run of ``keys`` about to park to this host's journal (see :mod:`.journal`),
+    stamped with the store's incarnation ("" if it cannot be read: the keeper then looks the
+    run up as if the store had changed)."""
+    journal = journal_for(task.app)
+    if journal is None:
+        return
+    try:
+        stamp = incarnation(semaphore.client, semaphore.prefix)
+    except REDIS_ERRORS:
+        stamp = ""
+    journal.record(task.request.id, keys, payload, stamp)
+
+
+def _parked(task: Task, names: Names, limit: int, parked: Parked) -> NoReturn:
+    key = names.key
+    logger.info(
+        "%ssemaphore %r (limit %d): parked, %d run(s) ahead",
+        task_label(task),
+        key,
+        limit,
+        parked.position,
+    )
+    semaphore_parked.send(sender=task, limit=limit, position=parked.position, **names.fields())
+    send_event(task, "parked", key=key, limit=limit, position=parked.position)
+    bump(task.app, task.request.hostname, "parked")
+    raise Ignore()

@@ -1,0 +1,118 @@
+"""Revoked runs, looked for in the rooms a worker sweeps.
+
+A worker learns of a revoke (``celery control revoke``) by broadcast, into Celery's
+``worker_state.revoked``, which it remembers for hours. A parked run has no message that a
+worker could discard, so the sweeps take revoked runs out of the rooms (see
+:mod:`.sweeps`). What that costs a sweep of one room grows with the revoked ids it looks
+for, never with the room:
+
+- an id the worker learned since its last look is looked up in its host's journal of parked
+  runs (see :mod:`.journal`), which names the run's keys: the worker of the host that parked
+  the run takes it out of its rooms within an interval, whatever the number of rooms;
+- an id the worker learned within the last :data:`FRESH` seconds is looked for in every room
+  it sweeps (a run parked by a host with no journal, or whose journal was lost): a room is
+  swept at least every 15 intervals (30 s), so such a run is out within that;
+- the older ones, in each room this worker sweeps at most once every :data:`OLD_EVERY`
+  intervals (at its first sweep of the room after that long): a run that parks long after
+  its revoke (a ``"wait"`` run revoked while it waited) is still found, without every sweep
+  paying for every id the worker remembers;
+- each id is one ``HEXISTS`` of the room's parked runs and one ``ZSCORE`` of a reservation
+  for it, pipelined in one round trip; past :data:`MOST` ids at once, reading the whole room
+  (its parked runs and its holders) costs less, and is done instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from celery.worker import state as worker_state
+
+from ...core.admin import SemaphoreAdmin
+from ...core.room import WaitingRoom
+from ...core.scripts import backend_errors
+
+FRESH = 60.0
+"""Seconds after a worker learns of a revoke during which every room it sweeps is searched
+for the run."""
+OLD_EVERY = 30
+"""Every this many sweep intervals at most, a room a worker sweeps is searched for every
+revoked run the worker remembers."""
+MOST = 50
+"""Revoked ids looked up one by one in a room; past this, the room is read whole."""
+
+
+class RevokedRuns:
+    """The revoked task ids one worker remembers, as its sweeps look for them (see the
+    module). Used from one thread."""
+
+    def __init__(self) -> None:
+        self._learned: dict[str, float] = {}  # task id -> time.monotonic() when learned
+        self._fresh: list[str] = []
+        self._old: list[str] = []
+        self._old_looked: dict[str, int] = {}  # key -> store ms of its last look for old ids
+        self.new: list[str] = []
+        """The ids learned at the last :meth:`refresh` (to look up in the journal)."""
+
+    def refresh(self, revoked: Iterable[str] | None = None) -> None:
+        """Read what the worker remembers as revoked now (``worker_state.revoked``, unless
+        ``revoked`` is given): once per sweep interval is enough."""
+        now = time.monotonic()
+        current = _ids(worker_state.revoked if revoked is None else revoked)
+        if not current:
+            self._learned, self._fresh, self._old, self.new = {}, [], [], []
+            return
+        self.new = [task_id for task_id in current if task_id not in self._learned]
+        self._learned = {task_id: self._learned.get(task_id, now) for task_id in current}
+        self._fresh = [t for t, at in self._learned.items() if now - at < FRESH]
+        self._old = [t for t, at in self._learned.items() if now - at >= FRESH]
+
+    def to_look_for(self, key: str, now_ms: int, interval_ms: int) -> list[str]:
+        """The revoked ids to look for in ``key``'s room in a sweep at ``now_ms`` (the
+        store's time, epoch ms) by a fleet that sweeps each room every ``interval_ms``."""
+        if not self._old:
+            return self._fresh
+        if now_ms - self._old_looked.get(key, now_ms - OLD_EVERY * interval_ms) < (
+            OLD_EVERY * interval_ms
+        ):
+            return self._fresh
+        if len(self._old_looked) > 100_000:  # many rooms: forget, and look again soon
+            self._old_looked.clear()
+        self._old_looked[key] = now_ms
+        return self._fresh + self._old
+
+    def found(self, room: WaitingRoom, key: str, ids: list[str]) -> list[str]:
+        """Those of ``ids`` that are parked in ``key``'s room or hold a reservation of it.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        if not ids:
+            return []
+        if len(ids) > MOST:
+            in_room = {w.waiter for w in room.waiters(key)}
+            admin = SemaphoreAdmin(room.client, room.names.prefix)
+            in_room.update(str(h.metadata.get("reserved_for") or "") for h in admin.holders(key))
+            return [task_id for task_id in ids if task_id in in_room]
+        keys = room.names.keys_of(key)
+        with backend_errors(key), room.client.pipeline(transaction=False) as pipe:
+            for task_id in ids:
+                pipe.hexists(keys.parked, task_id)
+                pipe.zscore(keys.slots, f"~{task_id}")
+            answers: list[Any] = pipe.execute()
+        return [
+            task_id
+            for n, task_id in enumerate(ids)
+            if answers[2 * n] or answers[2 * n + 1] is not None
+        ]
+
+
+def _ids(revoked: Iterable[str]) -> set[str]:
+    """The ids of ``revoked``: a LimitedSet (Celery's) is read through its dict of items,
+    in one step (its iterator sorts every entry, and the worker's main thread adds to it
+    meanwhile); anything else is iterated."""
+    data = getattr(revoked, "_data", None)
+    if isinstance(data, dict):
+        return {str(task_id) for task_id in set(data)}
+    return {str(task_id) for task_id in revoked}

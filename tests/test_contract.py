@@ -1,0 +1,315 @@
+"""One contract for the sync and the asyncio semaphore: the same public surface, and the same
+answers from the same calls against a real server.
+
+Each behaviour test is written once, as a coroutine over a semaphore of either kind:
+``settle`` awaits what an asyncio call returns and passes a sync call's answer through, and
+``holding`` enters a ``with`` or an ``async with`` block alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreAdmin,
+    SemaphoreBackendError,
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    SemaphoreValidationError,
+)
+from celery_semaphore.asyncio import AsyncSemaphore, AsyncSemaphoreAdmin, AsyncSlot
+from celery_semaphore.asyncio.group import AsyncSlotGroup
+from celery_semaphore.core.group import SlotGroup
+from celery_semaphore.core.slot import Slot
+from celery_semaphore.testing import RedisServer
+
+SYNC_ONLY = {
+    Semaphore: {"room": "the waiting room parks Celery runs; a coroutine waits in acquire"},
+    SemaphoreAdmin: {
+        "scan_keys": "the views' key scan, which runs in a worker or a CLI, never in a loop",
+        "server_warnings": "the worker's start-up check",
+    },
+}
+"""Public names only one side has, and why (the asyncio how-to says the same)."""
+
+PAIRS = [(Semaphore, AsyncSemaphore), (SemaphoreAdmin, AsyncSemaphoreAdmin)]
+
+
+NOWHERE = "redis://127.0.0.1:1/0"
+"""Nothing listens here; making either semaphore connects to nothing."""
+
+
+def _surface(cls: type) -> dict[str, list[str]]:
+    """Public methods, properties and attributes of an instance of ``cls``, with the
+    parameter names of the methods."""
+    if cls in (Semaphore, AsyncSemaphore):
+        instance = cls(NOWHERE, limit=1)
+    else:
+        instance = cls(Semaphore(NOWHERE, limit=1).client if cls is SemaphoreAdmin
+                       else AsyncSemaphore(NOWHERE, limit=1).client)  # fmt: skip
+    found: dict[str, list[str]] = {name: [] for name in vars(instance) if name[0] != "_"}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+            continue
+        params = [] if isinstance(member, property) else list(inspect.signature(member).parameters)
+        found[name] = params
+    return found
+
+
+HELD_PAIRS = [(Slot, AsyncSlot), (SlotGroup, AsyncSlotGroup)]
+SLOT_SYNC_ONLY = {"give_back_late"}
+"""The sync slot's release of a slot its acquire won too late; the asyncio acquire gives
+such a slot back itself."""
+
+
+def _class_surface(cls: type) -> dict[str, list[str]]:
+    """Public methods and properties of ``cls`` with their parameter names (a held slot
+    cannot be made without a store, so its class is read)."""
+    found: dict[str, list[str]] = {}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or not (callable(member) or isinstance(member, property)):
+            continue
+        found[name] = (
+            [] if isinstance(member, property) else list(inspect.signature(member).parameters)
+        )
+    return found
+
+
+@pytest.mark.parametrize(("sync", "twin"), HELD_PAIRS, ids=lambda cls: cls.__name__)
+def test_a_held_slot_and_group_offer_the_same_surface_on_both_sides(sync: type, twin: type) -> None:
+    ours, theirs = _class_surface(sync), _class_surface(twin)
+    assert set(ours) - set(theirs) - SLOT_SYNC_ONLY == set()
+    assert set(theirs) - set(ours) == set()
+    for name in set(ours) & set(theirs):
+        assert ours[name] == theirs[name], f"{name}: {ours[name]} != {theirs[name]}"
+
+
+@pytest.mark.parametrize(("sync", "twin"), PAIRS, ids=lambda cls: cls.__name__)
+def test_the_sync_and_asyncio_classes_offer_the_same_surface(sync: type, twin: type) -> None:
+    ours, theirs = _surface(sync), _surface(twin)
+    only_sync = set(ours) - set(theirs) - set(SYNC_ONLY.get(sync, {}))
+    only_async = set(theirs) - set(ours) - {"aclose"}
+    assert not only_sync, f"{sync.__name__} only: {sorted(only_sync)}"
+    assert not only_async, f"{twin.__name__} only: {sorted(only_async)}"
+    for name in set(ours) & set(theirs):
+        assert ours[name] == theirs[name], f"{name}: {ours[name]} != {theirs[name]}"
+
+
+async def settle(value: Any) -> Any:
+    """A call's answer: awaited when the call was a coroutine's."""
+    return await value if inspect.isawaitable(value) else value
+
+
+@contextlib.asynccontextmanager
+async def holding(block: Any) -> AsyncIterator[Any]:
+    """Enter a sync or an asyncio context manager alike."""
+    if hasattr(block, "__aenter__"):
+        async with block as held:
+            yield held
+    else:
+        with block as held:
+            yield held
+
+
+Scenario = Callable[[Any], Awaitable[None]]
+
+
+@pytest.fixture(params=["sync", "asyncio"])
+def against(request: pytest.FixtureRequest, redis_server: RedisServer) -> Callable[..., None]:
+    """Run a scenario against a semaphore of each kind (the sync one's calls block the loop,
+    which is what a sync caller does)."""
+
+    def run(scenario: Scenario, **options: Any) -> None:
+        async def main() -> None:
+            if request.param == "sync":
+                await scenario(Semaphore(redis_server.url, **options))
+                return
+            sem = AsyncSemaphore(redis_server.url, **options)
+            try:
+                await scenario(sem)
+            finally:
+                await sem.aclose()
+
+        asyncio.run(main())
+
+    return run
+
+
+def test_acquire_count_available_and_release(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        first = await settle(sem.acquire("k", metadata={"n": 1}))
+        second = await settle(sem.acquire("k", weight=1))
+        assert first is not None
+        assert second is not None
+        assert await settle(sem.acquire("k")) is None
+        assert await settle(sem.count("k")) == 2
+        assert await settle(sem.available("k")) == 0
+        assert await settle(sem.available("k", limit=5)) == 3
+        holders = await settle(sem.admin.holders("k"))
+        assert sorted(h.token for h in holders) == sorted([first.token, second.token])
+        assert await settle(first.release()) is True
+        assert await settle(first.release()) is True  # later calls repeat the first answer
+        assert await settle(sem.admin.force_release_all("k")) == 1
+        assert await settle(second.release()) is False  # taken away before
+        assert await settle(sem.count("k")) == 0
+
+    against(scenario, limit=2)
+
+
+def test_hold_and_hold_many_release_on_exit_and_refuse_when_full(
+    against: Callable[..., None],
+) -> None:
+    async def scenario(sem: Any) -> None:
+        async with holding(sem.hold("k", heartbeat=0.2)) as slot:
+            assert slot.key == "k"
+            with pytest.raises(SemaphoreNotAcquiredError):
+                async with holding(sem.hold("k")):
+                    pass
+        async with holding(sem.hold_many([("a", 1), ("b", 2)])) as group:
+            assert group.keys == ["a", "b"]
+            assert await settle(sem.count("b")) == 1
+            with pytest.raises(SemaphoreNotAcquiredError):
+                async with holding(sem.hold_many([("b", 2), ("a", 1)])):
+                    pass
+        assert [await settle(sem.count(k)) for k in ("k", "a", "b")] == [0, 0, 0]
+
+    against(scenario, limit=1)
+
+
+def test_hold_waits_for_a_release(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        held = await settle(sem.acquire("k", lease=0.5))
+        assert held is not None
+        # Nobody releases: the wait ends when the held lease lapses, well within the budget.
+        async with holding(sem.hold("k", wait=30.0)) as slot:
+            assert slot.token != held.token
+
+    against(scenario, limit=1)
+
+
+def test_the_admin_sets_reads_and_clears_a_live_limit_and_frees_slots(
+    against: Callable[..., None],
+) -> None:
+    async def scenario(sem: Any) -> None:
+        assert await settle(sem.admin.set_limit("k", 2, by="ops")) is None
+        live = await settle(sem.admin.live_limit("k"))
+        assert (live.limit, live.by) == (2, "ops")
+        slots = [await settle(sem.acquire("k")) for _ in range(3)]
+        assert slots[2] is None
+        assert await settle(sem.admin.force_release("k", slots[0].token)) is True
+        assert await settle(sem.admin.force_release("k", slots[0].token)) is False
+        assert await settle(sem.admin.force_release_all("k")) == 1
+        assert await settle(sem.admin.set_limit("k", None)) == 2
+        assert await settle(sem.admin.live_limit("k")) is None
+
+    against(scenario, limit=1)
+
+
+def test_a_slot_taken_away_is_lost_in_hold(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        with pytest.raises(SemaphoreLeaseLostError):
+            async with holding(sem.hold("k", heartbeat=0.1)) as slot:
+                assert await settle(sem.admin.force_release_all("k")) == 1
+                for _ in range(200):  # the renewal notices within a tick or two
+                    if slot.lost.is_set():
+                        break
+                    await asyncio.sleep(0.05)
+
+    against(scenario, limit=1)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda sem: sem.acquire(""),
+        lambda sem: sem.acquire("k", weight=0),
+        lambda sem: sem.acquire_many([("a", 1), ("a", 1)]),
+        lambda sem: sem.count(""),
+        lambda sem: sem.available("k", limit=0),
+        lambda sem: sem.admin.set_limit("k", 0),
+        lambda sem: sem.admin.holders(""),
+        lambda sem: sem.admin.force_release("k", ""),
+    ],
+)
+def test_bad_arguments_are_refused_alike(against: Callable[..., None], call: Any) -> None:
+    async def scenario(sem: Any) -> None:
+        with pytest.raises(SemaphoreValidationError):
+            await settle(call(sem))
+
+    against(scenario, limit=1)
+
+
+def test_is_held_asks_the_store_and_changes_nothing(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        slot = await settle(sem.acquire("k"))
+        expires_at = slot.expires_at
+        assert await settle(slot.is_held()) is True
+        assert await settle(slot.is_held()) is True  # asking twice moves nothing
+        assert slot.expires_at == expires_at
+        assert await settle(sem.count("k")) == 1
+        assert await settle(slot.release()) is True
+        assert await settle(slot.is_held()) is False
+        assert not slot.lost.is_set()
+
+        taken = await settle(sem.acquire("k"))
+        assert await settle(sem.admin.force_release("k", taken.token)) is True
+        assert await settle(taken.is_held()) is False  # an operator took it
+        assert not taken.lost.is_set()  # is_held judges nothing: extend does
+        assert await settle(taken.extend()) is False
+        assert taken.lost.is_set()
+
+    against(scenario, limit=1)
+
+
+def test_is_held_is_false_once_the_lease_lapsed(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        slot = await settle(sem.acquire("k", lease=0.3))
+        assert await settle(slot.is_held()) is True
+        # The lapse is judged by the store's clock: wait until a count no longer sees it.
+        for _ in range(400):
+            if await settle(sem.count("k")) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert await settle(sem.count("k")) == 0
+        # Still a member of the set (nothing pruned it), yet no longer ours.
+        assert await settle(slot.is_held()) is False
+        assert await settle(slot.release()) is False
+
+    against(scenario, limit=1)
+
+
+def test_is_held_of_a_group_is_one_answer_for_every_key(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        group = await settle(sem.acquire_many([("a", 1), ("b", 2, 2)]))
+        assert await settle(group.is_held()) is True
+        assert await settle(sem.admin.force_release("b", group.token)) is True
+        assert await settle(group.is_held()) is False
+        assert await settle(group.slots[0].is_held()) is True
+        await settle(group.release())
+
+    against(scenario, limit=1)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_is_held_with_the_store_down_is_a_backend_error(own_redis: RedisServer, kind: str) -> None:
+    async def main() -> None:
+        sem: Any = (Semaphore if kind == "sync" else AsyncSemaphore)(own_redis.url, limit=2)
+        slot = await settle(sem.acquire("k"))
+        group = await settle(sem.acquire_many([("a", 1), ("b", 1)]))
+        own_redis.stop()
+        with pytest.raises(SemaphoreBackendError) as raised:
+            await settle(slot.is_held())
+        assert raised.value.key == "k"
+        with pytest.raises(SemaphoreBackendError):
+            await settle(group.is_held())
+        if kind == "asyncio":
+            await sem.aclose()
+
+    asyncio.run(main())
