@@ -14,7 +14,6 @@ from typing import Any
 
 from redis import Redis, RedisCluster
 
-from ..errors import SemaphoreValidationError
 from . import validation as check
 from .admin import DEFAULT_PREFIX
 from .group import SlotGroup
@@ -94,6 +93,7 @@ class WaitingRoom:
         limit: int | None = None,
         weight: int = 1,
         tenant: str = "",
+        head_start: float = 0.0,
         arrival: float | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -123,10 +123,12 @@ class WaitingRoom:
             weight (int): units of the limit the waiter takes (1 to ``limit``). The room
                 serves waiters in strict order: a heavy waiter at its head waits for room
                 enough, and lighter ones behind it are not served first.
-            tenant (str): the waiter's tenant for fair turns, or "" for none: it parks at its
-                tenant's next turn (one past the tenant's last, never before the room's
-                head), so tenants take turns (see the waiting-room how-to). Give every
-                waiter of a key a tenant, or none.
+            tenant (str): the waiter's tenant for fair turns ("" for none): it parks one
+                past its tenant's last turn, never before the room's head (see the
+                waiting-room how-to). Give every waiter of a key a tenant, or none.
+            head_start (float): its priority: seconds (0 to a day) it parks ahead of its
+                arrival or turn, passing waiters that came less than that before it, never
+                an older one. A re-park keeps its place.
             arrival (float | None): epoch seconds when the waiter first asked, by the
                 caller's clock; None: now, by the server's.
             lease (float | None): lease of a slot taken now; None: the room's.
@@ -151,8 +153,8 @@ class WaitingRoom:
             SemaphoreBackendError: Redis failed.
         """
         result = self._one(key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
-                           False, deadline_ms(deadline, budget), "", limit, weight, tenant,
-                           waited)  # fmt: skip
+                           False, deadline_ms(deadline, budget), "", limit, weight,
+                           (tenant, check.head_start_ms(head_start)), waited)  # fmt: skip
         assert not isinstance(result, NotWaiting)
         return result
 
@@ -187,7 +189,7 @@ class WaitingRoom:
         """
         check_delivery(delivery)
         result = self._one(key, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
-                           delivery, limit, weight, "", None)  # fmt: skip
+                           delivery, limit, weight, ("", 0), None)  # fmt: skip
         assert not isinstance(result, RoomFull)
         return result
 
@@ -195,17 +197,17 @@ class WaitingRoom:
         self, key: str, waiter: str, payload: bytes | Callable[[], bytes], arrival: float | None,
         lease: float | None, metadata: Mapping[str, Any] | None, max_queued: int,
         room_ttl: float, claim_only: bool, deadline: int, delivery: str, limit: int | None,
-        weight: int, tenant: str, waited: float | None,
+        weight: int, turn: tuple[str, int], waited: float | None,
     ) -> Slot | Parked | RoomFull | NotWaiting:  # fmt: skip
         key = check.check_key(key)
         make = payload if callable(payload) else None
         check_waiter(waiter, b"" if make is not None else payload)
-        if tenant != "":
-            check.check_key(tenant, "tenant")
+        if turn[0] != "":
+            check.check_key(turn[0], "tenant")
         seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
             lease, self.lease, arrival, max_queued, room_ttl, waited
         )
-        limit = self._limit(limit)
+        limit = check.room_limit(limit, self.limit)
         weight = check.check_weight(weight, limit)
         info = self._record.encode(metadata, limit, weight)
         keys = self.names.keys_of(key)
@@ -229,7 +231,7 @@ class WaitingRoom:
             result, handed = self._scripts.park(
                 keys, limit, ms, token, info, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline,
-                self.handoffs.grace_ms, delivery, weight, tenant,
+                self.handoffs.grace_ms, delivery, weight, *turn,
             )  # fmt: skip
             assert not isinstance(result, Declined)
             record(1, OUTCOMES[type(result)])
@@ -397,13 +399,6 @@ class WaitingRoom:
         return count, [
             Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
         ]
-
-    def _limit(self, limit: int | None) -> int:
-        if limit is not None:
-            return check.check_limit(limit)
-        if self.limit is None:
-            raise SemaphoreValidationError("limit is required: this room has no default limit")
-        return self.limit
 
     def _slot(self, keys: Keys, key: str, limit: int, token: str, lease: float,
               admitted: Admitted, sent_at: float, weight: int) -> Slot:  # fmt: skip

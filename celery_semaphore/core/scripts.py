@@ -285,11 +285,13 @@ class Scripts:
         delivery: str = "",
         weight: int = 1,
         tenant: str = "",
+        ahead_ms: int = 0,
     ) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
         """Take a slot in arrival order or park (see :func:`~.calls.park_call`)."""
         return self.run(calls.park_call(
             keys, limit, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
             room_ttl_ms, max_queued, claim_only, deadline_ms, grace_ms, delivery, weight, tenant,
+            ahead_ms,
         ))  # fmt: skip
 
     def take(

@@ -110,6 +110,36 @@ def check_delay(delay: object, name: str = "retry_delay") -> float:
     return seconds
 
 
+def room_limit(limit: int | None, default: int | None) -> int:
+    """A park's limit: ``limit`` checked, else the room's ``default``.
+
+    Raises:
+        SemaphoreValidationError: ``limit`` is invalid, or both are None.
+    """
+    if limit is not None:
+        return check_limit(limit)
+    if default is None:
+        raise SemaphoreValidationError("limit is required: this room has no default limit")
+    return default
+
+
+MAX_HEAD_START = 24 * 3600.0
+"""Longest head start a parked waiter may be given (a day): a waiter with none is passed
+only by those that came less than this long after it, so this bounds how long it can be
+passed over."""
+
+
+def head_start_ms(value: object, name: str = "head_start") -> int:
+    """Return a head start, float seconds from 0 to ``MAX_HEAD_START``, in whole ms, else
+    raise :class:`SemaphoreValidationError` naming ``name``."""
+    seconds = _finite_seconds(value)
+    if seconds is None or not 0 <= seconds <= MAX_HEAD_START:
+        raise SemaphoreValidationError(
+            f"{name} must be a number of seconds from 0 to {MAX_HEAD_START:g}, got {value!r}"
+        )
+    return round(seconds * 1000)
+
+
 MAX_EPOCH = 4_102_444_800.0
 """Latest timestamp any argument accepts (2100-01-01): later ones are never what was meant."""
 

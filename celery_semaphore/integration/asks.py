@@ -11,7 +11,7 @@ from ..core.group import SlotGroup
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from .keys import KeySet, KeyTemplate
-from .limits import LimitSpec, WeightSpec
+from .limits import HeadStartSpec, LimitSpec, WeightSpec
 
 POLL = 0.1
 """Seconds between two tries of several keys outside a worker (no wake-up list spans keys)."""
@@ -20,14 +20,16 @@ POLL = 0.1
 class Ask(NamedTuple):
     """One run's ask: ``key`` (the keys joined with ``+`` when there are several, for log
     lines), ``limit`` and ``weight`` (the first key's), ``many``, the ``(key, limit,
-    weight)`` of each key when the run holds several, else None, and ``tenant``, its
-    tenant for fair turns in the waiting room ("" for none)."""
+    weight)`` of each key when the run holds several, else None; and its place in the
+    waiting room: ``tenant``, its tenant for fair turns ("" for none), and ``head_start``,
+    seconds it parks ahead of its arrival."""
 
     key: str
     limit: int
     weight: int
     many: list[tuple[str, int, int]] | None = None
     tenant: str = ""
+    head_start: float = 0.0
 
     @property
     def keys(self) -> list[str]:
@@ -42,13 +44,15 @@ def ask_for(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     fair: KeyTemplate | None = None,
+    head_start: HeadStartSpec | None = None,
 ) -> Ask:
     """The ask of a run with these arguments: each key rendered, its limit and the run's
     weight computed.
 
     Raises:
-        SemaphoreValidationError: a key, limit or weight is invalid; the message names it.
-        Exception: whatever a key, limit or weight callable raised.
+        SemaphoreValidationError: a key, limit, weight or head start is invalid; the
+            message names it.
+        Exception: whatever a key, limit, weight, tenant or head start callable raised.
     """
     if isinstance(template, KeySet):
         many = []
@@ -60,7 +64,8 @@ def ask_for(
     key = template.render(args, kwargs)
     limit = limits.for_call(key, args, kwargs)
     tenant = "" if fair is None else fair.render(args, kwargs)
-    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, tenant)
+    ahead = 0.0 if head_start is None else head_start.for_call(args, kwargs)
+    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, tenant, ahead)
 
 
 def take(

@@ -34,6 +34,7 @@ def bounded(
     *,
     weight: int | Callable[..., int] | None = None,
     fair_by: str | Callable[..., str] | None = None,
+    head_start: float | Callable[..., float] | None = None,
     app: Celery | None = None,
     redis: Any = None,
     retries: int = 0,
@@ -72,6 +73,8 @@ def bounded(
             callable of the function's arguments returning them; None: 1.
         fair_by (str | Callable[..., str] | None): as for
             :class:`~celery_semaphore.SemaphoreTask`: the runs' fair-turn group.
+        head_start (float | Callable[..., float] | None): as for
+            :class:`~celery_semaphore.SemaphoreTask`: each run's priority in the room.
         app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the
             current app. A task always uses its own app.
         redis (redis.Redis | str | None): a client or URL to use instead of the app's
@@ -97,9 +100,8 @@ def bounded(
                 "@bounded must go under @app.task (applied to the function first), "
                 f"not above it: got the task {getattr(fn, 'name', fn)!r}"
             )
-        runner = Runner(
-            fn, semaphore, limit, options, app, redis, retries, retry_delay, weight, fair_by
-        )
+        runner = Runner(fn, semaphore, limit, options, app, redis, retries, retry_delay,
+                        weight, fair_by, head_start)  # fmt: skip
         if inspect.iscoroutinefunction(fn):
             if isinstance(semaphore, (list, tuple)):
                 raise SemaphoreValidationError(

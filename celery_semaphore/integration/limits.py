@@ -133,11 +133,42 @@ class WeightSpec:
             raise SemaphoreValidationError(f"semaphore key {key!r}: {exc}", key, limit) from None
 
 
+class HeadStartSpec:
+    """The ``head_start`` option of a bounded task: each run's priority in the waiting room,
+    as seconds it parks ahead of its arrival (see :meth:`WaitingRoom.park`); a number, or a
+    callable of the task's own ``*args, **kwargs`` returning one.
+
+    Args:
+        spec (float | Callable[..., float] | None): the option's value; None: 0.
+
+    Raises:
+        SemaphoreValidationError: ``spec`` is neither, or not from 0 to a day.
+    """
+
+    def __init__(self, spec: object) -> None:
+        self._call: Callable[..., Any] | None = None
+        self.fixed = 0.0
+        if callable(spec) and not isinstance(spec, type):
+            self._call = spec
+        elif spec is not None:
+            self.fixed = check.head_start_ms(spec) / 1000
+
+    def for_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> float:
+        """The head start of a run with these arguments, float seconds.
+
+        Raises:
+            SemaphoreValidationError: the callable's answer is not from 0 to a day.
+        """
+        if self._call is None:
+            return self.fixed
+        return check.head_start_ms(self._call(*args, **kwargs)) / 1000
+
+
 DECLARED_OPTIONS = tuple(
-    name for name in OPTION_NAMES if name not in ("semaphore", "weight", "fair_by")
+    name for name in OPTION_NAMES if name not in ("semaphore", "weight", "fair_by", "head_start")
 )
 """What a declaration in ``app.conf.semaphores`` may set: the limit and the policy options
-(a weight belongs to a task, not to the semaphore it shares)."""
+(a weight, turn or head start belongs to a task, not to the semaphore it shares)."""
 
 
 def declared_semaphores(value: object) -> dict[str, dict[str, Any]]:

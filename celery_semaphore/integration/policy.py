@@ -194,7 +194,7 @@ def _flag(name: str, value: object) -> None:
         raise SemaphoreValidationError(f"{name} must be True or False, got {value!r}")
 
 
-OPTION_NAMES = ("semaphore", "limit", "weight", "fair_by", *POLICY_FIELDS)
+OPTION_NAMES = ("semaphore", "limit", "weight", "fair_by", "head_start", *POLICY_FIELDS)
 """Every semaphore option a task or ``@bounded`` takes."""
 
 

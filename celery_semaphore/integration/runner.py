@@ -10,7 +10,7 @@ rejects.
 How a run goes:
 
 * In a worker, a run that finds every slot held is, by default (``on_full="queue"``),
-  *parked* in the key's waiting room with its message (see :mod:`.room`) and ends with
+  *parked* in the key's waiting room with its message (see :mod:`.waiting_room`) and ends with
   ``Ignore``; the release that frees a slot hands it to the oldest parked run and publishes
   that run's message again (same id, same ``retries``). ``on_full="wait"`` first waits in
   the worker, then parks; ``"retry"`` *sheds* the run instead: the same message is published
@@ -56,7 +56,7 @@ from .asks import Ask, ask_for, take
 from .body import run_body
 from .current import UNBOUNDED
 from .keys import KeySet, KeyTemplate
-from .limits import LimitSpec, WeightSpec
+from .limits import HeadStartSpec, LimitSpec, WeightSpec
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options, warn_if_deprecated
 from .settings import app_settings, client_for, policy_and_limits, task_options, task_policy
 from .shedding import first_asked, shed
@@ -102,6 +102,8 @@ class Runner:
         fair_by (str | Callable[..., str] | None): the tenant of each run for fair turns, a
             template or callable as for ``semaphore``: runs waiting in the room take turns
             across tenants (see :meth:`WaitingRoom.park`); None: arrival order.
+        head_start (float | Callable[..., float] | None): each run's priority in the room
+            (see :class:`~.limits.HeadStartSpec`); None: 0.
 
     Raises:
         SemaphoreValidationError: any option is invalid; the message names it.
@@ -119,6 +121,7 @@ class Runner:
         retry_delay: float = 0.1,
         weight: object = None,
         fair_by: object = None,
+        head_start: object = None,
     ) -> None:
         unknown = sorted(set(options) - set(POLICY_FIELDS))
         if unknown:
@@ -137,9 +140,11 @@ class Runner:
             self.template = KeyTemplate(semaphore, fn)
             self.limits = None if limit is None else LimitSpec(limit)
         self.weights = WeightSpec(weight)
-        if fair_by is not None and isinstance(self.template, KeySet):
-            raise SemaphoreValidationError("fair_by takes one key; give a single semaphore key")
+        for name, value in (("fair_by", fair_by), ("head_start", head_start)):
+            if value is not None and isinstance(self.template, KeySet):
+                raise SemaphoreValidationError(f"{name} takes one key; give one semaphore key")
         self.fair = None if fair_by is None else KeyTemplate(fair_by, fn)
+        self.head_start = HeadStartSpec(head_start)
         self.options = {k: v for k, v in options.items() if v is not None}
         check_options(self.options)  # each given option, now; together at bind, below
         if app is not None and not isinstance(app, Celery):
@@ -192,14 +197,10 @@ class Runner:
                 prefix = DEFAULT_PREFIX if app is None else app_settings(app).prefix
                 client = self.redis if self.redis is not None else client_for(app)
                 semaphore = Semaphore(
-                    client,
-                    limits.default,
-                    policy.lease,
-                    prefix,
-                    claim_timeout=policy.claim_timeout,
+                    client, limits.default, policy.lease, prefix,
+                    claim_timeout=policy.claim_timeout, handoff_grace=policy.handoff_grace,
                     on_handoff=None if app is None else publisher_for(app),
-                    handoff_grace=policy.handoff_grace,
-                )
+                )  # fmt: skip
                 found = Bound(semaphore, policy, limits)
                 warn_if_deprecated(policy, self.template.source)
                 if app is None:
@@ -345,7 +346,8 @@ class Runner:
         or weight cannot be computed leaves the room first (its reservation goes to the next
         waiter), then fails: it is not handed a slot again."""
         try:
-            return ask_for(self.template, bound.limits, self.weights, args, kwargs, self.fair)
+            return ask_for(self.template, bound.limits, self.weights, args, kwargs, self.fair,
+                           self.head_start)  # fmt: skip
         except Exception:
             if is_handoff(task.request):
                 with contextlib.suppress(SemaphoreBackendError):
@@ -359,15 +361,14 @@ class Runner:
     ) -> Slot | SlotGroup | None:  # fmt: skip
         """Ask for a slot as ``on_full`` says: a slot (of each key), or None when none is to
         be had (the caller sheds or raises). Parking ends the run (``Ignore``)."""
-        park = (ask.key, ask.limit, ask.weight, metadata, names)
         if policy.on_full == "queue":
             # One script call whether or not the key is full: take or park.
-            return park_or_take(task, semaphore, policy, *park, many=ask.many, tenant=ask.tenant)
+            return park_or_take(task, semaphore, policy, ask, metadata, names)
         if policy.on_full == "wait":
             asked = time.time()
             slot = take(semaphore, ask, metadata=metadata, wait=policy.wait_timeout)
             if slot is None:
-                slot = park_or_take(task, semaphore, policy, *park, asked, ask.many, ask.tenant)
+                slot = park_or_take(task, semaphore, policy, ask, metadata, names, asked)
             return slot
         return take(semaphore, ask, metadata=metadata)
 

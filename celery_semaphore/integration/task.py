@@ -49,6 +49,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             ``"tenant:{tenant_id}"``: runs waiting in the key's room take turns across
             groups, so one tenant's burst does not hold back another's runs. Default: none,
             arrival order.
+        head_start (float | Callable[..., float]): each run's priority in the key's room:
+            seconds (0 to a day; or a callable of the task's arguments returning them) it
+            parks ahead of its arrival, passing runs that came less than that before it and
+            never an older one, so low priorities are delayed, never starved. Default 0.
         lease, heartbeat, on_full, wait_timeout, queue_timeout, claim_timeout, handoff_grace,
         max_queued, on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown,
         shed_max_retries, shed_timeout, interrupt: see
@@ -64,6 +68,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
     weight: ClassVar[int | Callable[..., int] | None] = None
     fair_by: ClassVar[str | Callable[..., str] | None] = None
+    head_start: ClassVar[float | Callable[..., float] | None] = None
     lease: ClassVar[float | None] = None
     heartbeat: ClassVar[float | bool | None] = None
     on_full: ClassVar[str | None] = None
@@ -106,7 +111,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             options = {name: getattr(cls, name) for name in POLICY_FIELDS}
             runner = Runner(
                 fn, cls.semaphore, cls.limit, options, app=app, weight=cls.weight,
-                fair_by=cls.fair_by,
+                fair_by=cls.fair_by, head_start=cls.head_start,
             )  # fmt: skip
             wrapped: Any = runner.wrap(fn)
         except SemaphoreValidationError as exc:

@@ -30,7 +30,12 @@
 --                       turn, one past its group's last, and no earlier than the room's
 --                       head, instead of at its arrival; so a group with many waiters takes
 --                       turns with one that has few
--- ARGV[16] payload      what to hand to whoever publishes it (opaque), or "" to keep the
+-- ARGV[16] ahead_ms     a head start (integer >= 0): a newly parked waiter stands that
+--                       many ms before its arrival, so it passes waiters that came less
+--                       than that long before it and no older one; with a group, that
+--                       many turns before its turn, never before the room's head (the
+--                       group's next turn is not moved)
+-- ARGV[17] payload      what to hand to whoever publishes it (opaque), or "" to keep the
 --                       parked one
 --
 -- Returns now_ms                                            the key had no room and the
@@ -89,10 +94,10 @@ if mode == 'take' then return {-3, 0, 0, 0} end
 --[[room.lua]]
 local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local limit = live_limit(limits, given)
-local payload, claim_ms = ARGV[16], tonumber(ARGV[9])
+local payload, claim_ms = ARGV[17], tonumber(ARGV[9])
 local room_ttl_ms, max_queued = tonumber(ARGV[10]), tonumber(ARGV[11])
 local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
-local group = ARGV[15] or ''
+local group, ahead_ms = ARGV[15] or '', tonumber(ARGV[16]) or 0
 
 local now = room_now_ms()
 local arrival = tonumber(ARGV[8]) or now
@@ -163,15 +168,24 @@ end
 -- The caller's own limit: release and sweep fall back on it once a live limit is cleared.
 local place = known and place_of(parked, waiter) or arrival
 local tag = weight > 1 and ('#' .. weight) or ''
-local turned = known and place ~= known  -- parked before at a fair turn: it keeps it
-if group ~= '' or turned then
-  if not known then
+-- Parked before at a fair turn or with a head start: it keeps its place.
+local turned = known and place ~= known
+if group ~= '' or turned or (ahead_ms > 0 and not known) then
+  if not known and group ~= '' then
     -- Fair turns: one past the group's last turn, and no earlier than the room's head, so a
     -- group that arrives late is served next to the one with the long backlog.
     local head = redis.call('ZRANGE', room, 0, 0, 'WITHSCORES')
+    local first = head[2] and tonumber(head[2]) or arrival
     local last = tonumber(redis.call('HGET', parked, '!g:' .. group))
-    place = math.max(head[2] and tonumber(head[2]) or arrival, last and last + 1 or 0)
+    place = math.max(first, last and last + 1 or 0)
     redis.call('HSET', parked, '!g:' .. group, place)
+    -- A head start moves this waiter only (the group's next turn stays), and never before
+    -- the head: the head's place then never falls, so no head start passes a waiter more
+    -- than ahead_ms turns of each group.
+    place = math.max(first, place - ahead_ms)
+  elseif not known then
+    -- By arrival: a waiter is passed only by those that came less than ahead_ms after it.
+    place = math.max(place - ahead_ms, 0)
   end
   tag = tag .. '@' .. place
 end

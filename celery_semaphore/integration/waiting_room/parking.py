@@ -32,6 +32,7 @@ from ...core.scripts import REDIS_ERRORS
 from ...core.semaphore import Semaphore
 from ...core.slot import Slot
 from ...errors import Refusal, SemaphoreNotAcquiredError
+from ..asks import Ask
 from ..policy import Policy
 from ..settings import app_settings, forget, journal_for
 from ..shedding import FIRST_SHED_HEADER, SHED_ATTEMPT_HEADER, retry_headers
@@ -100,22 +101,20 @@ def park_or_take(
     task: Task,
     semaphore: Semaphore,
     policy: Policy,
-    key: str,
-    limit: int,
-    weight: int,
+    ask: Ask,
     metadata: dict[str, Any],
     names: Names,
     asked: float | None = None,
-    many: Sequence[tuple[str, int, int]] | None = None,
-    tenant: str = "",
 ) -> Slot | SlotGroup:
-    """Take a slot of ``key`` in arrival order, or park the running task in the key's room.
+    """Take a slot of the key ``ask`` names in arrival order, or park the running task in
+    the key's room.
 
     ``asked`` is when this run first asked for a slot (epoch seconds; None: now), for a run
-    that waited in the worker before parking. With ``many`` (``(key, limit, weight)`` of each
-    of several keys), it takes every key or waits in the room of the first that cannot take
-    it yet (see :meth:`WaitingRoom.park_many`). ``tenant`` is its tenant for fair turns (see
-    :meth:`WaitingRoom.park`). ``names`` names the key or keys in the parked signal.
+    that waited in the worker before parking. An ask of several keys takes every key or
+    waits in the room of the first that cannot take it yet (see
+    :meth:`WaitingRoom.park_many`); an ask of one parks with its tenant for fair turns and
+    its head start (see :meth:`WaitingRoom.park`). ``names`` names the key or keys in the
+    parked signal.
 
     Returns:
         Slot | SlotGroup: a slot (of each key), when no older run is parked and one was free.
@@ -130,6 +129,7 @@ def park_or_take(
     :func:`give_up_or_end`). With ``expires`` set, the next sweep after it passes takes the
     run out and stores it REVOKED, as Celery stores an expired task (see :mod:`.sweeps`).
     """
+    key, limit, weight, many = ask.key, ask.limit, ask.weight, ask.many
     request = task.request
     attempt = request.retries or 0
     marks = request.headers or {}
@@ -174,7 +174,7 @@ def park_or_take(
         # full key already, asked, and would only pay one more round trip for the try).
         result = semaphore.room.park(
             key, request.id, payload if asked is None else payload(), limit=limit,
-            weight=weight, tenant=tenant, **options,
+            weight=weight, tenant=ask.tenant, head_start=ask.head_start, **options,
         )  # fmt: skip
     if not isinstance(result, Parked) and (made or HANDOFF_HEADER in marks):
         forget(task.app, task.request.id)  # journaled to park, or parked before: not waiting
