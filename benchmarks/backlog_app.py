@@ -102,6 +102,25 @@ def arrival_order(tenant: str, seconds: float) -> str:
     return _turn_body(tenant, seconds)
 
 
+def _urgent_b(tenant: str, seconds: float) -> float:
+    """Tenant B's runs are urgent: a minute's head start in the room."""
+    return 60.0 if tenant == "b" else 0.0
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, head_start=_urgent_b,
+          name="urgent")  # fmt: skip
+def urgent(tenant: str, seconds: float) -> str:
+    """bench_fairness.py's priority setup: B's runs park with a head start."""
+    return _turn_body(tenant, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="turns", limit=LIMIT, fair_by="tenant:{tenant}",
+          head_start=_urgent_b, name="fair_urgent")  # fmt: skip
+def fair_urgent(tenant: str, seconds: float) -> str:
+    """Fair turns and B's head start together."""
+    return _turn_body(tenant, seconds)
+
+
 @app.task(name="probe")
 def probe() -> float:
     """A plain task that answers when its body started (epoch seconds): bench_sweeps.py's

@@ -18,7 +18,9 @@ an index among the starts after an instant (0 is the first start):
 
 The target (issue 12) is B's last run within the first 2L starts after it arrives. The
 same runs without ``fair_by`` (``arrival_order``) are the contrast: there B waits behind
-all of A's parked runs.
+all of A's parked runs. Priority (issue 24) is measured on the same burst: B's runs given
+a minute's head start (``urgent``) should start next, within the first L + few starts
+after they arrive; with ``fair_by`` too (``fair_urgent``), B's runs go to the room's head.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ from rich.table import Table
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.testing import RedisServer
 
-SETUPS = {"fair_by tenant": "fair", "arrival order (no fair_by)": "arrival_order"}
+SETUPS = {
+    "fair_by tenant": "fair",
+    "arrival order (no fair_by)": "arrival_order",
+    "B urgent: head_start 60 s": "urgent",
+    "fair_by + B's head_start 60 s": "fair_urgent",
+}
 
 
 def _text(raw: bytes | str) -> str:

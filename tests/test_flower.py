@@ -506,6 +506,31 @@ def test_why_a_run_waits_through_the_api(
     held.release()
 
 
+@needs_chromium
+def test_the_pages_why_box_says_where_a_run_waits(
+    run_flower: Callable[..., str], client: redis.Redis, browse: Callable[..., str]
+) -> None:
+    """In a real browser: the page's "why" box, asked through ?why=<task id> (what its form
+    does too), lists the run's place in line and who holds the slots; an unknown id says
+    that no room holds it."""
+    sem = Semaphore(client, limit=1)
+    held = sem.acquire(KEY, metadata={"task_id": "ahead"})
+    assert held is not None
+    sem.room.park(KEY, "first", b"p")
+    sem.room.park(KEY, "behind", b"p")
+    sem.admin.pause(KEY, by="ops")
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    page = browse(with_credentials(base + "/semaphores?why=behind"), "--virtual-time-budget=5000")
+    assert 'data-why="behind"' in page, page[-3000:]
+    text = " ".join(page.split())
+    assert f"{KEY}: parked, 2 of 2 in line, waiting " in text
+    assert "paused by ops; 1 holder(s)." in text
+    page = browse(with_credentials(base + "/semaphores?why=nobody"), "--virtual-time-budget=5000")
+    assert 'class="why-none"' in page
+    assert "No waiting room holds nobody" in page
+    held.release()
+
+
 def test_raising_the_limit_through_the_page_starts_a_parked_run(
     app: Celery, worker: Any, client: redis.Redis, run_flower: Callable[..., str]
 ) -> None:

@@ -23,11 +23,12 @@ class Keys(NamedTuple):
     """Hash: ``limit``, ``set_at`` (ms) and ``by`` of a live limit (set_limit.lua), which
     wins over the callers' limit while it exists."""
     room: str
-    """Sorted set: parked waiter id -> arrival, ms (the waiting room's order)."""
+    """Sorted set: parked waiter id -> its place, ms: its arrival, or its turn (tenant), less
+    its head start (the waiting room's order)."""
     parked: str
-    """Hash: waiter id -> ``<arrival_ms>[#<weight>][@<turn>]|<payload>`` (the weight when
-    above 1; the turn of a waiter with a tenant), and ``!limit`` -> the key's limit
-    (room.lua's ``payload_of``, ``turn_of`` and ``weight_of`` read it)."""
+    """Hash: waiter id -> ``<arrival_ms>[#<weight>][@<place>]|<payload>`` (the weight when
+    above 1; the place of a waiter with a tenant or a head start), and ``!limit`` -> the
+    key's limit (room.lua's ``payload_of``, ``place_of`` and ``weight_of`` read it)."""
     deadlines: str
     """Sorted set: parked waiter id -> when it gives up waiting, ms (waiters with a budget)."""
     blocked: str

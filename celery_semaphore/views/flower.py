@@ -187,7 +187,7 @@ def _routes() -> list[Any]:
         tornado.web.url(r"/semaphores", SemaphoresPage, given, name="semaphores"),
         tornado.web.url(r"/api/semaphores", SemaphoresApi, given),
         tornado.web.url(r"/api/semaphores/waiting", WaitingApi, given),
-        tornado.web.url(r"/api/semaphores/why", WhyApi, given),
+        tornado.web.url(r"/api/semaphores/why", WhyApi, given, name="semaphore_why"),
         tornado.web.url(r"/api/semaphores/limit", LimitApi, given, name="semaphore_limit"),
     ]
 
@@ -308,15 +308,12 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
         self.xsrf_token  # noqa: B018
         namespace = self.get_template_namespace()
         namespace.update(
-            url_prefix=self.application.options.url_prefix,
-            semaphores=found,
-            error=error,
-            seconds=seconds,
-            utc=utc,
-            refresh_ms=int(REFRESH_SECONDS * 1000),
+            url_prefix=self.application.options.url_prefix, semaphores=found, error=error,
+            seconds=seconds, utc=utc, refresh_ms=int(REFRESH_SECONDS * 1000),
             limits_off=refusal(self.application.options, set_limit),
             limit_url=self.reverse_url("semaphore_limit"),
-        )
+            why_url=self.reverse_url("semaphore_why"),
+        )  # fmt: skip
         self.finish(page(self.get_template_path()).generate(**namespace))
 
 

@@ -178,6 +178,17 @@ _PAGE = """{% extends "base.html" %}
   </form>
   {% end %}
   <p class="small mt-2" id="live-limit-message" role="status" aria-live="polite"></p>
+  <section class="card mt-4" id="why-box">
+    <div class="card-header"><h2 class="h6 mb-0">Why is a task waiting?</h2></div>
+    <div class="card-body small">
+      <form id="why-form" class="d-flex flex-wrap gap-2" method="get" action="{{ why_url }}">
+        <input class="form-control form-control-sm font-monospace" style="width: 24rem"
+          name="task_id" id="why-task-id" required placeholder="task id" aria-label="Task id">
+        <button class="btn btn-sm btn-outline-primary" type="submit">Why</button>
+      </form>
+      <ul class="list-unstyled mt-2 mb-0" id="why-answer" role="status" aria-live="polite"></ul>
+    </div>
+  </section>
 </div>
 {% end %}
 {% block extra_scripts %}
@@ -259,6 +270,73 @@ _PAGE = """{% extends "base.html" %}
       .finally(schedule);
   }
   schedule();
+
+  // "Why is it waiting": the answer of /api/semaphores/why, one line per room or key;
+  // ?why=<task id> in the page's address asks on load (a link can point at a run).
+  var whyForm = document.getElementById("why-form");
+  var whyInput = document.getElementById("why-task-id");
+  var whyAnswer = document.getElementById("why-answer");
+  function secs(value) { return value === null ? "?" : value.toFixed(1) + " s"; }
+  function standingText(s) {
+    if (s.state === "holding") { return "holds a slot: its body runs"; }
+    if (s.state === "reserved") {
+      return "a slot is reserved for it; its message is on its way (the reservation waits " +
+        secs(s.reserved_for) + " more)";
+    }
+    if (s.state === "passive") {
+      return "waits for its other keys; this room serves runs behind it meanwhile";
+    }
+    var text = "parked, " + s.position + " of " + s.queued + " in line, waiting " +
+      secs(s.waited);
+    if (s.gives_up_in !== null) { text += "; gives up in " + secs(s.gives_up_in); }
+    return text;
+  }
+  function limitText(s) {
+    var text = "limit " + (s.limit === null ? "?" : s.limit);
+    if (s.live) { text += " (live limit set by " + s.live.by + ")"; }
+    if (s.paused) { text += "; paused by " + s.paused.by; }
+    return text + "; " + s.holders.length + " holder(s)";
+  }
+  function line(text, className) {
+    var item = document.createElement("li");
+    item.textContent = text;
+    if (className) { item.className = className; }
+    whyAnswer.appendChild(item);
+  }
+  function ask(taskId) {
+    whyAnswer.replaceChildren();
+    // Against the origin: a page opened as user:password@host resolves its links with the
+    // credentials in them, which fetch() refuses.
+    var url = new URL(whyForm.getAttribute("action"), window.location.origin);
+    url.searchParams.set("task_id", taskId);
+    fetch(url,
+          {credentials: "same-origin", headers: {"Accept": "application/json"}})
+      .then(function (response) {
+        if (response.ok) { return response.json(); }
+        return response.text().then(function (text) { throw new Error(text); });
+      })
+      .then(function (found) {
+        if (!found.standings.length) {
+          line("No waiting room holds " + taskId + " and it holds no slot: it has not " +
+               "parked yet, or it has finished (see its task page).", "why-none");
+        }
+        found.standings.forEach(function (s) {
+          line(s.key + ": " + standingText(s) + "; " + limitText(s) + ".", "why-" + s.state);
+        });
+        document.body.dataset.why = taskId;
+      })
+      .catch(function (err) { line("Cannot tell: " + err.message, "text-danger"); });
+  }
+  whyForm.addEventListener("submit", function (event) {
+    event.preventDefault();
+    var taskId = whyInput.value.trim();
+    var address = new URL(window.location.href);
+    address.searchParams.set("why", taskId);
+    window.history.replaceState(null, "", address);
+    ask(taskId);
+  });
+  var asked = new URLSearchParams(window.location.search).get("why");
+  if (asked) { whyInput.value = asked; ask(asked); }
 })();
 </script>
 {% end %}
