@@ -13,7 +13,7 @@ import time
 import redis
 from celery import Celery
 
-from celery_semaphore import SemaphoreTask
+from celery_semaphore import Rate, SemaphoreTask
 
 BROKER = os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0")
 STORE = os.environ.get("BENCH_SEMAPHORE_URL", BROKER)
@@ -119,6 +119,32 @@ def urgent(tenant: str, seconds: float) -> str:
 def fair_urgent(tenant: str, seconds: float) -> str:
     """Fair turns and B's head start together."""
     return _turn_body(tenant, seconds)
+
+
+RATE = os.environ.get("BENCH_RATE", "10/s")
+
+
+def _rated_body(n: int, seconds: float, tokens: int = 1) -> int:
+    from celery import current_task
+
+    _client.rpush("bench:starts", f"{time.time()} {tokens} {current_task.request.id}")
+    time.sleep(seconds)
+    return n
+
+
+@app.task(base=SemaphoreTask, semaphore="rated", limit=20, rate=RATE, name="rated")
+def rated(n: int, seconds: float) -> int:
+    """bench_rate.py's task: a start rate (BENCH_RATE) beside a limit of 20."""
+    return _rated_body(n, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="rated_tokens", limit=20, name="rated_tokens",
+          rate=["20/s", Rate("60000/m", name="tokens", burst=300,
+                             units=lambda n, seconds, tokens: tokens)])  # fmt: skip
+def rated_tokens(n: int, seconds: float, tokens: int) -> int:
+    """bench_rate.py's tokens task: 1,000 tokens a second, each run's count its argument, and
+    at most 20 runs a second."""
+    return _rated_body(n, seconds, tokens)
 
 
 @app.task(name="probe")

@@ -49,6 +49,9 @@ SETUPS = {
     "queue, hand-offs first": ("queue", None, 9, {"BENCH_HANDOFF_PRIORITY": "0"}),
     # Without the host's journal of parked runs (a restart of the store then loses them).
     "queue, no journal": ("queue", None, None, {"BENCH_JOURNAL": "0"}),
+    # A reservation its run has not claimed is never given to a run that asks in person
+    # (semaphore_handoff_grace = 0): the order is kept whatever the consumer's delay.
+    "queue, no grace": ("queue", None, None, {"BENCH_HANDOFF_GRACE": "0"}),
     "retry (countdown shedding, defaults)": ("retry", None, None, {}),
     "unbounded, dedicated -c L worker": ("unbounded", "limit", None, {}),
 }

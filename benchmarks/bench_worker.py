@@ -20,13 +20,14 @@ HERE = Path(__file__).resolve().parent
 @contextlib.contextmanager
 def prefork_worker(
     broker_url: str, store_url: str, concurrency: int, pool: str = "prefork",
-    backend_url: str | None = None, queue: str | None = None, **env: str,
+    backend_url: str | None = None, queue: str | None = None, name: str = "bench", **env: str,
 ) -> Iterator[Celery]:  # fmt: skip
     """Start ``celery -A backlog_app worker -P pool -c concurrency`` on ``broker_url`` (also
     its result backend, unless ``backend_url``) with its semaphores on ``store_url``, wait
     until it answers a ping, and yield a client app on the same broker (its ``worker_pid`` is
     the worker's main process). ``queue`` names the queue the tasks go to (a shared broker,
-    RabbitMQ say, may hold other runs' queues); ``env`` adds BENCH_* variables."""
+    RabbitMQ say, may hold other runs' queues); ``name`` is the worker's node name (before
+    the host's); ``env`` adds BENCH_* variables."""
     backend = backend_url or broker_url
     environ = {**os.environ, **env, "BENCH_BROKER_URL": broker_url,
                "BENCH_SEMAPHORE_URL": store_url, "BENCH_BACKEND_URL": backend,
@@ -34,7 +35,7 @@ def prefork_worker(
     if queue:
         environ["BENCH_QUEUE"] = queue
     command = [sys.executable, "-m", "celery", "-A", "backlog_app", "worker", "-P", pool,
-               "-c", str(concurrency), "-n", f"bench@{socket.gethostname()}", "--loglevel=ERROR",
+               "-c", str(concurrency), "-n", f"{name}@{socket.gethostname()}", "--loglevel=ERROR",
                "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
     worker = subprocess.Popen(command, cwd=HERE, env=environ, stdout=subprocess.DEVNULL)
     app = Celery("bench-client", broker=broker_url, backend=backend, set_as_current=False)

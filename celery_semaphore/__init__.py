@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .core import Holder, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
+from .core import Holder, Rate, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
 from .errors import (
     LeaseInterrupted,
     Refusal,
@@ -40,6 +40,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Holder",
     "LeaseInterrupted",
+    "Rate",
     "Refusal",
     "Semaphore",
     "SemaphoreAdmin",

@@ -206,8 +206,10 @@ class Published:
     def __init__(self) -> None:
         self.handoffs: list[tuple[str, str, bytes]] = []
         self.give_ups: list[str] = []
+        self.made: list[Handoff] = []  # the hand-offs themselves (a start rate's delay)
 
     def __call__(self, key: str, handoffs: Sequence[Handoff]) -> None:
+        self.made.extend(h for h in handoffs if not h.give_up)
         self.handoffs.extend((key, h.waiter, h.payload) for h in handoffs if not h.give_up)
         self.give_ups.extend(h.waiter for h in handoffs if h.give_up)
 

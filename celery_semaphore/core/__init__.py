@@ -11,6 +11,7 @@ release and live limits, without a limit), ``handoff`` and ``room`` (the waiting
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import client_from_url
 from .handoff import HandoffRoute
+from .rates import Rate
 from .room import WaitingRoom
 from .semaphore import DEFAULT_LEASE, Semaphore, guard
 from .slot import Slot
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "HandoffRoute",
     "Holder",
+    "Rate",
     "Semaphore",
     "SemaphoreAdmin",
     "Slot",

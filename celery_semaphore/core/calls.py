@@ -17,6 +17,7 @@ from .replies import (
     Full,
     Handoff,
     NotWaiting,
+    ParkAnswer,
     Parked,
     RoomFull,
     parse_acquire,
@@ -197,15 +198,17 @@ def park_call(
     keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, waiter: str,
     arrival_ms: int | None, payload: bytes, claim_ms: int, room_ttl_ms: int, max_queued: int,
     claim_only: bool, deadline_ms: int, grace_ms: int, delivery: str = "", weight: int = 1,
-    tenant: str = "", ahead_ms: int = 0,
-) -> Call[tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]]:  # fmt: skip
+    tenant: str = "", ahead_ms: int = 0, rated: tuple[str, str] = ("", ""),
+) -> Call[tuple[ParkAnswer, list[Handoff]]]:  # fmt: skip
     """Take a slot of the key in arrival order or park ``waiter`` with ``payload`` (park
     mode); or, with ``claim_only``, take the slot a hand-off reserved for it (claim mode).
+    ``rated`` is the key's start rates and the waiter's units (:func:`.rates.rates_argv`).
     See park.lua's contract for each argument; the answer and the hand-offs the call made."""
     args = (
         limit, lease_ms, token, metadata, weight, "claim" if claim_only else "park",
         waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
         max_queued, deadline_ms, grace_ms, delivery, tenant, ahead_ms, payload,
+        *(rated if rated[0] else ()),
     )  # fmt: skip
     parse = functools.partial(parse_park, limit=limit, lease_ms=lease_ms)
     return call_of("park", keys, args, parse)

@@ -28,6 +28,9 @@ class Handoff:
     payload: bytes
     give_up: bool = False
     gather: tuple[str, ...] = ()
+    delay: float = 0.0
+    """Seconds from now until the run may start (a start rate's instant; 0: now): publish
+    it to start then."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,14 @@ class RoomFull:
     """park.lua refused: the room already holds ``queued`` waiters (``max_queued``)."""
 
     queued: int
+
+
+@dataclass(frozen=True)
+class Early:
+    """park.lua in claim mode: the waiter's reservation is for a start rate's instant,
+    ``wait_ms`` from now (its run came early: its clock is ahead of the server's)."""
+
+    wait_ms: int
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,10 @@ def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
         waiter, payload = _text(reply[i]), reply[i + 1]
         if waiter.startswith("!"):
             found.append(Handoff(waiter[1:], b"", gather=tuple(json.loads(payload))))
+        elif waiter.startswith(">"):  # ">" <ms from now> "|" <waiter>: a start rate's instant
+            delay, _, waiter = waiter[1:].partition("|")
+            payload = payload if isinstance(payload, bytes) else str(payload).encode()
+            found.append(Handoff(waiter, payload, give_up, delay=int(delay) / 1000))
         else:
             payload = payload if isinstance(payload, bytes) else str(payload).encode()
             found.append(Handoff(waiter, payload, give_up))
@@ -162,16 +177,18 @@ def parse_gather(reply: Any) -> list[Handoff]:
     return _handoffs(reply, 0)
 
 
-def parse_park(
-    reply: Any, limit: int, lease_ms: int
-) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
+ParkAnswer = Admitted | Parked | RoomFull | NotWaiting | Declined | Early
+"""What park.lua answers about the waiter (see :func:`parse_park`)."""
+
+
+def parse_park(reply: Any, limit: int, lease_ms: int) -> tuple[ParkAnswer, list[Handoff]]:
     """park.lua's reply, for a call that gave ``limit`` and ``lease_ms``: what became of
     the waiter, and the hand-offs (a bare ``now_ms``: a new slot on a key with no room, and
     none)."""
     if isinstance(reply, int):
         return Admitted(reply + lease_ms, reply, limit, roomless=True), []
     status, value, now_ms, limit = (int(v) for v in reply[:4])
-    result: Admitted | Parked | RoomFull | NotWaiting | Declined
+    result: ParkAnswer
     if status in (1, 2):
         result = Admitted(value, now_ms, limit, roomless=status == 2)
     elif status == -3:
@@ -180,6 +197,8 @@ def parse_park(
         result = Parked(value, now_ms, limit)
     elif status == -1:
         result = RoomFull(value)
+    elif status == -4:
+        result = Early(value)
     else:
         result = NotWaiting(again=value == 1, recorded=value != 2)
     return result, _handoffs(reply, 4)

@@ -30,8 +30,9 @@ from .options import (
     park_args,
 )
 from .process import new_token
+from .rates import RateSpec, rated
 from .recovery import recovering
-from .replies import Admitted, Declined, NotWaiting, Parked, RoomFull, Waiter
+from .replies import Admitted, Declined, Early, NotWaiting, Parked, RoomFull, Waiter
 from .room_index import RoomIndex, give_up_ms
 from .room_sweeps import sweep_rooms
 from .scripts import Scripts, backend_errors
@@ -41,7 +42,8 @@ from .tracing import acquire_span
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds a room outlives its last touch (a park, claim, release into it, sweep)."""
 # The ``semaphore.outcome`` of a park or claim's span (see .tracing).
-OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none"}
+OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none",
+            Early: "early"}  # fmt: skip
 ROOMS_KEPT = 4096  # keys a room remembers as having waiters (then it forgets them all)
 
 
@@ -94,6 +96,8 @@ class WaitingRoom:
         weight: int = 1,
         tenant: str = "",
         head_start: float = 0.0,
+        rates: RateSpec = None,
+        units: Mapping[str, int] | None = None,
         arrival: float | None = None,
         lease: float | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -106,10 +110,9 @@ class WaitingRoom:
         """Take a slot of ``key`` in arrival order, or park ``waiter`` in its waiting room.
 
         The waiter joins the room first, so a free slot goes to it only when no older waiter
-        is parked. Parked, it waits for a release to hand it a slot: the releasing process
-        reserves the slot for it and passes ``payload`` to the hand-off route's publisher,
-        which starts the waiter's run again; that run calls :meth:`claim`. Parking a waiter
-        that is already parked keeps its first arrival and replaces its payload.
+        is parked. A release that frees a slot reserves it for the oldest waiter and passes
+        its ``payload`` to the hand-off route's publisher, whose run calls :meth:`claim`. A
+        waiter parked again keeps its first arrival, and gets the new payload.
 
         Args:
             key (str): the semaphore's key.
@@ -129,6 +132,9 @@ class WaitingRoom:
             head_start (float): its priority: seconds (0 to a day) it parks ahead of its
                 arrival or turn, passing waiters that came less than that before it, never
                 an older one. A re-park keeps its place.
+            rates (RateSpec): the key's start rates (see :mod:`.rates`): the waiter
+                starts only when every rate allows it, handed a slot for that instant.
+            units (Mapping[str, int] | None): its units of each rate (default: the rate's).
             arrival (float | None): epoch seconds when the waiter first asked, by the
                 caller's clock; None: now, by the server's.
             lease (float | None): lease of a slot taken now; None: the room's.
@@ -154,8 +160,9 @@ class WaitingRoom:
         """
         result = self._one(key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
                            False, deadline_ms(deadline, budget), "", limit, weight,
-                           (tenant, check.head_start_ms(head_start)), waited)  # fmt: skip
-        assert not isinstance(result, NotWaiting)
+                           (tenant, check.head_start_ms(head_start),
+                            rated(rates, units)), waited)  # fmt: skip
+        assert not isinstance(result, (NotWaiting, Early))
         return result
 
     def claim(
@@ -188,17 +195,20 @@ class WaitingRoom:
         Errors as :meth:`park`.
         """
         check_delivery(delivery)
-        result = self._one(key, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
-                           delivery, limit, weight, ("", 0), None)  # fmt: skip
-        assert not isinstance(result, RoomFull)
-        return result
+        while True:  # a run that came early for a start rate's instant waits for it
+            result = self._one(key, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
+                               delivery, limit, weight, ("", 0, ("", "")), None)  # fmt: skip
+            if not isinstance(result, Early):
+                assert not isinstance(result, RoomFull)
+                return result
+            time.sleep(result.wait_ms / 1000)
 
     def _one(
         self, key: str, waiter: str, payload: bytes | Callable[[], bytes], arrival: float | None,
         lease: float | None, metadata: Mapping[str, Any] | None, max_queued: int,
         room_ttl: float, claim_only: bool, deadline: int, delivery: str, limit: int | None,
-        weight: int, turn: tuple[str, int], waited: float | None,
-    ) -> Slot | Parked | RoomFull | NotWaiting:  # fmt: skip
+        weight: int, turn: tuple[str, int, tuple[str, str]], waited: float | None,
+    ) -> Slot | Parked | RoomFull | NotWaiting | Early:  # fmt: skip
         key = check.check_key(key)
         make = payload if callable(payload) else None
         check_waiter(waiter, b"" if make is not None else payload)
@@ -217,7 +227,7 @@ class WaitingRoom:
             backend_errors(key, limit),
             recovering(self._scripts, keys, key, token, self.handoffs),
         ):
-            if make is not None and key not in self._rooms:
+            if make is not None and key not in self._rooms and not turn[2][0]:
                 sent_at = time.monotonic()
                 taken = self._scripts.take(keys, limit, ms, token, info, weight)
                 if isinstance(taken, Admitted):
@@ -396,9 +406,7 @@ class WaitingRoom:
         keys = self.names.keys_of(check.check_key(key))
         with backend_errors(key):
             now_ms, count, rows = self._scripts.waiting(keys, last)
-        return count, [
-            Waiter(waiter, arrival / 1000, (now_ms - arrival) / 1000) for waiter, arrival in rows
-        ]
+        return count, [Waiter(w, arrival / 1000, (now_ms - arrival) / 1000) for w, arrival in rows]
 
     def _slot(self, keys: Keys, key: str, limit: int, token: str, lease: float,
               admitted: Admitted, sent_at: float, weight: int) -> Slot:  # fmt: skip
@@ -407,9 +415,6 @@ class WaitingRoom:
 
     def _saw_waiters(self, key: str, waiters: bool) -> None:
         # A take of a key remembered with waiters is not tried: it would find them.
-        if not waiters:
-            self._rooms.discard(key)
-            return
-        if len(self._rooms) >= ROOMS_KEPT:
+        if waiters and len(self._rooms) >= ROOMS_KEPT:
             self._rooms.clear()
-        self._rooms.add(key)
+        (self._rooms.add if waiters else self._rooms.discard)(key)

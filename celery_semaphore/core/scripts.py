@@ -35,6 +35,7 @@ from .replies import (
     Full,
     Handoff,
     NotWaiting,
+    ParkAnswer,
     Parked,
     RoomFull,
     parse_acquire,
@@ -58,15 +59,22 @@ _MANY = ("park_many", "gather")
 room.lua's at their top."""
 
 
+_RATES = _ROOM
+"""Scripts that take slots under start rates (``lua/rates.lua``, at their top): the room's,
+whose hand-offs give a run its start."""
+
+
 def _source(name: str) -> str:
     text = _lua(name)
-    if name not in _ROOM:
-        return text
-    if _ROOM_MARK in text:
-        return text.replace(_ROOM_MARK, _lua("room"))
-    if name in _MANY:
-        return _lua("room") + "\n" + _lua("many") + "\n" + text
-    return _lua("room") + "\n" + text
+    if name in _ROOM:
+        if _ROOM_MARK in text:
+            text = text.replace(_ROOM_MARK, _lua("room"))
+        elif name in _MANY:
+            text = _lua("room") + "\n" + _lua("many") + "\n" + text
+        else:
+            text = _lua("room") + "\n" + text
+    # Above everything, room.lua included: its hand-offs take rates too.
+    return _lua("rates") + "\n" + text if name in _RATES else text
 
 
 _SOURCES = {name: _source(name) for name in SCRIPT_KEYS}
@@ -286,12 +294,13 @@ class Scripts:
         weight: int = 1,
         tenant: str = "",
         ahead_ms: int = 0,
-    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting | Declined, list[Handoff]]:
+        rated: tuple[str, str] = ("", ""),
+    ) -> tuple[ParkAnswer, list[Handoff]]:
         """Take a slot in arrival order or park (see :func:`~.calls.park_call`)."""
         return self.run(calls.park_call(
             keys, limit, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
             room_ttl_ms, max_queued, claim_only, deadline_ms, grace_ms, delivery, weight, tenant,
-            ahead_ms,
+            ahead_ms, rated,
         ))  # fmt: skip
 
     def take(

@@ -4,10 +4,11 @@ all at once; and taking it from a :class:`Semaphore` outside the waiting room.""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..core.group import SlotGroup
+from ..core.rates import Rate, units_from
 from ..core.semaphore import Semaphore
 from ..core.slot import Slot
 from .keys import KeySet, KeyTemplate
@@ -22,7 +23,8 @@ class Ask(NamedTuple):
     lines), ``limit`` and ``weight`` (the first key's), ``many``, the ``(key, limit,
     weight)`` of each key when the run holds several, else None; and its place in the
     waiting room: ``tenant``, its tenant for fair turns ("" for none), and ``head_start``,
-    seconds it parks ahead of its arrival."""
+    seconds it parks ahead of its arrival; ``units``, its units of each start rate whose
+    units a callable computes (None: each rate's fixed units)."""
 
     key: str
     limit: int
@@ -30,6 +32,7 @@ class Ask(NamedTuple):
     many: list[tuple[str, int, int]] | None = None
     tenant: str = ""
     head_start: float = 0.0
+    units: Mapping[str, int] | None = None
 
     @property
     def keys(self) -> list[str]:
@@ -45,6 +48,7 @@ def ask_for(
     kwargs: Mapping[str, Any],
     fair: KeyTemplate | None = None,
     head_start: HeadStartSpec | None = None,
+    rates: Sequence[Rate] = (),
 ) -> Ask:
     """The ask of a run with these arguments: each key rendered, its limit and the run's
     weight computed.
@@ -65,7 +69,9 @@ def ask_for(
     limit = limits.for_call(key, args, kwargs)
     tenant = "" if fair is None else fair.render(args, kwargs)
     ahead = 0.0 if head_start is None else head_start.for_call(args, kwargs)
-    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, tenant, ahead)
+    units = units_from(rates, args, kwargs) if any(callable(r.units) for r in rates) else None
+    return Ask(key, limit, weights.for_call(key, limit, args, kwargs), None, tenant, ahead,
+               units)  # fmt: skip
 
 
 def take(

@@ -84,7 +84,7 @@ def bounded(
         **options: policy options (``lease``, ``heartbeat``, ``on_full``, ``wait_timeout``,
             ``queue_timeout``, ``claim_timeout``, ``handoff_grace``, ``max_queued``,
             ``on_lease_lost``, ``shed_countdown``, ``shed_backoff``, ``shed_max_countdown``,
-            ``shed_max_retries``, ``shed_timeout``, ``interrupt``); see
+            ``shed_max_retries``, ``shed_timeout``, ``interrupt``, ``rate``); see
             :class:`celery_semaphore.integration.policy.Policy`.
 
     Returns:

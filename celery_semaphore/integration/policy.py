@@ -8,6 +8,7 @@ default; see :mod:`celery_semaphore.integration.settings` for the table), and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from typing import Any
 
 from ..core import validation as check
 from ..core.handoff import DEFAULT_HANDOFF_GRACE
+from ..core.rates import Rate, rates_of
 from ..core.semaphore import DEFAULT_LEASE
 from ..errors import SemaphoreValidationError
 
@@ -73,6 +75,10 @@ class Policy:
             order.
         wait_timeout (float): with ``"wait"``: seconds a run waits in the worker before
             it parks (after the ``wait_timeout`` of Sidekiq Enterprise's concurrent limiter).
+        rate (RateSpec): with ``"queue"`` or ``"wait"``: the key's start rate or rates,
+            fleet-wide (``"500/m"``, a :class:`~celery_semaphore.core.rates.Rate`, or a list
+            of them); a run starts only when every rate allows it, and waits in the room
+            until then. None: no rate.
     """
 
     lease: float = DEFAULT_LEASE
@@ -90,6 +96,7 @@ class Policy:
     handoff_grace: float = DEFAULT_HANDOFF_GRACE
     wait_timeout: float = 5.0
     queue_timeout: float | None = None
+    rate: Any = None
 
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
@@ -111,6 +118,16 @@ class Policy:
         check.check_delay(self.wait_timeout, "wait_timeout")
         if self.queue_timeout is not None:
             check.check_delay(self.queue_timeout, "queue_timeout")
+        if self.rates and not self.parks:
+            raise SemaphoreValidationError(
+                f"rate needs the waiting room, where a run waits for its start: "
+                f"on_full='queue' or 'wait', not {self.on_full!r}"
+            )
+
+    @functools.cached_property
+    def rates(self) -> tuple[Rate, ...]:
+        """The rates of the ``rate`` option, checked (see :func:`.rates.rates_of`)."""
+        return rates_of(self.rate)
 
     def with_options(self, options: Mapping[str, Any]) -> Policy:
         """A copy with ``options`` (task options; None values ignored) applied and checked."""

@@ -140,7 +140,8 @@ class Runner:
             self.template = KeyTemplate(semaphore, fn)
             self.limits = None if limit is None else LimitSpec(limit)
         self.weights = WeightSpec(weight)
-        for name, value in (("fair_by", fair_by), ("head_start", head_start)):
+        for name, value in (("fair_by", fair_by), ("head_start", head_start),
+                            ("rate", options.get("rate"))):  # fmt: skip
             if value is not None and isinstance(self.template, KeySet):
                 raise SemaphoreValidationError(f"{name} takes one key; give one semaphore key")
         self.fair = None if fair_by is None else KeyTemplate(fair_by, fn)
@@ -347,7 +348,7 @@ class Runner:
         waiter), then fails: it is not handed a slot again."""
         try:
             return ask_for(self.template, bound.limits, self.weights, args, kwargs, self.fair,
-                           self.head_start)  # fmt: skip
+                           self.head_start, bound.policy.rates)  # fmt: skip
         except Exception:
             if is_handoff(task.request):
                 with contextlib.suppress(SemaphoreBackendError):

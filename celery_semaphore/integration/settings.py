@@ -33,6 +33,7 @@ task option              app setting                  default    meaning
 ``shed_timeout``         ``semaphore_shed_timeout``   None       seconds shed, then fail
 ``queue_timeout``        ``semaphore_queue_timeout``  None       seconds parked, then fail
 ``interrupt``            ``semaphore_interrupt``      False      stop the body on lease loss
+``rate``                 ``semaphore_rate``           None       starts per s/m/h/d, fleet-wide
 ======================== ============================ ========== ==========================
 
 ``semaphore_url`` defaults to Celery's broker when that is Redis, else its result backend when

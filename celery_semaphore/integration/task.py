@@ -24,6 +24,7 @@ from typing import Any, ClassVar, NoReturn
 from celery import Celery, Task
 
 from ..core import validation as check
+from ..core.rates import RateSpec
 from ..errors import SemaphoreValidationError
 from .policy import OPTION_NAMES, POLICY_FIELDS
 from .runner import Runner, run_function
@@ -55,7 +56,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             never an older one, so low priorities are delayed, never starved. Default 0.
         lease, heartbeat, on_full, wait_timeout, queue_timeout, claim_timeout, handoff_grace,
         max_queued, on_lease_lost, shed_countdown, shed_backoff, shed_max_countdown,
-        shed_max_retries, shed_timeout, interrupt: see
+        shed_max_retries, shed_timeout, interrupt, rate: see
             :class:`celery_semaphore.integration.policy.Policy`; None falls back to the app's
             ``semaphore_*`` setting, then to the default.
 
@@ -84,6 +85,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     handoff_grace: ClassVar[float | None] = None
     wait_timeout: ClassVar[float | None] = None
     queue_timeout: ClassVar[float | None] = None
+    rate: ClassVar[RateSpec] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:

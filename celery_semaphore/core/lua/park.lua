@@ -37,6 +37,9 @@
 --                       group's next turn is not moved)
 -- ARGV[17] payload      what to hand to whoever publishes it (opaque), or "" to keep the
 --                       parked one
+-- ARGV[18] rates        the key's start rates, "<name> <interval_ms> <burst> ..." ("" or
+--                       absent: none; see rates.lua), recorded as the room's "!rates"
+-- ARGV[19] units        the waiter's units of each rate that are not 1, "<name>=<u>,..."
 --
 -- Returns now_ms                                            the key had no room and the
 --                                                     waiter took a new slot under ARGV[1]
@@ -54,6 +57,9 @@
 --         {-3, 0, 0, 0}                                      take mode: the key has a room, or no
 --                                                     free slot, or the token is there
 --                                                     already; nothing was done
+--         {-4, wait_ms, now_ms, limit}                       claim mode: the reservation starts
+--                                                     wait_ms from now (a start rate's
+--                                                     instant, which this run came early for)
 -- limit is the one that applied; hand-offs are {waiter, payload} pairs for slots freed here
 -- and reserved for older waiters; the caller publishes them.
 --
@@ -72,13 +78,22 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 -- even defined on this path. The take mode goes no further: a caller that finds a free slot
 -- there has not made or sent the payload it would park with.
 local mode = ARGV[6]
+-- The key's start rates, and this waiter's units of each (rates.lua).
+local rate_list, units = {}, {}
+for item in string.gmatch(ARGV[18] or '', '%S+') do rate_list[#rate_list + 1] = item end
+for name, u in string.gmatch(ARGV[19] or '', '([%w_]+)=(%d+)') do units[name] = tonumber(u) end
 if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
   local set = redis.call('HMGET', limits, 'limit', 'paused_at')  -- paused: 0
   local limit = set[2] and 0 or tonumber(set[1]) or given
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local rates = #rate_list > 0 and rates_read(limits, rate_list, 1, #rate_list / 3, 3)
+  if rates and rates_start(rates, units, now) > now then
+    limit = 0  -- not yet: the waiter parks, and the room hands it its start
+  end
   if redis.call('ZCARD', slots) + weight <= limit
       and redis.call('ZADD', slots, 'NX', now + lease_ms, token) == 1 then
+    if rates then rates_take(limits, rates, units, now, now) end
     for i = 2, weight do redis.call('ZADD', slots, now + lease_ms, token .. '#' .. i) end
     redis.call('HSET', holders, token, now .. '|' .. metadata)
     -- Twice the lease when below one, as acquire.lua does: a PEXPIRE about once a lease.
@@ -142,6 +157,11 @@ end
 local mine = redis.call('ZSCORE', slots, token)
 if mine then return {1, tonumber(mine), now, limit} end
 if redis.call('ZSCORE', slots, '~' .. waiter) then
+  -- A reservation for a start rate's instant: a run that came early (its worker's clock
+  -- ahead of this server's) waits for it.
+  local start = tonumber(string.match(redis.call('HGET', holders, '~' .. waiter) or '',
+    '"start":(%d+)'))
+  if start and start > now then return {-4, start - now, now, limit} end
   local claimed = {1, take('~' .. waiter, nil), now, limit}
   -- The last run of a drained room: the room goes now, not at its next sweep.
   room_close_if_empty(room, parked, deadlines)
@@ -189,8 +209,14 @@ if group ~= '' or turned or (ahead_ms > 0 and not known) then
   end
   tag = tag .. '@' .. place
 end
+if (ARGV[19] or '') ~= '' then tag = tag .. 'r' .. ARGV[19] end
 redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given,
   '!ttl', room_ttl_ms)
+if #rate_list > 0 then
+  redis.call('HSET', parked, '!rates', ARGV[18])
+elseif mode == 'park' then
+  redis.call('HDEL', parked, '!rates')
+end
 redis.call('ZADD', room, place, waiter)
 if deadline_ms > 0 and not known then redis.call('ZADD', deadlines, deadline_ms, waiter) end
 
@@ -229,7 +255,8 @@ if reply[1] == 0 and grace_ms > 0 then
     end
   end
 end
-if reply[1] == 0 then reply[2] = redis.call('ZRANK', room, waiter) end
+-- A waiter handed a start in the future has left the line: it is next.
+if reply[1] == 0 then reply[2] = redis.call('ZRANK', room, waiter) or 0 end
 for _, value in ipairs(others) do reply[#reply + 1] = value end
 room_keep(room, parked, deadlines, room_ttl_ms)
 return reply

@@ -12,10 +12,12 @@
 --            operator paused the key, "paused_by" -> who: while paused, the limit that
 --            applies is 0 (set_limit.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
---   parked   hash: waiter id -> "<arrival_ms>[#<weight>][@<turn>]|<payload>" (a weight above
---            1; the turn of a waiter parked with a tenant, which is its place in
---            the room instead of its arrival), plus "!limit" -> the limit the last parking
---            caller gave (a live limit, when set, overrides it), "!g:<tenant>" -> the
+--   parked   hash: waiter id -> "<arrival_ms>[#<weight>][@<place>][r<units>]|<payload>" (a
+--            weight above 1; the place of a waiter parked with a tenant or a head start,
+--            when not its arrival; its units of each rate that are not 1, "<name>=<u>,..."),
+--            plus "!limit" -> the limit the last parking caller gave (a live limit, when
+--            set, overrides it), "!rates" -> the start rates it gave (see rates.lua),
+--            "!g:<tenant>" -> the
 --            last turn given to a tenant, "!ttl" -> how long the room outlives its
 --            last touch (ms, room_keep), "!scan" -> where sweep.lua's backstop scan
 --            stands, "!claim" -> the shortest claim lease (ms) a reservation of the room
@@ -75,9 +77,9 @@ local function arrival_of(parked, waiter)
   return tonumber(string.match(entry, '^(%d+)'))
 end
 
--- The payload of a parked entry "<arrival_ms>[#<weight>][@<turn>]|<payload>".
+-- The payload of a parked entry "<arrival_ms>[#<weight>][@<place>][r<units>]|<payload>".
 local function payload_of(entry)
-  return string.sub(entry, string.len(string.match(entry, '^[%d#@]+|')) + 1)
+  return string.sub(entry, string.len(string.match(entry, '^[^|]*|')) + 1)
 end
 
 -- Where a parked waiter stands in the room: its fair turn, else its arrival (nil: unknown).
@@ -197,10 +199,17 @@ end
 -- Reserve free slots for the oldest waiters, in strict order: a head whose weight does not
 -- fit waits, and nobody behind it is served first. Append {waiter, payload} pairs to out,
 -- or {"!<waiter>", keys} for a waiter that needs several keys (see the top of this file).
+--
+-- Under start rates ("!rates"), each reservation also takes its waiter's units of every
+-- rate, for the first instant the rates allow (rates.lua): a start in the future is
+-- reserved until then plus the claim lease, recorded as the reservation's "start", and
+-- answered as {">" .. <ms from now> .. "|" .. <waiter>, payload}, for the caller to
+-- publish to start that much later. A waiter of several keys is not held to rates.
 local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
                              out)
   if claim_ms <= 0 then return end
   local made = false
+  local rates = room_rates(slots, parked)
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end
@@ -209,13 +218,24 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
     if entry then
       local weight = weight_of(entry)
       if redis.call('ZCARD', slots) + weight > limit then break end
-      room_reserve(slots, deadlines, parked, waiter, weight, now + claim_ms)
+      local keys = redis.call('HGET', parked, '!m:' .. waiter)
+      local start = now
+      if rates and not keys then
+        local units = rate_units_of(entry)
+        start = rates_start(rates, units, now)
+        rates_take(slots .. ':limits', rates, units, start, now)
+      end
+      room_reserve(slots, deadlines, parked, waiter, weight, start + claim_ms)
       local record = {reserved_for = waiter, limit = limit}
       if weight > 1 then record.weight = weight end
-      local keys = redis.call('HGET', parked, '!m:' .. waiter)
       if keys then record.waiting = true end
+      if start > now then record.start = start end
       redis.call('HSET', holders, '~' .. waiter, now .. "|" .. cjson.encode(record))
-      out[#out + 1] = keys and ('!' .. waiter) or waiter
+      local name = waiter
+      if keys then name = '!' .. waiter elseif start > now then
+        name = '>' .. (start - now) .. '|' .. waiter
+      end
+      out[#out + 1] = name
       out[#out + 1] = keys or payload_of(entry)
       made = true
     end

@@ -16,8 +16,9 @@
 --
 -- Lowering a limit, or pausing, evicts nobody: holders keep their slots (and renew them),
 -- and new ones are refused until the key is under the limit that applies, which is 0 while
--- it is paused. The limits hash has no TTL: an operator's setting stays until it is
--- cleared; a change of the limit leaves a pause alone, and the other way round.
+-- it is paused. The limits hash has no TTL while it holds an operator's setting, which stays
+-- until it is cleared (start rates' state alone expires: rates.lua); a change of the limit
+-- leaves a pause alone, and the other way round.
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local blocked, wake = KEYS[7], KEYS[8]
 local claim_ms, pause = tonumber(ARGV[3]), ARGV[4] or ''
@@ -35,6 +36,7 @@ if pause == '1' then
 elseif pause == '0' then
   redis.call('HDEL', limits, 'paused_at', 'paused_by')
 end
+rates_keep(limits, now)  -- no TTL while an operator's setting stands
 
 local reply = {tonumber(before[1]) or 0, now, before[2] and 1 or 0}
 local limit = room_limit(limits, parked)

@@ -87,6 +87,9 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             if priority is not None:
                 signature.options["priority"] = priority
+            if handoff.delay > 0:  # a start rate's instant: the worker holds it until then
+                signature.options.pop("eta", None)
+                signature.options["countdown"] = handoff.delay
             lane = headers.get(HANDOFF_QUEUE_HEADER)
             if handoff_queues and isinstance(lane, str):
                 signature.options["queue"] = handoff_queue(app, lane)

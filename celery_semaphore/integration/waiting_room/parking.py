@@ -174,7 +174,8 @@ def park_or_take(
         # full key already, asked, and would only pay one more round trip for the try).
         result = semaphore.room.park(
             key, request.id, payload if asked is None else payload(), limit=limit,
-            weight=weight, tenant=ask.tenant, head_start=ask.head_start, **options,
+            weight=weight, tenant=ask.tenant, head_start=ask.head_start, rates=policy.rates,
+            units=ask.units, **options,
         )  # fmt: skip
     if not isinstance(result, Parked) and (made or HANDOFF_HEADER in marks):
         forget(task.app, task.request.id)  # journaled to park, or parked before: not waiting

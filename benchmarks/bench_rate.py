@@ -1,0 +1,116 @@
+"""A fleet-wide start rate: a burst of runs through several workers, held to the rate.
+
+    python benchmarks/bench_rate.py [--runs 1000] [--workers 4] [--concurrency 4]
+                                    [--duration 0.05] [--setups requests tokens]
+
+Private redis-servers (broker and store); ``--workers`` prefork workers of ``backlog_app``
+(``-c concurrency`` each) share one key with a limit of 20. Each body records its start
+(``time.time()``, the same clock as the Redis server's on this machine) and its units
+outside the library. Two setups:
+
+* **requests**: ``rate="10/s"`` (burst 1): one start every 100 ms;
+* **tokens**: ``rate=["20/s", Rate("60000/m", name="tokens", burst=300, units=...)]``, each
+  run's tokens drawn from 50 to 150 (its argument): 1,000 tokens a second, and never more
+  than 20 runs a second.
+
+Reported, per setup (issue 25's targets): the most units started in any 1 s window against
+the rate plus the burst; the units started per second over the 30 s from 10 s after the
+first start, against the rate (within 5 %); and how late each start came after the instant
+its token fell due (median and p95, ms), the k-th due instant being the first start plus
+the units before it at the rate, which holds while runs wait for the rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import statistics
+import sys
+from typing import Any
+
+from bench_worker import prefork_worker
+from rich.console import Console
+from rich.table import Table
+
+from celery_semaphore.testing import RedisServer
+
+SETUPS = {
+    # name: (task, units per second, burst, the runs' token counts or None)
+    "requests: 10/s": ("rated", 10.0, 1, None),
+    "tokens: 60000/m, burst 300": ("rated_tokens", 1000.0, 300, (50, 150)),
+}
+
+
+def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    task, per_second, burst, tokens = SETUPS[name]
+    rng = random.Random(7)
+    with contextlib.ExitStack() as stack:
+        broker = stack.enter_context(RedisServer())
+        store = stack.enter_context(RedisServer())
+        apps = [stack.enter_context(prefork_worker(broker.url, store.url, args.concurrency,
+                                                   name=f"rate{i}"))
+                for i in range(args.workers)]  # fmt: skip
+        app, client = apps[0], store.client()
+        sent = []
+        for n in range(args.runs):
+            extra = (rng.randint(*tokens),) if tokens else ()
+            sent.append(app.send_task(task, (n, args.duration, *extra)))
+        for result in sent:
+            result.get(timeout=args.runs / per_second * 200 + 600)
+        records = [raw.decode().split() for raw in client.lrange("bench:starts", 0, -1)]
+        rows = sorted((float(at), int(units)) for at, units, _ in records)
+        client.close()
+    starts = [at for at, _ in rows]
+    units = [u for _, u in rows]
+    window = max(
+        sum(u for at, u in rows if t <= at < t + 1.0) for t in starts
+    )  # the busiest second, starting at a start
+    first = starts[0]
+    steady = sum(u for at, u in rows if first + 10 <= at < first + 40) / 30
+    late, before = [], 0
+    interval = 1.0 / per_second
+    for at, u in rows:
+        due = first + max(0, before + u - burst) * interval
+        late.append((at - due) * 1000)
+        before += u
+    return {
+        "busiest_second": window,
+        "bound": per_second + burst,
+        "steady": steady,
+        "rate": per_second,
+        "late_median": statistics.median(late),
+        "late_p95": statistics.quantiles(late, n=20)[-1],
+        "runs": len(rows),
+        "units": sum(units),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--duration", type=float, default=0.05)
+    parser.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS))
+    args = parser.parse_args()
+    table = Table(
+        title=f"{args.runs} runs, {args.workers} prefork workers -c {args.concurrency}, limit 20,"
+        f" bodies of {args.duration}s; units are runs (requests) or tokens"
+    )
+    for column in ("setup", "busiest second", "rate + burst", "steady 30 s, per s",
+                   "off the rate", "start after due: median, p95 ms", "runs"):  # fmt: skip
+        table.add_column(column)
+    for name in args.setups:
+        found = run(name, args)
+        print(f"{name}: {found}", file=sys.stderr, flush=True)
+        off = found["steady"] / found["rate"] - 1
+        table.add_row(name, str(found["busiest_second"]), f"{found['bound']:g}",
+                      f"{found['steady']:.1f}", f"{off:+.1%}",
+                      f"{found['late_median']:.0f}, {found['late_p95']:.0f}",
+                      str(found["runs"]))  # fmt: skip
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

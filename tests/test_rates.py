@@ -1,0 +1,173 @@
+"""Start rates, on a real Redis: the waiting room hands each run its slot for the instant its
+rates allow (GCRA on the server's clock), the run's message is published to start then, and
+a run that comes early waits for it; bad rates are refused before anything is written."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import Semaphore, SemaphoreTask, SemaphoreValidationError, Slot
+from celery_semaphore.core.names import redis_keys
+from celery_semaphore.core.rates import Rate
+from celery_semaphore.integration.waiting_room.handoffs import publisher_for
+from celery_semaphore.testing import RedisServer
+
+from . import history
+from .helpers import Published
+from .history import BODIES, History
+
+
+def _park_five(url: str, rates: object) -> list[float]:
+    """Park five waiters of "k" (limit 5) one after another; the first takes a slot (its
+    rate allows it); the delays the others' hand-offs were published with, in order."""
+    published = Published()
+    sem = Semaphore(url, limit=5, on_handoff=published)
+    first = sem.room.park("k", "w0", b"p", rates=rates)  # type: ignore[arg-type]
+    for n in range(1, 5):
+        sem.room.park("k", f"w{n}", b"p", rates=rates)  # type: ignore[arg-type]
+    assert isinstance(first, Slot)
+    sem.client.close()
+    return [h.delay for h in published.made]
+
+
+def test_a_rate_spaces_the_starts_it_hands_out(redis_server: RedisServer) -> None:
+    delays = _park_five(redis_server.url, "10/s")
+    # One start every 100 ms: each run is handed its slot for its own instant, 100 ms after
+    # the one before, though every slot but one is free.
+    assert len(delays) == 4
+    assert delays == sorted(delays)
+    assert 0.05 < delays[0] <= 0.1
+    assert all(0.05 < b - a < 0.15 for a, b in itertools.pairwise(delays)), delays
+
+
+def test_a_burst_starts_at_once_then_the_rate_spaces_the_rest(redis_server: RedisServer) -> None:
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=published)
+    burst = Rate("10/s", burst=3)
+    taken = [sem.room.park("k", f"w{n}", b"p", rates=burst) for n in range(5)]
+    assert [isinstance(t, Slot) for t in taken] == [True, True, True, False, False]
+    # Three at once drain the bucket: the fourth waits one interval, the fifth two.
+    delays = [h.delay for h in published.made]
+    assert [h.waiter for h in published.made] == ["w3", "w4"]
+    assert 0.05 < delays[0] <= 0.1 < delays[1] <= 0.2, delays
+    sem.client.close()
+
+
+def test_units_of_a_tokens_rate_come_from_the_run(redis_server: RedisServer) -> None:
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=published)
+    tokens = Rate("100/s", name="tokens", burst=50)
+    assert isinstance(sem.room.park("k", "big", b"p", rates=tokens, units={"tokens": 50}), Slot)
+    sem.room.park("k", "small", b"p", rates=tokens, units={"tokens": 5})
+    # 50 tokens drained the bucket of 50: 5 more come back in 50 ms at 100/s.
+    (handoff,) = published.made
+    assert 0.02 < handoff.delay <= 0.05, handoff
+    sem.client.close()
+
+
+def test_a_run_that_comes_early_waits_for_its_instant(redis_server: RedisServer) -> None:
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=published)
+    sem.room.park("k", "w0", b"p", rates="4/s")
+    sem.room.park("k", "w1", b"p", rates="4/s")
+    (handoff,) = published.made
+    assert handoff.delay > 0.15
+    started = time.monotonic()
+    slot = sem.room.claim("k", "w1")  # at once, not at its instant: it waits there
+    assert isinstance(slot, Slot)
+    assert time.monotonic() - started > handoff.delay - 0.05
+    sem.client.close()
+
+
+@pytest.mark.parametrize(
+    ("rates", "units", "message"),
+    [
+        ("500/x", None, "like '10/s'"),
+        ("0/m", None, "more than nothing"),
+        (-5, None, "more than nothing"),
+        ([Rate("10/s"), "20/s"], None, "name of its own"),
+        (Rate("10/s", name="tokens", burst=50), {"tokens": 60}, "from 1 to the burst"),
+        ("10/s", {"tokens": 5}, "units for no rate"),
+        (None, {"tokens": 5}, "units given for no rate"),
+    ],
+    ids=repr,
+)
+def test_a_bad_rate_is_refused_before_anything_is_written(
+    redis_server: RedisServer, rates: object, units: object, message: str
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    sem = Semaphore(client, limit=1)
+    with pytest.raises(SemaphoreValidationError, match=message):
+        sem.room.park("k", "w", b"p", rates=rates, units=units)  # type: ignore[arg-type]
+    assert client.keys("*") == []
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"burst": -1}, {"burst": 0}, {"burst": True}, {"name": "two words"}, {"units": 0}],
+    ids=repr,
+)
+def test_a_bad_rate_object_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(SemaphoreValidationError, match=r"rate '(10/s|requests)'"):
+        Rate("10/s", **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_rate_needs_the_waiting_room(app: Celery) -> None:
+    with pytest.raises(SemaphoreValidationError, match="rate needs the waiting room"):
+
+        @app.task(base=SemaphoreTask, semaphore="k", limit=2, rate="1/s", on_full="retry",
+                  shared=False, name="rates.shed")  # fmt: skip
+        def shed() -> None: ...
+
+        shed.run  # noqa: B018  (binding checks the options)
+
+
+def test_a_rate_holds_a_worker_to_its_starts(
+    redis_server: RedisServer, client: redis.Redis, app: Celery
+) -> None:
+    """Twenty runs of a task with rate 20/s and limit 5 on a threads worker: every run
+    ends, never more than 5 at once, and their starts, by the bodies' own clocks, span at
+    least 19 intervals of 50 ms (less a wide margin), never more than 21 in any second."""
+    recorder = redis.Redis.from_url(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore="rated", limit=5, rate="20/s", shared=False,
+              name="rates.call")  # fmt: skip
+    def call(n: int) -> int:
+        with history.run(recorder, BODIES, "rated", data={"n": n}):
+            pass
+        return n
+
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=publisher_for(app))
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        results = [call.delay(n) for n in range(20)]
+        assert sorted(r.get(timeout=60) for r in results) == list(range(20))
+    runs = History.load(client, BODIES)
+    runs.assert_ok({"rated": 5}, tasks=[r.id for r in results])
+    starts = sorted(run.start for run in runs.runs)
+    assert starts[-1] - starts[0] > 19 * 0.05 * 0.8, starts
+    assert max(sum(1 for s in starts if t <= s < t + 1.0) for t in starts) <= 21
+    assert sem.room.waiters("rated") == []
+    recorder.close()
+
+
+def test_the_rates_state_expires_but_an_operators_setting_beside_it_does_not(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    sem = Semaphore(redis_server.url, limit=2, on_handoff=Published())
+    limits = redis_keys("semaphore", "k").limits
+    assert isinstance(sem.room.park("k", "w0", b"p", rates="2/s"), Slot)
+    assert 0 < client.pttl(limits) <= 1500  # one TAT, half a second ahead, and a margin
+    sem.admin.set_limit("k", 1, by="ops")
+    assert client.pttl(limits) == -1  # the live limit stays until it is cleared
+    sem.room.park("k", "w1", b"p", rates="2/s")  # a rate taken beside it keeps it so
+    assert client.pttl(limits) == -1
+    sem.admin.set_limit("k", None)
+    assert client.pttl(limits) > 0  # TATs alone again: they go once they have passed
+    sem.client.close()
