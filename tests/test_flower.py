@@ -516,15 +516,15 @@ def test_the_pages_why_box_says_where_a_run_waits(
     sem = Semaphore(client, limit=1)
     held = sem.acquire(KEY, metadata={"task_id": "ahead"})
     assert held is not None
-    sem.room.park(KEY, "first", b"p")
+    sem.room.park(KEY, "first", b"p", waited=1.0)  # older by a second, not by a tie's id
     sem.room.park(KEY, "behind", b"p")
     sem.admin.pause(KEY, by="ops")
     base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
     page = browse(with_credentials(base + "/semaphores?why=behind"), "--virtual-time-budget=5000")
     assert 'data-why="behind"' in page, page[-3000:]
-    text = " ".join(page.split())
-    assert f"{KEY}: parked, 2 of 2 in line, waiting " in text
-    assert "paused by ops; 1 holder(s)." in text
+    answer = " ".join(re.search(r'id="why-answer".*?</ul>', page, re.S).group(0).split())  # type: ignore[union-attr]
+    assert f"{KEY}: parked, 2 of 2 in line, waiting " in answer, answer
+    assert "paused by ops; 1 holder(s)." in answer, answer
     page = browse(with_credentials(base + "/semaphores?why=nobody"), "--virtual-time-budget=5000")
     assert 'class="why-none"' in page
     assert "No waiting room holds nobody" in page
