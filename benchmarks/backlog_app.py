@@ -125,9 +125,15 @@ RATE = os.environ.get("BENCH_RATE", "10/s")
 
 
 def _rated_body(n: int, seconds: float, tokens: int = 1) -> int:
+    from datetime import datetime
+
     from celery import current_task
 
-    _client.rpush("bench:starts", f"{time.time()} {tokens} {current_task.request.id}")
+    # The instant the store gave the run (a hand-off's eta), or its start when it took a
+    # free slot in person.
+    eta = current_task.request.eta
+    granted = datetime.fromisoformat(eta).timestamp() if eta else time.time()
+    _client.rpush("bench:starts", f"{time.time()} {tokens} {granted}")
     time.sleep(seconds)
     return n
 

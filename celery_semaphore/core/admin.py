@@ -30,7 +30,9 @@ from .live import (
     pause_change,
     pause_of,
 )
+from .live_rates import log_rate_change, rate_change, set_rate_call
 from .names import Keys, Namespace
+from .rates import Rate
 from .recovery import recovering
 from .scripts import Scripts, backend_errors
 
@@ -324,6 +326,37 @@ class SemaphoreAdmin:
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
             return pause_of(self.client.hgetall(keys.limits))
+
+    def set_rate(
+        self, key: str, rate: str | float | Rate | None, *, name: str = "requests",
+        by: str | None = None,
+    ) -> str | None:  # fmt: skip
+        """Set the live start rate ``name`` of ``key``, which wins over the rate of that
+        name every caller gives until it is cleared (None clears it); one round trip, logged
+        and shown by the views. It changes a rate the callers give (``rate=`` of the task);
+        a key whose callers give no rate of that name is not held to it. A run already
+        handed an instant keeps it; the next follow the new rate.
+
+        Args:
+            key (str): the semaphore's key.
+            rate (str | float | Rate | None): ``"300/m"``, a number per second, or a
+                :class:`Rate` (for a burst; its own name wins); None to clear.
+            name (str): which of the key's rates (default ``"requests"``).
+            by (str | None): who sets it, for the views; None: ``user@host pid N``.
+
+        Returns:
+            str | None: the live rate it replaced, as given (None: there was none).
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid (nothing is sent).
+            SemaphoreBackendError: Redis failed.
+        """
+        key, new, who = rate_change(key, rate, name, by)
+        name = name if new is None else new.name
+        with backend_errors(key):
+            previous, _ = self._scripts.run(set_rate_call(self.keys_of(key), name, new, who))
+        log_rate_change(key, name, new, previous, who)
+        return previous
 
     def server_warnings(self) -> list[str]:
         """What about the server could break the semaphore's promise, for a start-up log.

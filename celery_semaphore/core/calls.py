@@ -46,7 +46,7 @@ SCRIPT_KEYS = {
     "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
     "release": ROOM_KEYS,
     "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS, "recover": ROOM_KEYS,
-    "gather": slice(0, 6), "block": slice(6, 7),
+    "gather": slice(0, 6), "block": slice(6, 7), "set_rate": slice(2, 3),
     "waiting": slice(3, 5),
     "due_rooms": slice(0, 0),
 }  # fmt: skip

@@ -28,9 +28,9 @@ class Handoff:
     payload: bytes
     give_up: bool = False
     gather: tuple[str, ...] = ()
-    delay: float = 0.0
-    """Seconds from now until the run may start (a start rate's instant; 0: now): publish
-    it to start then."""
+    start_ms: int = 0
+    """When the run may start, epoch ms by the store's clock (a start rate's instant; 0:
+    now): publish it to start then."""
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,18 @@ class Full:
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
     """The {waiter, payload} pairs at ``reply[start:]``; a waiter written ``!<waiter>`` has
-    its keys (a JSON list) in place of a payload, to be gathered (see room.lua), and one
-    written ``~sweep`` is a room left to a sweep (see :data:`.handoff.SWEEP_DUE`)."""
+    its keys (a JSON list) in place of a payload, to be gathered (see room.lua), one written
+    ``><start_ms>|<waiter>`` may start only then (a start rate's instant), and one written
+    ``~sweep`` is a room left to a sweep (see :data:`.handoff.SWEEP_DUE`)."""
     found = []
     for i in range(start, len(reply) - 1, 2):
         waiter, payload = _text(reply[i]), reply[i + 1]
         if waiter.startswith("!"):
             found.append(Handoff(waiter[1:], b"", gather=tuple(json.loads(payload))))
-        elif waiter.startswith(">"):  # ">" <ms from now> "|" <waiter>: a start rate's instant
-            delay, _, waiter = waiter[1:].partition("|")
+        elif waiter.startswith(">"):  # ">" <epoch ms> "|" <waiter>: a start rate's instant
+            at, _, waiter = waiter[1:].partition("|")
             payload = payload if isinstance(payload, bytes) else str(payload).encode()
-            found.append(Handoff(waiter, payload, give_up, delay=int(delay) / 1000))
+            found.append(Handoff(waiter, payload, give_up, start_ms=int(at)))
         else:
             payload = payload if isinstance(payload, bytes) else str(payload).encode()
             found.append(Handoff(waiter, payload, give_up))

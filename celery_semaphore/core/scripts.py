@@ -59,9 +59,9 @@ _MANY = ("park_many", "gather")
 room.lua's at their top."""
 
 
-_RATES = _ROOM
-"""Scripts that take slots under start rates (``lua/rates.lua``, at their top): the room's,
-whose hand-offs give a run its start."""
+_RATES = (*_ROOM, "set_rate")
+"""Scripts that take slots under start rates, or set them (``lua/rates.lua``, at their
+top): the room's, whose hand-offs give a run its start."""
 
 
 def _source(name: str) -> str:

@@ -27,6 +27,8 @@ from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
 from ..core.handoff import HandoffRoute
+from ..core.live_rates import RateState
+from ..core.rates import Rate
 from ..errors import SemaphoreError
 from ..integration.settings import app_settings, client_for
 from ..integration.waiting_room.handoffs import publisher_for
@@ -83,6 +85,20 @@ def _live(sem: SemaphoreView | Standing) -> str:
         said += f" PAUSED by {sem.paused.by} at {_when(sem.paused.paused_at)}"
     if sem.live is not None:
         said += f" (live limit {sem.live.limit}, set by {sem.live.by} at {_when(sem.live.set_at)})"
+    for rate in getattr(sem, "rates", ()):
+        said += f"\n  rate {rate.name}: " + _rate(rate)
+    return said
+
+
+def _rate(rate: RateState) -> str:
+    """A start rate's state, as status says it."""
+    if rate.interval is None:
+        said = f"next due {_when(rate.next_due)}"
+    else:
+        said = (f"{rate.left} of {rate.burst} free, one every {rate.interval:g}s, "
+                f"next due {_when(rate.next_due)}")  # fmt: skip
+    if rate.live is not None:
+        said += f" (live rate {rate.live.spec}, set by {rate.live.by} at {_when(rate.live.set_at)})"
     return said
 
 
@@ -176,6 +192,46 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
     was = "none" if previous is None else previous
     now = "cleared" if limit is None else f"set to {limit}"
     click.echo(f"Live limit of {key!r} {now} (was {was}).")
+
+
+@semaphore.command(name="set-rate")
+@click.argument("key")
+@click.argument("rate", required=False)
+@click.option(
+    "--burst",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Units that may start at once after an idle spell.",
+)
+@click.option(
+    "--name",
+    default="requests",
+    show_default=True,
+    help="Which of the key's rates: the name its Rate(...) gives (tokens, ...).",
+)
+@click.option("--clear", is_flag=True, help="Drop the live rate: the code's rate applies again.")
+@click.option("--by", default=None, help="Who sets it, for status (default: user@host pid N).")
+@click.pass_context
+def set_rate_command(
+    ctx: click.Context, key: str, rate: str | None, burst: int, name: str, clear: bool,
+    by: str | None,
+) -> None:  # fmt: skip
+    """Set KEY's live start rate to RATE ("300/m", "10/s"), in Redis, for every worker.
+
+    It wins over the rate of the same name in the code (a task's rate=) until --clear; the
+    next hand-off follows it. A run already handed its instant keeps it. The change is
+    logged, and status shows the rate, who set it and when.
+    """
+    if (rate is None) == (not clear):
+        raise click.UsageError("give a RATE, or --clear (not both)")
+    try:
+        new = None if rate is None else Rate(rate, burst=burst, name=name)
+        previous = _admin(_app(ctx)).set_rate(key, new, name=name, by=by)
+    except SemaphoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    now = "cleared" if new is None else f"set to {new.spec} (burst {new.burst})"
+    click.echo(f"Live {name} rate of {key!r} {now} (was {previous or 'none'}).")
 
 
 def _admin(app: Celery) -> SemaphoreAdmin:

@@ -17,6 +17,7 @@ from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
 from ..core.calls import waiting_call
 from ..core.live import Pause, live_limit_of, pause_of
+from ..core.live_rates import RateState, rate_states
 from ..core.names import Namespace
 from ..core.replies import Waiter
 from ..core.room import WaitingRoom
@@ -47,6 +48,8 @@ class SemaphoreView:
             the first of them; None when it lists them all.
         paused (Pause | None): who paused the key and when (``celery semaphore pause``),
             or None when it is not paused.
+        rates (tuple[RateState, ...]): the key's start rates: units free now, when the
+            next falls due, and a live rate with who set it (``celery semaphore set-rate``).
     """
 
     key: str
@@ -57,6 +60,7 @@ class SemaphoreView:
     declared: int | None = None
     waiting_total: int | None = None
     paused: Pause | None = None
+    rates: tuple[RateState, ...] = ()
 
     @property
     def queued(self) -> int:
@@ -75,13 +79,14 @@ class SemaphoreView:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: key, limit, live_limit (limit, set_at, by; or None), paused
-        (paused_at, by; or None), declared_limit, in_use, queued, oldest_wait, each holder's
-        fields and each parked run's."""
+        (paused_at, by; or None), rates (each :class:`RateState`), declared_limit, in_use,
+        queued, oldest_wait, each holder's fields and each parked run's."""
         return {
             "key": self.key,
             "limit": self.limit,
             "live_limit": None if self.live is None else asdict(self.live),
             "paused": None if self.paused is None else asdict(self.paused),
+            "rates": [asdict(rate) for rate in self.rates],
             "declared_limit": self.declared,
             "in_use": self.in_use,
             "queued": self.queued,
@@ -168,9 +173,13 @@ def view(
     """
     admin = SemaphoreAdmin(client, prefix)
     holders = tuple(admin.holders(key))
+    keys = admin.keys_of(key)
     with backend_errors(key):
-        raw = client.hgetall(admin.keys_of(key).limits)
+        raw, declared_rates = client.hgetall(keys.limits), client.hget(keys.parked, "!rates")
+        seconds, micros = client.time() if declared_rates or _has_rates(raw) else (0, 0)
     live, paused = live_limit_of(raw), pause_of(raw)
+    text = declared_rates.decode() if isinstance(declared_rates, bytes) else declared_rates
+    rates = rate_states(raw, text, seconds * 1000 + micros // 1000) if seconds else ()
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
     limit = live.limit if live else max(limits) if limits else declared
     if waiting is None:
@@ -179,7 +188,14 @@ def view(
         page = waiting_page(client, key, prefix, 0, waiting)
         parked, total = page.waiting, page.total
     return SemaphoreView(key=key, limit=limit, holders=holders, waiting=parked, live=live,
-                         declared=declared, waiting_total=total, paused=paused)  # fmt: skip
+                         declared=declared, waiting_total=total, paused=paused,
+                         rates=rates)  # fmt: skip
+
+
+def _has_rates(raw: Mapping[Any, Any]) -> bool:
+    """Whether a limits hash (HGETALL's reply) holds a start rate's state or a live rate."""
+    names = (k if isinstance(k, bytes) else str(k).encode() for k in raw)
+    return any(name.startswith((b"tat:", b"rate:")) for name in names)
 
 
 def semaphore_keys(

@@ -203,8 +203,9 @@ end
 -- Under start rates ("!rates"), each reservation also takes its waiter's units of every
 -- rate, for the first instant the rates allow (rates.lua): a start in the future is
 -- reserved until then plus the claim lease, recorded as the reservation's "start", and
--- answered as {">" .. <ms from now> .. "|" .. <waiter>, payload}, for the caller to
--- publish to start that much later. A waiter of several keys is not held to rates.
+-- answered as {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to
+-- publish to start then (an instant, not a delay: a publish that comes late does not move
+-- the start later, where it would crowd the next one). A waiter of several keys is not held to rates.
 local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
                              out)
   if claim_ms <= 0 then return end
@@ -233,7 +234,7 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
       redis.call('HSET', holders, '~' .. waiter, now .. "|" .. cjson.encode(record))
       local name = waiter
       if keys then name = '!' .. waiter elseif start > now then
-        name = '>' .. (start - now) .. '|' .. waiter
+        name = '>' .. start .. '|' .. waiter
       end
       out[#out + 1] = name
       out[#out + 1] = keys or payload_of(entry)

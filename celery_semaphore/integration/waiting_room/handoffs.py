@@ -15,6 +15,7 @@ import collections
 import logging
 import uuid
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 from celery import Celery, Task
@@ -87,9 +88,11 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             if priority is not None:
                 signature.options["priority"] = priority
-            if handoff.delay > 0:  # a start rate's instant: the worker holds it until then
-                signature.options.pop("eta", None)
-                signature.options["countdown"] = handoff.delay
+            if handoff.start_ms:  # a start rate's instant: the worker holds it until then
+                signature.options.pop("countdown", None)
+                signature.options["eta"] = datetime.fromtimestamp(
+                    handoff.start_ms / 1000, timezone.utc
+                )
             lane = headers.get(HANDOFF_QUEUE_HEADER)
             if handoff_queues and isinstance(lane, str):
                 signature.options["queue"] = handoff_queue(app, lane)

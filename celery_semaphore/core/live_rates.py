@@ -1,0 +1,148 @@
+"""Live start rates and the state of a key's rates, as operators see them.
+
+A live rate is set in Redis by an operator (``set_rate.lua``) and wins over the rate of the
+same name the callers give (see :mod:`.rates`) until it is cleared. What the sync and
+asyncio admins and the views share about rates: the records, reading them from a key's
+limits hash, checking a change, and the script call."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import validation as check
+from .calls import Call, call_of
+from .live import setter
+from .names import Keys
+from .rates import Rate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LiveRate:
+    """A key's live start rate of one name (see :meth:`SemaphoreAdmin.set_rate`).
+
+    Attributes:
+        name (str): the rate's name (``"requests"``, ``"tokens"``).
+        spec (str): the rate as the operator gave it (``"300/m"``), with its burst.
+        set_at (float): when it was set, epoch seconds by the Redis clock.
+        by (str): who set it.
+    """
+
+    name: str
+    spec: str
+    set_at: float
+    by: str
+
+
+@dataclass(frozen=True)
+class RateState:
+    """Where one start rate of a key stands.
+
+    Attributes:
+        name (str): the rate's name.
+        interval (float | None): seconds per unit at the rate in force (None: unknown here,
+            no room recorded the callers' rate and no live rate is set).
+        burst (int | None): units that may start at once (None: unknown, as above).
+        next_due (float): when the next unit falls due, epoch seconds by the Redis clock
+            (at most now: one is free now).
+        left (int | None): units that may start now (None: unknown, as above).
+        live (LiveRate | None): an operator's live rate of this name, if set.
+    """
+
+    name: str
+    interval: float | None
+    burst: int | None
+    next_due: float
+    left: int | None
+    live: LiveRate | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def live_rates_of(raw: Mapping[Any, Any]) -> dict[str, LiveRate]:
+    """The live rates a key's limits hash holds (HGETALL's reply, bytes or text), by name."""
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    found = {}
+    for field, spec in fields.items():
+        if field.startswith("rate_spec:"):
+            name = field[len("rate_spec:") :]
+            at = int(fields.get("rate_at:" + name, 0)) / 1000
+            found[name] = LiveRate(name, spec, at, fields.get("rate_by:" + name, ""))
+    return found
+
+
+def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tuple[RateState, ...]:
+    """Each start rate of a key: from its limits hash (HGETALL's reply: TATs and live
+    rates) and ``declared``, the rates its room last recorded (``"!rates"``, None: none),
+    at the server's ``now_ms``."""
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    lives = live_rates_of(raw)
+    given: dict[str, tuple[float, int]] = {}
+    items = (declared or "").split()
+    for i in range(0, len(items) - 2, 3):
+        given[items[i]] = (float(items[i + 1]), int(items[i + 2]))
+    names = sorted({k[4:] for k in fields if k.startswith("tat:")} | set(given) | set(lives))
+    found = []
+    for name in names:
+        rate = fields.get("rate:" + name, "").split() or None
+        interval_ms, burst = (float(rate[0]), int(rate[1])) if rate else given.get(name, (0, 0))
+        tat = float(fields.get("tat:" + name, 0))
+        if not interval_ms:
+            found.append(
+                RateState(name, None, None, min(tat, now_ms) / 1000, None, lives.get(name))
+            )
+            continue
+        next_due = max(now_ms, tat - (burst - 1) * interval_ms)
+        left = min(burst, max(0, math.floor((now_ms - (tat - burst * interval_ms)) / interval_ms)))
+        found.append(RateState(name, interval_ms / 1000, burst, next_due / 1000, left,
+                               lives.get(name)))  # fmt: skip
+    return tuple(found)
+
+
+def rate_change(
+    key: object, rate: object, name: object, by: object
+) -> tuple[str, Rate | None, str]:
+    """The arguments of a ``set_rate`` (sync or asyncio) checked: the key, the new rate
+    (None clears it; a spelling stands for ``Rate(spelling, name=name)``) and who sets it.
+
+    Raises:
+        SemaphoreValidationError: ``key``, ``rate``, ``name`` or ``by`` is invalid.
+    """
+    checked = check.check_key(key)
+    new = None
+    if rate is not None:
+        new = rate if isinstance(rate, Rate) else Rate(rate, name=name)  # type: ignore[arg-type]
+    else:
+        Rate(1, name=name)  # type: ignore[arg-type]  # the name alone, checked
+    return checked, new, setter() if by is None else check.check_key(by, "by")
+
+
+def set_rate_call(
+    keys: Keys, name: str, rate: Rate | None, by: str
+) -> Call[tuple[str | None, int]]:
+    """Set ``rate`` as the key's live rate of ``name`` (None: clear it): the spelling of the
+    live rate before it (None: none), and the server's time."""
+    args = (
+        (name, "", "", by)
+        if rate is None
+        else (name, f"{rate.interval_ms:.6f} {rate.burst}", f"{rate.spec} burst {rate.burst}", by)
+    )
+
+    def parse(reply: Any) -> tuple[str | None, int]:
+        return _text(reply[0]) or None, int(reply[1])
+
+    return call_of("set_rate", keys, args, parse)
+
+
+def log_rate_change(key: str, name: str, rate: Rate | None, previous: str | None, who: str) -> None:
+    """Log a live rate's change at WARNING, beside the live limits' changes."""
+    logger.warning("semaphore %r: live %s rate %s (was %s) by %s", key, name,
+                   "cleared" if rate is None else f"set to {rate.spec} burst {rate.burst}",
+                   previous or "none", who)  # fmt: skip
