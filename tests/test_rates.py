@@ -4,6 +4,7 @@ a run that comes early waits for it; bad rates are refused before anything is wr
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 
@@ -216,3 +217,16 @@ def test_a_bad_set_rate_is_refused_and_writes_nothing(
     code, said = _cli(app, "set-rate", *args)
     assert code != 0, said
     assert client.keys("*") == []
+
+
+def test_the_asyncio_admin_sets_and_clears_a_live_rate(redis_server: RedisServer) -> None:
+    from celery_semaphore.asyncio import AsyncSemaphore
+
+    async def main() -> None:
+        async with AsyncSemaphore(redis_server.url, limit=1) as sem:
+            assert await sem.admin.set_rate("k", Rate("3/m", burst=2, name="tokens")) is None
+            with pytest.raises(SemaphoreValidationError, match="like '10/s'"):
+                await sem.admin.set_rate("k", "3/x")
+            assert await sem.admin.set_rate("k", None, name="tokens") == "3/m burst 2"
+
+    asyncio.run(main())

@@ -35,7 +35,9 @@ from ..core.live import (
     pause_change,
     pause_of,
 )
+from ..core.live_rates import log_rate_change, rate_change, set_rate_call
 from ..core.names import Keys, Namespace
+from ..core.rates import Rate
 from ..core.scripts import AsyncScripts, backend_errors
 from .clients import AsyncClient
 from .slot import deliver
@@ -139,6 +141,18 @@ class AsyncSemaphoreAdmin:
             "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
         )
         return displaced
+
+    async def set_rate(
+        self, key: str, rate: str | float | Rate | None, *, name: str = "requests",
+        by: str | None = None,
+    ) -> str | None:  # fmt: skip
+        """Set (or, with None, clear) the live start rate ``name`` of ``key``: the asyncio
+        twin of :meth:`SemaphoreAdmin.set_rate`, with its arguments, answer and errors."""
+        key, new, who = rate_change(key, rate, name, by)
+        name = name if new is None else new.name
+        previous, _ = await self._run(key, set_rate_call(self.keys_of(key), name, new, who))
+        log_rate_change(key, name, new, previous, who)
+        return previous
 
     async def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
         """Set the live limit of ``key``, which wins over the limit every caller gives
