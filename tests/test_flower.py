@@ -36,7 +36,7 @@ import tornado.web
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Semaphore, SemaphoreAdmin, SemaphoreTask, WaitingRoom
+from celery_semaphore import Rate, Semaphore, SemaphoreAdmin, SemaphoreTask, WaitingRoom
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import render
 from celery_semaphore.views.inspection import views
@@ -529,6 +529,24 @@ def test_the_pages_why_box_says_where_a_run_waits(
     assert 'class="why-none"' in page
     assert "No waiting room holds nobody" in page
     held.release()
+
+
+def test_the_page_and_the_api_show_a_keys_start_rate(
+    run_flower: Callable[..., str], client: redis.Redis
+) -> None:
+    sem = Semaphore(client, limit=1)
+    held = sem.room.park(KEY, "first", b"p", rates=Rate("2/m", burst=3))
+    sem.admin.set_rate(KEY, "1/m", by="ops")
+    base = run_flower(f"--basic_auth={USER}:{PASSWORD}")
+    browser = Session(base, (USER, PASSWORD))
+    text = " ".join(browser.page.split())
+    assert 'class="semaphore-rate">Rate requests: 0 of 1 free, one every 60 s' in text, text
+    assert "(live 1/m burst 1, set by ops)" in text
+    (found,) = json.loads(browser.get("/api/semaphores")[1])
+    (rate,) = found["rates"]
+    assert (rate["name"], rate["left"], rate["burst"]) == ("requests", 0, 1)
+    assert rate["live"]["by"] == "ops"
+    held.release()  # type: ignore[union-attr]
 
 
 def test_raising_the_limit_through_the_page_starts_a_parked_run(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 
 import pytest
@@ -230,3 +231,37 @@ def test_the_asyncio_admin_sets_and_clears_a_live_rate(redis_server: RedisServer
             assert await sem.admin.set_rate("k", None, name="tokens") == "3/m burst 2"
 
     asyncio.run(main())
+
+
+def test_the_metrics_show_each_rates_free_units_and_next_instant(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from celery_semaphore.views.metrics import RoomCollector
+
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=Published())
+    held = sem.room.park("k", "w0", b"p", rates=Rate("1/m", burst=2))  # takes a slot, 1 of 2
+    assert isinstance(held, Slot)
+    sem.room.park("k", "w1", b"p", rates=Rate("1/m", burst=2))  # waits for the slot
+    registry = CollectorRegistry()
+    registry.register(RoomCollector(client))
+    labels = {"key": "k", "rate": "requests"}
+    assert registry.get_sample_value("semaphore_rate_free_units", labels) == 1
+    assert registry.get_sample_value("semaphore_rate_next_due_seconds", labels) == 0
+    held.release()  # w1 is handed the last free unit: the next falls due in about a minute
+    assert registry.get_sample_value("semaphore_rate_free_units", labels) is None  # room gone
+    sem.client.close()
+
+
+def test_why_says_where_a_run_waits_for_its_rate(app: Celery, client: redis.Redis) -> None:
+    sem = Semaphore(app.conf.semaphore_url, limit=2, on_handoff=Published())
+    assert isinstance(sem.room.park("k", "w0", b"p", rates="1/m"), Slot)
+    sem.room.park("k", "w1", b"p", rates="1/m")  # reserved for a minute from now
+    code, said = _cli(app, "why", "w1")
+    assert code == 0, said
+    assert "rate requests: 0 of 1 free, one every 60s, next due " in said, said
+    code, said = _cli(app, "why", "w1", "--json")
+    (standing,) = json.loads(said)["standings"]
+    assert standing["state"] == "reserved"
+    assert standing["rates"][0]["due_in"] > 30

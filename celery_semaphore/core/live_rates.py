@@ -52,6 +52,7 @@ class RateState:
             (at most now: one is free now).
         left (int | None): units that may start now (None: unknown, as above).
         live (LiveRate | None): an operator's live rate of this name, if set.
+        due_in (float): seconds from the server's now to ``next_due`` (0: one is free).
     """
 
     name: str
@@ -60,6 +61,7 @@ class RateState:
     next_due: float
     left: int | None
     live: LiveRate | None = None
+    due_in: float = 0.0
 
 
 def _text(value: Any) -> str:
@@ -94,16 +96,36 @@ def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tu
         rate = fields.get("rate:" + name, "").split() or None
         interval_ms, burst = (float(rate[0]), int(rate[1])) if rate else given.get(name, (0, 0))
         tat = float(fields.get("tat:" + name, 0))
-        if not interval_ms:
-            found.append(
-                RateState(name, None, None, min(tat, now_ms) / 1000, None, lives.get(name))
-            )
+        if not interval_ms:  # no burst known: its TAT is as late as the next unit can be
+            due = max(tat, now_ms)
+            found.append(RateState(name, None, None, due / 1000, None, lives.get(name),
+                                   (due - now_ms) / 1000))  # fmt: skip
             continue
         next_due = max(now_ms, tat - (burst - 1) * interval_ms)
         left = min(burst, max(0, math.floor((now_ms - (tat - burst * interval_ms)) / interval_ms)))
         found.append(RateState(name, interval_ms / 1000, burst, next_due / 1000, left,
-                               lives.get(name)))  # fmt: skip
+                               lives.get(name), (next_due - now_ms) / 1000))  # fmt: skip
     return tuple(found)
+
+
+def read_rate_states(
+    client: Any, keys: Keys, raw: Mapping[Any, Any] | None = None
+) -> tuple[RateState, ...]:
+    """The start rates of the key of ``keys`` (see :func:`rate_states`), read from Redis:
+    its limits hash (or ``raw``, HGETALL's reply already read), its room's ``"!rates"`` and
+    the server's clock; () for a key with no rate (then one round trip, or none).
+
+    Raises:
+        redis.RedisError: Redis failed (the caller words it).
+    """
+    if raw is None:
+        raw = client.hgetall(keys.limits)
+    declared = client.hget(keys.parked, "!rates")
+    names = (k if isinstance(k, bytes) else str(k).encode() for k in raw)
+    if not declared and not any(name.startswith((b"tat:", b"rate:")) for name in names):
+        return ()
+    seconds, micros = client.time()
+    return rate_states(raw, _text(declared) if declared else None, seconds * 1000 + micros // 1000)
 
 
 def rate_change(

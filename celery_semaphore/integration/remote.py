@@ -16,6 +16,7 @@ from celery.worker.control import inspect_command
 
 from ..core.admin import SemaphoreAdmin
 from ..core.calls import waiting_call
+from ..core.live_rates import read_rate_states
 from ..core.names import Namespace
 from ..core.scripts import Scripts, backend_errors
 from . import stats
@@ -59,8 +60,9 @@ def held_by_worker(app: Celery, worker: str) -> list[dict[str, Any]]:
 
 def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str, Any]:
     """For each of ``keys``: how many runs its room holds, how long the oldest has waited
-    (seconds; None when none waits) and the task ids of the ``first`` served next; one round
-    trip a key.
+    (seconds; None when none waits), the task ids of the ``first`` served next, and its
+    start rates (``rates``: name, units free, seconds until the next falls due); one or two
+    round trips a key.
 
     Raises:
         SemaphoreBackendError: Redis failed.
@@ -71,8 +73,11 @@ def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str
     for key in sorted(set(keys)):
         with backend_errors(key):
             now_ms, total, rows = scripts.run(waiting_call(names.keys_of(key), first - 1))
+            rates = read_rate_states(client, names.keys_of(key))
         found[key] = {"queued": total, "first": [waiter for waiter, _ in rows],
-                      "oldest_wait": (now_ms - rows[0][1]) / 1000 if rows else None}  # fmt: skip
+                      "oldest_wait": (now_ms - rows[0][1]) / 1000 if rows else None,
+                      "rates": [{"name": r.name, "free": r.left, "next_due_in": r.due_in}
+                                for r in rates]}  # fmt: skip
     return found
 
 

@@ -101,6 +101,11 @@ _PAGE = """{% extends "base.html" %}
           <strong>{{ sem.live.limit }}</strong>, set by {{ sem.live.by }}
           at {{ utc(sem.live.set_at) }}{% else %}No live limit: the callers' limit
           applies{% end %}</span>
+        {% for rate in sem.rates %}<span class="semaphore-rate">Rate {{ rate.name }}:
+          {% if rate.left is not None %}{{ rate.left }} of {{ rate.burst }} free, one every
+          {{ "%g" % rate.interval }} s{% else %}next due {{ utc(rate.next_due) }}{% end %}
+          {% if rate.live %}(live {{ rate.live.spec }}, set by {{ rate.live.by }}){% end %}
+        </span>{% end %}
         {% if not limits_off %}
         <form class="live-limit-form d-flex gap-2" method="post" action="{{ limit_url }}">
           {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">

@@ -17,7 +17,7 @@ from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
 from ..core.calls import waiting_call
 from ..core.live import Pause, live_limit_of, pause_of
-from ..core.live_rates import RateState, rate_states
+from ..core.live_rates import RateState, read_rate_states
 from ..core.names import Namespace
 from ..core.replies import Waiter
 from ..core.room import WaitingRoom
@@ -173,13 +173,10 @@ def view(
     """
     admin = SemaphoreAdmin(client, prefix)
     holders = tuple(admin.holders(key))
-    keys = admin.keys_of(key)
     with backend_errors(key):
-        raw, declared_rates = client.hgetall(keys.limits), client.hget(keys.parked, "!rates")
-        seconds, micros = client.time() if declared_rates or _has_rates(raw) else (0, 0)
+        raw = client.hgetall(admin.keys_of(key).limits)
+        rates = read_rate_states(client, admin.keys_of(key), raw)
     live, paused = live_limit_of(raw), pause_of(raw)
-    text = declared_rates.decode() if isinstance(declared_rates, bytes) else declared_rates
-    rates = rate_states(raw, text, seconds * 1000 + micros // 1000) if seconds else ()
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
     limit = live.limit if live else max(limits) if limits else declared
     if waiting is None:
@@ -190,12 +187,6 @@ def view(
     return SemaphoreView(key=key, limit=limit, holders=holders, waiting=parked, live=live,
                          declared=declared, waiting_total=total, paused=paused,
                          rates=rates)  # fmt: skip
-
-
-def _has_rates(raw: Mapping[Any, Any]) -> bool:
-    """Whether a limits hash (HGETALL's reply) holds a start rate's state or a live rate."""
-    names = (k if isinstance(k, bytes) else str(k).encode() for k in raw)
-    return any(name.startswith((b"tat:", b"rate:")) for name in names)
 
 
 def semaphore_keys(

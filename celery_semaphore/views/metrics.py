@@ -59,7 +59,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.admin import DEFAULT_PREFIX
+from ..core.live_rates import read_rate_states
 from ..core.room import WaitingRoom
+from ..core.scripts import backend_errors
 from ..errors import SemaphoreError
 from ..integration import signals
 
@@ -235,6 +237,8 @@ class RoomCollector(Collector):
     ==================================== ========= ==========================================
     ``semaphore_queued``                 gauge     key (runs parked in its waiting room)
     ``semaphore_oldest_wait_seconds``    gauge     key (how long the oldest has waited)
+    ``semaphore_rate_free_units``        gauge     key, rate (units of a start rate free now)
+    ``semaphore_rate_next_due_seconds``  gauge     key, rate (until its next unit falls due)
     ==================================== ========= ==========================================
 
     The ``key`` label is the rendered key: a room exists only while runs wait in it, so
@@ -262,7 +266,8 @@ class RoomCollector(Collector):
         self.namespace = f"{namespace}_" if namespace else ""
 
     def collect(self) -> Iterator[Metric]:
-        """Yield ``semaphore_queued`` and ``semaphore_oldest_wait_seconds``."""
+        """Yield ``semaphore_queued``, ``semaphore_oldest_wait_seconds`` and the start
+        rates' gauges of the keys with a backlog (one more round trip per such key)."""
         queued = GaugeMetricFamily(
             f"{self.namespace}semaphore_queued", "Runs parked in the waiting room.", labels=["key"]
         )
@@ -271,6 +276,14 @@ class RoomCollector(Collector):
             "Seconds the oldest parked run has waited.",
             labels=["key"],
         )
+        free = GaugeMetricFamily(
+            f"{self.namespace}semaphore_rate_free_units",
+            "Units of a start rate free now.",
+            labels=["key", "rate"],
+        )
+        due = GaugeMetricFamily(f"{self.namespace}semaphore_rate_next_due_seconds",
+                                "Seconds until a start rate's next unit falls due.",
+                                labels=["key", "rate"])  # fmt: skip
         try:
             for key in self.room.index.rooms():
                 count, head = self.room.head(key)
@@ -279,7 +292,15 @@ class RoomCollector(Collector):
                 queued.add_metric([key], count)
                 if head is not None:
                     oldest.add_metric([key], head.waited)
+                with backend_errors(key):
+                    rates = read_rate_states(self.room.client, self.room.names.keys_of(key))
+                for rate in rates:
+                    if rate.left is not None:
+                        free.add_metric([key, rate.name], rate.left)
+                    due.add_metric([key, rate.name], rate.due_in)
         except SemaphoreError as exc:
             logger.warning("could not read the waiting rooms for metrics: %s", exc)
         yield queued
         yield oldest
+        yield free
+        yield due

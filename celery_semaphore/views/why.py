@@ -12,6 +12,7 @@ the holders ahead of it and the limit in force, live limit and pause included.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ import redis
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from ..core.live import LiveLimit, Pause, live_limit_of, pause_of
+from ..core.live_rates import RateState, rate_states, read_rate_states
 from ..core.names import Namespace
 from ..core.scripts import backend_errors
 
@@ -48,6 +50,7 @@ class Standing:
         live (LiveLimit | None): the live limit, with who set it and when.
         paused (Pause | None): who paused the key and when.
         holders (tuple[Holder, ...]): the slots' holders, soonest expiry first.
+        rates (tuple[RateState, ...]): the key's start rates: units free, next due instant.
     """
 
     key: str
@@ -61,6 +64,7 @@ class Standing:
     live: LiveLimit | None = None
     paused: Pause | None = None
     holders: tuple[Holder, ...] = field(default_factory=tuple)
+    rates: tuple[RateState, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (holders with their metadata)."""
@@ -123,9 +127,12 @@ def _standing(
         pipe.hexists(keys.parked, f"!p:{task_id}")
         pipe.hget(keys.parked, "!limit")
         pipe.hgetall(keys.limits)
-        (sec, usec), rank, queued, reserved, deadline, entry, passive, given, raw = pipe.execute()
+        pipe.hget(keys.parked, "!rates")
+        (sec, usec), rank, queued, reserved, deadline, entry, passive, given, raw, declared = (
+            pipe.execute()
+        )
     now = sec + usec / 1e6
-    arrival = _text(entry or "").split("|", 1)[0].split("#", 1)[0].split("@", 1)[0]
+    arrival = re.match(r"\d*", _text(entry or "")).group(0)  # type: ignore[union-attr]
     state = "reserved" if reserved is not None else "passive" if passive else "parked"
     live, paused = live_limit_of(raw), pause_of(raw)
     limit = 0 if paused else live.limit if live else int(given) if given else None
@@ -135,6 +142,7 @@ def _standing(
         reserved_for=None if reserved is None else max(0.0, float(reserved) / 1000 - now),
         gives_up_in=None if deadline is None else float(deadline) / 1000 - now,
         limit=limit, live=live, paused=paused, holders=tuple(admin.holders(key)),
+        rates=rate_states(raw, _text(declared) if declared else None, sec * 1000 + usec // 1000),
     )  # fmt: skip
 
 
@@ -145,7 +153,8 @@ def _holding(client: redis.Redis, admin: SemaphoreAdmin, names: Namespace, key: 
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
     limit = 0 if paused else live.limit if live else max(limits) if limits else None
     return Standing(key, "holding", None, int(client.zcard(names.keys_of(key).room)), None,
-                    None, None, limit, live, paused, holders)  # fmt: skip
+                    None, None, limit, live, paused, holders,
+                    read_rate_states(client, names.keys_of(key), raw))  # fmt: skip
 
 
 def _text(value: Any) -> str:
