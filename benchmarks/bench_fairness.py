@@ -81,7 +81,10 @@ def run(task: str, args: argparse.Namespace) -> dict[str, Any]:
         deadline = time.monotonic() + 120
         while queue.llen("celery") or client.zcard(room) < args.burst // 2:
             if time.monotonic() > deadline:
-                raise RuntimeError("A's burst never waited in the room")
+                raise RuntimeError(
+                    f"A's burst never waited in the room: {queue.llen('celery')} messages in "
+                    f"the queue, {client.zcard(room)} runs in the room"
+                )
             time.sleep(0.005)
         sent = time.monotonic()
         few = [app.send_task(task, ("b", args.duration)) for _ in range(args.few)]
