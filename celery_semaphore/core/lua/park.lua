@@ -232,24 +232,30 @@ for i = 1, #out, 2 do
     others[#others + 1] = out[i + 1]
   end
 end
-if reply[1] == 0 and grace_ms > 0 then
+if reply[1] == 0 and grace_ms > 0 and not redis.call('ZSCORE', slots, '~' .. waiter) then
   -- A reservation not claimed within grace_ms: its run's message is still on its way (behind
   -- a backlog in the broker queue, say) while this run is here now. This run takes the slot
   -- rather than leave it idle; the passed-over waiter keeps its place at the head of the
   -- room, and its message, when it comes, finds it parked and waits for the next hand-off.
   -- Never a reservation of a waiter that needs several keys: it holds it while it waits for
   -- its other keys (no message is on its way), and taking it would undo what it gathered.
+  -- Under start rates this run takes its own units now (the passed-over one's went with
+  -- its instant), or nothing: every start stands on a unit of its own at its own instant.
+  -- (A waiter this very call reserved a later instant for is not here for a slot now.)
   local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', now + claim_ms - grace_ms)
+  local rates = #rate_list > 0 and rates_read(limits, rate_list, 1, #rate_list / 3, 3)
   for _, member in ipairs(stale) do
     if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true)
         and redis.call('HEXISTS', parked, '!m:' .. string.sub(member, 2)) == 0 then
       local passed = string.sub(member, 2)
       local entry = redis.call('HGET', parked, passed)
-      local units = entry and weight_of(entry) or 1
+      local held = entry and weight_of(entry) or 1
       -- Only a reservation that frees room enough for this waiter's weight.
-      if redis.call('ZCARD', slots) - units + weight <= limit then
+      if redis.call('ZCARD', slots) - held + weight <= limit
+          and (not rates or rates_start(rates, units, now) <= now) then
+        if rates then rates_take(limits, rates, units, now, now) end
         room_requeue(room, parked, place_of(parked, passed) or now, passed)
-        reply = {1, take(member, units), now, limit}
+        reply = {1, take(member, held), now, limit}
         break
       end
     end
