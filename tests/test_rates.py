@@ -264,3 +264,21 @@ def test_why_says_where_a_run_waits_for_its_rate(app: Celery, client: redis.Redi
     (standing,) = json.loads(said)["standings"]
     assert standing["state"] == "reserved"
     assert standing["rates"][0]["due_in"] > 30
+
+
+def test_a_rate_declared_in_app_conf_semaphores_holds_its_tasks(app: Celery) -> None:
+    """A rate declared once for a semaphore is every task's that names it, under the task's
+    own; a bad declared rate is refused when the task is bound."""
+    from celery_semaphore.integration.limits import declared_semaphores
+    from celery_semaphore.integration.runner import Runner
+
+    app.conf.semaphores = {"declared-rate": {"limit": 4, "rate": Rate("30/m", burst=2)}}
+
+    @app.task(base=SemaphoreTask, semaphore="declared-rate", shared=False, name="rates.decl")
+    def declared() -> None: ...
+
+    runner: Runner = declared.run.__semaphore__
+    (rate,) = runner.resolve(app).policy.rates
+    assert (rate.spec, rate.burst) == ("30/m", 2)
+    with pytest.raises(SemaphoreValidationError, match=r"semaphores\['bad-rate'\]: rate must be"):
+        declared_semaphores({"bad-rate": {"limit": 4, "rate": "30/x"}})
