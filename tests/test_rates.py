@@ -14,7 +14,14 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from click.testing import CliRunner
 
-from celery_semaphore import Semaphore, SemaphoreTask, SemaphoreValidationError, Slot
+from celery_semaphore import (
+    Semaphore,
+    SemaphoreNotAcquiredError,
+    SemaphoreTask,
+    SemaphoreValidationError,
+    Slot,
+    bounded,
+)
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.rates import Rate
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
@@ -122,14 +129,53 @@ def test_a_bad_rate_object_is_refused(kwargs: dict[str, object]) -> None:
         Rate("10/s", **kwargs)  # type: ignore[arg-type]
 
 
-def test_a_rate_needs_the_waiting_room(app: Celery) -> None:
-    with pytest.raises(SemaphoreValidationError, match="rate needs the waiting room"):
+def test_a_semaphore_with_a_rate_refuses_then_waits_for_it(redis_server: RedisServer) -> None:
+    sem = Semaphore(redis_server.url, limit=5, rate="2/s")
+    first = sem.acquire("k")
+    assert first is not None
+    assert sem.acquire("k") is None  # a slot is free, the rate's next unit is not
+    started = time.monotonic()
+    second = sem.acquire("k", wait=5.0)  # blocks until the rate allows it, not a release
+    assert second is not None
+    assert second.acquired_at - first.acquired_at >= 0.5 - 0.002
+    assert time.monotonic() - started < 4.0
+    tokens = Semaphore(redis_server.url, limit=5, rate=Rate("10/s", name="tokens", burst=5))
+    assert tokens.acquire("t", units={"tokens": 5}) is not None
+    assert tokens.acquire("t", units={"tokens": 1}) is None  # the bucket is empty
+    with pytest.raises(SemaphoreValidationError, match="from 1 to the burst"):
+        tokens.acquire("t", units={"tokens": 6})
+    sem.client.close()
+    tokens.client.close()
 
-        @app.task(base=SemaphoreTask, semaphore="k", limit=2, rate="1/s", on_full="retry",
-                  shared=False, name="rates.shed")  # fmt: skip
-        def shed() -> None: ...
 
-        shed.run  # noqa: B018  (binding checks the options)
+def test_an_asyncio_semaphore_with_a_rate_waits_for_it(redis_server: RedisServer) -> None:
+    from celery_semaphore.asyncio import AsyncSemaphore
+
+    async def main() -> None:
+        async with AsyncSemaphore(redis_server.url, limit=5, rate="2/s") as sem:
+            first = await sem.acquire("k")
+            assert first is not None
+            assert await sem.acquire("k") is None
+            second = await sem.acquire("k", wait=5.0)
+            assert second is not None
+            assert second.acquired_at - first.acquired_at >= 0.5 - 0.002
+
+    asyncio.run(main())
+
+
+def test_a_plain_call_of_a_rated_function_is_held_to_the_rate(app: Celery) -> None:
+    @bounded("rated-call", 5, rate="2/s", app=app)
+    def call(n: int) -> int:
+        return n
+
+    @bounded("rated-call", 5, rate="2/s", app=app, retries=30, retry_delay=0.05)
+    def patient(n: int) -> int:
+        return n
+
+    assert call(1) == 1
+    with pytest.raises(SemaphoreNotAcquiredError):
+        call(2)  # fails fast: the next unit is half a second away
+    assert patient(3) == 3  # retries until the rate allows it
 
 
 def test_a_rate_holds_a_worker_to_its_starts(

@@ -83,16 +83,17 @@ class Acquirer:
             return await self.scripts.run(call)
 
     async def take(
-        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int, weight: int = 1
-    ) -> Admitted | Full:
-        """One acquire round trip of ``weight`` units under ``limit`` that a cancelled caller
-        cannot leak: the call runs on as a task of its own, and whatever slot it took is
-        given back once its answer is in.
+        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int, weight: int = 1,
+        rated: tuple[str | int, ...] = (),
+    ) -> Admitted | Full:  # fmt: skip
+        """One acquire round trip of ``weight`` units under ``limit`` (and the start rates
+        ``rated``) that a cancelled caller cannot leak: the call runs on as a task of its
+        own, and whatever slot it took is given back once its answer is in.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        return await self.taking(acquire_call(keys, limit, ms, token, info, weight), key,
+        return await self.taking(acquire_call(keys, limit, ms, token, info, weight, rated), key,
                                  token, [(keys, key)])  # fmt: skip
 
     async def taking(
@@ -171,6 +172,7 @@ class Acquirer:
         wait: float,
         limit: int,
         weight: int = 1,
+        rated: tuple[str | int, ...] = (),
     ) -> AsyncSlot | None:
         """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
         take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
@@ -194,7 +196,7 @@ class Acquirer:
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = await self.take(keys, key, token, ms, info, limit, weight)
+                reply = await self.take(keys, key, token, ms, info, limit, weight, rated)
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot

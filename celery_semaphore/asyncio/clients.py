@@ -175,3 +175,20 @@ def _sentinel(nodes: list[tuple[str, int]], service: str, options: dict[str, Any
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
     client: aioredis.Redis = sentinel.master_for(service, **options)
     return client
+
+
+def async_client_of(redis: object) -> AsyncClient:
+    """The ``redis.asyncio`` client an :class:`AsyncSemaphore` is given: ``redis`` itself, or
+    one made from a URL (see :func:`async_client_from_url`).
+
+    Raises:
+        SemaphoreValidationError: it is neither such a client nor a URL.
+    """
+    if isinstance(redis, str):
+        return async_client_from_url(redis)
+    if isinstance(redis, (aioredis.Redis, aioredis.RedisCluster)) and not hasattr(redis, "execute"):
+        return redis  # a pipeline is a Redis subclass, but cannot run our calls
+    raise SemaphoreValidationError(
+        "redis must be a redis.asyncio.Redis or redis.asyncio.RedisCluster client or a "
+        f"URL, got {type(redis).__name__}"
+    )

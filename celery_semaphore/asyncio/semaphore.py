@@ -18,7 +18,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
-from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
@@ -30,14 +29,14 @@ from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
 from ..core.options import DEFAULT_LEASE, acquire_args, hold_interval, many_plan, semaphore_options
 from ..core.process import new_token
+from ..core.rates import RateSpec, acquire_rates, rates_of
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts
 from ..core.tracing import acquire_span
-from ..errors import SemaphoreValidationError
 from .acquiring import Acquirer
 from .admin import AsyncSemaphoreAdmin
-from .clients import AsyncClient, async_client_from_url
+from .clients import AsyncClient, async_client_of
 from .group import AsyncSlotGroup
 from .guard import check_interrupt, guard
 from .many import KeyList, take_group
@@ -71,6 +70,7 @@ class AsyncSemaphore:
             slots for parked runs: it must publish their payloads. None leaves them to the
             workers' sweep.
         handoff_grace (float): seconds a reservation is kept for its run alone. Default 1.0.
+        rate (RateSpec): start rates of every key, as for :class:`Semaphore`. Default None.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -101,20 +101,12 @@ class AsyncSemaphore:
         claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
+        rate: RateSpec = None,
     ) -> None:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
-        client: AsyncClient
-        if isinstance(redis, str):
-            client = async_client_from_url(redis)
-        elif isinstance(redis, (AsyncRedis, AsyncRedisCluster)) and not hasattr(redis, "execute"):
-            client = redis  # a pipeline is a Redis subclass, but cannot run our calls
-        else:
-            raise SemaphoreValidationError(
-                "redis must be a redis.asyncio.Redis or redis.asyncio.RedisCluster client or a "
-                f"URL, got {type(redis).__name__}"
-            )
-        self.client = client
+        self.rates = rates_of(rate)
+        self.client = client = async_client_of(redis)
         self._owns_client = isinstance(redis, str)
         self.names = Namespace(self.prefix, isinstance(client, AsyncRedisCluster))
         scripts = AsyncScripts(client)
@@ -141,6 +133,7 @@ class AsyncSemaphore:
         retry_delay: float = 0.1,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0.0,
+        units: Mapping[str, int] | None = None,
     ) -> AsyncSlot | None:
         """Take a slot of ``key`` (one round trip per attempt), or None when all are held.
 
@@ -164,6 +157,7 @@ class AsyncSemaphore:
                 release that frees one (BLPOP on the same wake list as
                 :meth:`Semaphore.acquire`; no polling). Not together with ``retries``.
                 Default 0: fail fast.
+            units (Mapping[str, int] | None): as for :meth:`Semaphore.acquire`.
 
         Returns:
             AsyncSlot | None: the slot, which the caller must release; None if every attempt
@@ -181,6 +175,7 @@ class AsyncSemaphore:
         weight = check.check_weight(weight, limit)
         acquirer = self._acquirer
         info = acquirer.metadata(metadata, limit, weight)
+        rated = acquire_rates(self.rates, units) if self.rates or units else ()
         keys = self.names.keys_of(key)
         token = new_token()
         with acquire_span(key, limit) as record:
@@ -188,7 +183,7 @@ class AsyncSemaphore:
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, info, limit, weight)
+                reply = await acquirer.take(keys, key, token, ms, info, limit, weight, rated)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -198,7 +193,7 @@ class AsyncSemaphore:
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
                 slot = await acquirer.wait(
-                    keys, key, token, seconds, info, reply, wait, limit, weight
+                    keys, key, token, seconds, info, reply, wait, limit, weight, rated
                 )
                 if slot is not None:
                     record(attempts, "acquired")

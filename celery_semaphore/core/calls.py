@@ -92,20 +92,23 @@ def call_of(
 
 
 def acquire_argv(
-    limit: int, lease_ms: int, token: str, metadata: str | bytes, weight: int
-) -> tuple[str | bytes | int, ...]:
-    """acquire.lua's ARGV (the weight only when above 1)."""
+    limit: int, lease_ms: int, token: str, metadata: str | bytes, weight: int,
+    rated: tuple[str | int, ...] = (),
+) -> tuple[str | bytes | int, ...]:  # fmt: skip
+    """acquire.lua's ARGV (the weight only when above 1 or with rates, ``rated``)."""
     # Digits as bytes: redis-py sends them as they are, where an int takes it four checks.
-    if weight == 1:
+    if weight == 1 and not rated:
         return b"%d" % limit, b"%d" % lease_ms, token, metadata
-    return b"%d" % limit, b"%d" % lease_ms, token, metadata, weight
+    return b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, *rated
 
 
 def acquire_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
-) -> Call[Admitted | Full]:
-    """Take ``weight`` units of the key if its live holders leave that many of ``limit``."""
-    args = acquire_argv(limit, lease_ms, token, metadata, weight)
+    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1,
+    rated: tuple[str | int, ...] = (),
+) -> Call[Admitted | Full]:  # fmt: skip
+    """Take ``weight`` units of the key if its live holders leave that many of ``limit``
+    and its start rates (``rated``) allow it."""
+    args = acquire_argv(limit, lease_ms, token, metadata, weight, rated)
     return call_of("acquire", keys, args, functools.partial(parse_acquire, limit=limit,
                                                         lease_ms=lease_ms))  # fmt: skip
 

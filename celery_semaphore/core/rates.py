@@ -180,6 +180,24 @@ def units_from(
     return units_for(rates, {r.name: r.units(*args, **kwargs) for r in rates if callable(r.units)})
 
 
+def acquire_rates(rates: Sequence[Rate], units: Mapping[str, int] | None) -> tuple[str | int, ...]:
+    """acquire.lua's rate arguments: the count, then each rate's name, interval, burst and
+    this call's units, checked (``()`` for no rate).
+
+    Raises:
+        SemaphoreValidationError: a unit count is invalid.
+    """
+    if not rates:
+        if units:
+            raise SemaphoreValidationError(f"units given for no rate: {dict(units)}")
+        return ()
+    found = units_for(rates, units)
+    args: list[str | int] = [len(rates)]
+    for rate in rates:
+        args += [rate.name, f"{rate.interval_ms:.6f}", rate.burst, found[rate.name]]
+    return tuple(args)
+
+
 def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
     """park.lua's rate arguments for a ``rate`` option and a run's ``units``, checked: the
     key's rates and the run's units that are not 1 (``("", "")`` for none).

@@ -98,11 +98,16 @@ class Full:
     now_ms: int
     first_expiry_ms: int
     limit: int = 0
+    start_ms: int = 0
+    """When a start rate allows the call (epoch ms), if a rate refused it; 0: the slots."""
 
     def first_lapse(self, now_ms: int) -> float:
         """Seconds from ``now_ms`` (epoch ms) until the soonest lease lapses, at least 1 ms;
         infinity when no unit is held (a weight above a lowered live limit: no lapse frees
-        room, only a release elsewhere or a raised limit, both of which wake the caller)."""
+        room, only a release elsewhere or a raised limit, both of which wake the caller).
+        Refused by a rate: until the rate allows the call."""
+        if self.start_ms:
+            return max(0.001, (self.start_ms - now_ms) / 1000)
         if not self.first_expiry_ms:
             return math.inf
         return max(0.001, (self.first_expiry_ms - now_ms) / 1000)
@@ -140,7 +145,8 @@ def parse_acquire(reply: Any, limit: int, lease_ms: int) -> Admitted | Full:
         return Admitted(reply + lease_ms, reply, limit)
     if int(reply[0]) == 1:
         return Admitted(int(reply[1]), int(reply[2]), int(reply[3]))
-    return Full(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+    start = int(reply[5]) if len(reply) > 5 else 0
+    return Full(int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), start)
 
 
 def parse_acquire_many(reply: Any) -> list[Admitted] | tuple[int, Full]:

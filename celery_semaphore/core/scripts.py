@@ -59,9 +59,9 @@ _MANY = ("park_many", "gather")
 room.lua's at their top."""
 
 
-_RATES = (*_ROOM, "set_rate")
+_RATES = (*_ROOM, "acquire", "set_rate")
 """Scripts that take slots under start rates, or set them (``lua/rates.lua``, at their
-top): the room's, whose hand-offs give a run its start."""
+top)."""
 
 
 def _source(name: str) -> str:
@@ -245,10 +245,12 @@ class Scripts:
             return list(pipe.execute(raise_on_error=False))
 
     def acquire(
-        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
-    ) -> Admitted | Full:
-        """Take ``weight`` units if the live holders leave that many (one round trip)."""
-        args = acquire_argv(limit, lease_ms, token, self._metadata(metadata), weight)
+        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1,
+        rated: tuple[str | int, ...] = (),
+    ) -> Admitted | Full:  # fmt: skip
+        """Take ``weight`` units if the live holders leave that many and every start rate
+        (``rated``: :func:`.rates.acquire_rates`) allows it (one round trip)."""
+        args = acquire_argv(limit, lease_ms, token, self._metadata(metadata), weight, rated)
         reply = self._send("acquire", self._encoded(keys).acquire + args)
         return parse_acquire(reply, limit, lease_ms)
 

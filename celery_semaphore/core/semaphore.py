@@ -38,6 +38,7 @@ from .options import (
     semaphore_options,
 )
 from .process import new_token
+from .rates import RateSpec, acquire_rates, rates_of
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
 from .room import WaitingRoom
@@ -75,6 +76,9 @@ class Semaphore:
             :class:`HandoffRoute`); None: they lapse, and a sweep hands them out again.
         handoff_grace (float): seconds a reservation is kept for its waiter alone (see
             :class:`HandoffRoute`). Default 1.0; 0: strict order.
+        rate (RateSpec): start rates of every key (``"500/m"``, a :class:`Rate`, or a list
+            of them; see :mod:`.rates`): an acquire is refused, or waits, until every rate
+            allows it. Default None: none.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -107,8 +111,10 @@ class Semaphore:
         claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
+        rate: RateSpec = None,
     ) -> None:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
+        self.rates = rates_of(rate)
         self.client = client = client_of(redis)
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = Scripts(cast(Redis, client))
@@ -137,6 +143,7 @@ class Semaphore:
         retry_delay: float = 0.1,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0.0,
+        units: Mapping[str, int] | None = None,
     ) -> Slot | None:
         """Take a slot of ``key`` (one round trip per attempt), or None when all are held.
 
@@ -160,6 +167,9 @@ class Semaphore:
                 release that frees one (no polling; see :mod:`~celery_semaphore.core.wake`).
                 A slot the release hands to a parked waiter (:meth:`WaitingRoom.park`) does
                 not wake anyone. Not together with ``retries``. Default 0: fail fast.
+            units (Mapping[str, int] | None): this call's units of each of the semaphore's
+                start rates, by name (default: each rate's own). A call a rate refuses
+                counts as one that found the key full; ``wait`` then waits for the rate.
 
         Returns:
             Slot | None: the slot, which the caller must release; None if every attempt found
@@ -180,6 +190,7 @@ class Semaphore:
         checked = self._checked(key, limit, weight, lease, retries, retry_delay, wait, plain)
         key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
         info = self._record.encode(metadata, limit, weight)
+        rated = acquire_rates(self.rates, units) if self.rates or units else ()
         token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
@@ -187,7 +198,7 @@ class Semaphore:
                     time.sleep(delay)
                 sent_at = time.monotonic()
                 try:
-                    reply = self._scripts.acquire(keys, limit, ms, token, info, weight)
+                    reply = self._scripts.acquire(keys, limit, ms, token, info, weight, rated)
                 except REDIS_ERRORS as exc:
                     raise backend_error(exc, key, limit) from exc
                 if isinstance(reply, Admitted):
@@ -203,7 +214,7 @@ class Semaphore:
                     self._scripts, cast(Redis, self.client), keys, key, token, seconds, info,
                     wait, limit, weight,
                     lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
-                                                      weight),
+                                                      weight), rated,
                 )  # fmt: skip
                 if slot is not None:
                     record(attempts, "acquired")
@@ -211,16 +222,8 @@ class Semaphore:
             record(attempts, "full")
         return None
 
-    def _slot(
-        self,
-        keys: Keys,
-        key: str,
-        token: str,
-        lease: float,
-        admitted: Admitted,
-        sent_at: float,
-        weight: int = 1,
-    ) -> Slot:
+    def _slot(self, keys: Keys, key: str, token: str, lease: float, admitted: Admitted,
+              sent_at: float, weight: int = 1) -> Slot:  # fmt: skip
         return Slot(
             self._scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
             self.handoffs, weight,

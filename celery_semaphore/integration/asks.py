@@ -98,10 +98,9 @@ def take(
             ask.many, metadata=metadata, retries=retries, retry_delay=retry_delay
         )
     if wait:
-        return semaphore.acquire(
-            ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata, wait=wait
-        )
+        return semaphore.acquire(ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata,
+                                 wait=wait, units=ask.units)  # fmt: skip
     return semaphore.acquire(
         ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata, retries=retries,
-        retry_delay=retry_delay,
+        retry_delay=retry_delay, units=ask.units,
     )  # fmt: skip

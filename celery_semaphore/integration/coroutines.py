@@ -29,6 +29,7 @@ from ..asyncio.clients import AsyncClient
 from ..asyncio.guard import guard
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
+from ..core.rates import units_from
 from ..core.refusals import is_paused_async, not_acquired
 from ..errors import SemaphoreValidationError
 from .current import UNBOUNDED
@@ -89,6 +90,7 @@ class CoroutineRunner:
                 claim_timeout=policy.claim_timeout,
                 on_handoff=None if app is None else publisher_for(app),
                 handoff_grace=policy.handoff_grace,
+                rate=policy.rates,
             )
             found = made[app] = (semaphore, policy, limits)
         return found
@@ -125,9 +127,10 @@ class CoroutineRunner:
         weight = runner.weights.for_call(key, limit, args, kwargs)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0
         interval = check.heartbeat_interval(policy.heartbeat, policy.lease)
+        units = units_from(policy.rates, args, kwargs) if policy.rates else None
         slot = await semaphore.acquire(
             key, limit=limit, weight=weight, retries=0 if wait else runner.retries,
-            retry_delay=runner.retry_delay, wait=wait,
+            retry_delay=runner.retry_delay, wait=wait, units=units,
         )  # fmt: skip
         if slot is None:
             raise not_acquired(key, limit, wait, paused=await is_paused_async(semaphore.admin, key))

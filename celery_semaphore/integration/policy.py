@@ -75,10 +75,11 @@ class Policy:
             order.
         wait_timeout (float): with ``"wait"``: seconds a run waits in the worker before
             it parks (after the ``wait_timeout`` of Sidekiq Enterprise's concurrent limiter).
-        rate (RateSpec): with ``"queue"`` or ``"wait"``: the key's start rate or rates,
-            fleet-wide (``"500/m"``, a :class:`~celery_semaphore.core.rates.Rate`, or a list
-            of them); a run starts only when every rate allows it, and waits in the room
-            until then. None: no rate.
+        rate (RateSpec): the key's start rate or rates, fleet-wide (``"500/m"``, a
+            :class:`~celery_semaphore.core.rates.Rate`, or a list of them); a run starts
+            only when every rate allows it. In the room (``"queue"``, ``"wait"``) it waits
+            there and is handed its slot for the instant the rates allow; otherwise a run
+            over the rate is refused as one that found every slot held. None: no rate.
     """
 
     lease: float = DEFAULT_LEASE
@@ -118,11 +119,7 @@ class Policy:
         check.check_delay(self.wait_timeout, "wait_timeout")
         if self.queue_timeout is not None:
             check.check_delay(self.queue_timeout, "queue_timeout")
-        if self.rates and not self.parks:
-            raise SemaphoreValidationError(
-                f"rate needs the waiting room, where a run waits for its start: "
-                f"on_full='queue' or 'wait', not {self.on_full!r}"
-            )
+        self.rates  # noqa: B018  (checked now: a bad rate fails at bind, not at a run)
 
     @functools.cached_property
     def rates(self) -> tuple[Rate, ...]:

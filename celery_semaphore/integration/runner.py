@@ -200,7 +200,7 @@ class Runner:
                 semaphore = Semaphore(
                     client, limits.default, policy.lease, prefix,
                     claim_timeout=policy.claim_timeout, handoff_grace=policy.handoff_grace,
-                    on_handoff=None if app is None else publisher_for(app),
+                    on_handoff=None if app is None else publisher_for(app), rate=policy.rates,
                 )  # fmt: skip
                 found = Bound(semaphore, policy, limits)
                 warn_if_deprecated(policy, self.template.source)

@@ -11,6 +11,9 @@
 -- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
 -- ARGV[5]  weight     how many units of the limit the holder takes (integer >= 1): its
 --                     token, then "<token>#2".."<token>#<weight>" are members of the set
+-- ARGV[6]  rates      how many start rates the key has (absent: none), then for each from
+--                     ARGV[7]: name, interval_ms, burst, and the units this call takes
+--                     (see rates.lua); a slot is taken only if every rate allows it now
 --
 -- Returns now_ms when the token took a new slot under ARGV[1] (it expires at now_ms +
 --         lease_ms), or
@@ -19,7 +22,9 @@
 --         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free;
 --         first_expiry_ms is when the soonest lease lapses (so a caller that waits for a
 --         slot knows when one frees itself), or 0 when no unit is held (a weight above a
---         lowered live limit); limit is the one that applied.
+--         lowered live limit); limit is the one that applied; or
+--         {0, units_held, now_ms, 0, limit, start_ms} when a rate allows no start before
+--         start_ms (epoch ms), whether or not a slot is free.
 --
 -- The common answer is a bare integer because a client reads it several times faster
 -- than an array. Expired holders are pruned here when the key is full, so a crashed
@@ -43,6 +48,15 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local expires_at_ms = now_ms + lease_ms
 
 local live = redis.call('ZCARD', slots)
+local nrates, rates, units = tonumber(ARGV[6]) or 0, nil, nil
+if nrates > 0 then
+  rates, units = rates_read(KEYS[3], ARGV, 7, nrates, 4), {}
+  for i = 0, nrates - 1 do units[ARGV[7 + 4 * i]] = tonumber(ARGV[10 + 4 * i]) end
+  local mine = tonumber(redis.call('ZSCORE', slots, token))
+  if mine and mine > now_ms then return {1, mine, now_ms, limit} end
+  local start = rates_start(rates, units, now_ms)
+  if start > now_ms then return {0, live, now_ms, 0, limit, start} end
+end
 -- A plain holder on a key with a free slot is added in one step; NX leaves a token that is
 -- already a member (a resent call) to the checks below.
 if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms, token) == 0 then
@@ -68,6 +82,7 @@ if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms,
   for i = 2, weight do redis.call('ZADD', slots, expires_at_ms, token .. '#' .. i) end
 end
 redis.call('HSET', holders, token, now_ms .. '|' .. ARGV[4])
+if rates then rates_take(KEYS[3], rates, units, now_ms, now_ms) end
 -- Both keys outlive every live lease, so an abandoned semaphore disappears by itself (within
 -- two leases). Raising the TTL to twice the lease whenever it is below one lease makes the
 -- two PEXPIREs about once per lease on a busy key, instead of on every acquire, which
