@@ -101,33 +101,45 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _cell(rows: list[dict[str, Any]], field: str, form: str = "{:.0f}") -> str:
+    """Median (min-max) of ``field`` over the rounds."""
+    values = [row[field] for row in rows]
+    median = form.format(statistics.median(values))
+    if len(values) == 1:
+        return median
+    return f"{median} ({form.format(min(values))}-{form.format(max(values))})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--duration", type=float, default=0.05)
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS))
     args = parser.parse_args()
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.setups}
+    for _ in range(args.rounds):  # interleaved: each round runs every setup once
+        for name in args.setups:
+            rows[name].append(run(name, args))
+            print(f"{name}: {rows[name][-1]}", file=sys.stderr, flush=True)
     table = Table(
         title=f"{args.runs} runs, {args.workers} prefork workers -c {args.concurrency}, limit 20,"
-        f" bodies of {args.duration}s; units are runs (requests) or tokens"
+        f" bodies of {args.duration}s, {args.rounds} round(s): median (min-max); units are runs"
+        " (requests) or tokens"
     )
     for column in ("setup", "busiest second: starts", "granted", "rate + burst",
-                   "steady 30 s, per s", "off the rate", "start after due: median, p95, max ms",
+                   "steady 30 s, per s", "start after due, ms: median", "p95", "max",
                    "runs"):  # fmt: skip
         table.add_column(column)
-    for name in args.setups:
-        found = run(name, args)
-        print(f"{name}: {found}", file=sys.stderr, flush=True)
-        off = found["steady"] / found["rate"] - 1
-        table.add_row(name, str(found["busiest_second"]), str(found["busiest_granted"]),
-                      f"{found['bound']:g}",
-                      f"{found['steady']:.1f}", f"{off:+.1%}",
-                      f"{found['late_median']:.0f}, {found['late_p95']:.0f}, "
-                      f"{found['late_max']:.0f}",
-                      str(found["runs"]))  # fmt: skip
-    Console(width=160).print(table)
+    for name, found in rows.items():
+        table.add_row(name, _cell(found, "busiest_second"), _cell(found, "busiest_granted"),
+                      f"{found[0]['bound']:g}", _cell(found, "steady", "{:.1f}"),
+                      _cell(found, "late_median"), _cell(found, "late_p95"),
+                      _cell(found, "late_max"),
+                      "/".join(str(r["runs"]) for r in found))  # fmt: skip
+    Console(width=180).print(table)
 
 
 if __name__ == "__main__":
