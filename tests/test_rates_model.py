@@ -50,7 +50,10 @@ def conforms(grants: list[tuple[float, int]], rate: Rate) -> str | None:
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(ops=OPS)
 def test_every_grant_keeps_to_the_rate(
