@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from kombu.exceptions import OperationalError
 
 from celery_semaphore.core.replies import Handoff
@@ -80,10 +81,12 @@ def prefork_worker_process(
 
 def _answers(app: Any, name: str) -> bool:
     """Whether worker ``name`` answers a ping; a broker that drops the connection meanwhile
-    (RabbitMQ resets one now and then while many tests connect at once) counts as not yet."""
+    (RabbitMQ resets one now and then while many tests connect at once; kombu's Redis
+    transport lets redis-py's ConnectionError through from a BRPOP it starts on a pooled
+    connection the server closed) counts as not yet."""
     try:
         return bool(app.control.ping(destination=[name], timeout=0.5))
-    except (OSError, OperationalError):
+    except (OSError, OperationalError, redis.exceptions.ConnectionError):
         return False
 
 
