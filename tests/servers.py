@@ -44,6 +44,23 @@ def _free_cluster_port(taken: set[int]) -> int:
     raise RuntimeError("found no free port pair for a cluster node")
 
 
+def _start_node(node: RedisServer, others: set[int], tries: int = 5) -> RedisServer:
+    """Start cluster ``node``; if it exits at once (another process took its port or its bus
+    port after they were picked: tests run in parallel), start one like it on a new pair.
+
+    Raises:
+        RuntimeError: no pair worked in ``tries``.
+    """
+    for _ in range(tries - 1):
+        try:
+            return node.start()
+        except RuntimeError:
+            node.close()
+            node = RedisServer(_free_cluster_port(others), node.binary, node.extra_args,
+                               node.startup_timeout)  # fmt: skip
+    return node.start()
+
+
 def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """Poll ``predicate`` every 20 ms until it is true; Redis errors count as false.
 
@@ -154,8 +171,8 @@ class ClusterServers(_Managed):
                 ``startup_timeout`` seconds. Every process started is stopped first.
         """
         try:
-            for node in self.nodes:
-                node.start()
+            for i, node in enumerate(self.nodes):
+                self.nodes[i] = _start_node(node, {n.port for n in self.nodes if n is not node})
             command = [self.cli, "--cluster", "create", *self.addresses,
                        "--cluster-replicas", "0", "--cluster-yes"]  # fmt: skip
             try:
