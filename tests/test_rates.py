@@ -140,8 +140,15 @@ def test_a_semaphore_with_a_rate_refuses_then_waits_for_it(redis_server: RedisSe
     assert second.acquired_at - first.acquired_at >= 0.5 - 0.002
     assert time.monotonic() - started < 4.0
     tokens = Semaphore(redis_server.url, limit=5, rate=Rate("10/s", name="tokens", burst=5))
-    assert tokens.acquire("t", units={"tokens": 5}) is not None
-    assert tokens.acquire("t", units={"tokens": 1}) is None  # the bucket is empty
+    with tokens.hold("t", units={"tokens": 5}):
+        assert tokens.acquire("t", units={"tokens": 1}) is None  # the bucket is empty
+    with pytest.raises(SemaphoreValidationError, match="units for no rate of the key"):
+        sem.acquire("k", units={"tokens": 1})  # nothing is sent
+    plain = Semaphore(redis_server.url, limit=5)
+    with pytest.raises(SemaphoreValidationError, match="units given for no rate"):
+        plain.acquire("p", units={"tokens": 1})
+    assert plain.client.exists("semaphore:{p}") == 0
+    plain.client.close()
     with pytest.raises(SemaphoreValidationError, match="from 1 to the burst"):
         tokens.acquire("t", units={"tokens": 6})
     sem.client.close()
@@ -176,6 +183,16 @@ def test_a_plain_call_of_a_rated_function_is_held_to_the_rate(app: Celery) -> No
     with pytest.raises(SemaphoreNotAcquiredError):
         call(2)  # fails fast: the next unit is half a second away
     assert patient(3) == 3  # retries until the rate allows it
+
+    tokens = Rate("10/s", name="tokens", burst=5, units=lambda n: n)
+
+    @bounded("rated-tokens", 5, rate=tokens, app=app)
+    def spend(n: int) -> int:
+        return n
+
+    assert spend(5) == 5  # the whole bucket: units from the call's own arguments
+    with pytest.raises(SemaphoreNotAcquiredError):
+        spend(1)
 
 
 def test_a_rate_holds_a_worker_to_its_starts(

@@ -216,6 +216,7 @@ class AsyncSemaphore:
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0.0,
         interrupt: bool = False,
+        units: Mapping[str, int] | None = None,
     ) -> AsyncIterator[AsyncSlot]:
         """Hold a slot of ``key`` for the ``async with`` block, renewing it in the background.
 
@@ -237,6 +238,7 @@ class AsyncSemaphore:
             interrupt (bool): cancel the task running the block the moment the slot is lost
                 (the block sees :class:`asyncio.CancelledError` at its current ``await``).
                 Default False: the block runs on, and can watch ``slot.lost``.
+            units (Mapping[str, int] | None): as for :meth:`acquire`.
 
         Yields:
             AsyncSlot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
@@ -256,7 +258,7 @@ class AsyncSemaphore:
         closes = self._acquirer.closes
         slot = await self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
-            retry_delay=retry_delay, metadata=metadata, wait=wait,
+            retry_delay=retry_delay, metadata=metadata, wait=wait, units=units,
         )  # fmt: skip
         if slot is None:
             limit = self.limit if limit is None else limit

@@ -244,6 +244,7 @@ class Semaphore:
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0.0,
         interrupt: bool = False,
+        units: Mapping[str, int] | None = None,
     ) -> Iterator[Slot]:
         """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
 
@@ -266,6 +267,7 @@ class Semaphore:
                 the thread running the block the moment the slot is lost (see
                 :mod:`~celery_semaphore.core.interrupt`). Default False: the block runs on,
                 and can watch ``slot.lost``.
+            units (Mapping[str, int] | None): as for :meth:`acquire`.
 
         Yields:
             Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
@@ -283,7 +285,7 @@ class Semaphore:
         check.check_flag(interrupt, "interrupt")
         slot = self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
-            retry_delay=retry_delay, metadata=metadata, wait=wait,
+            retry_delay=retry_delay, metadata=metadata, wait=wait, units=units,
         )  # fmt: skip
         if slot is None:
             raise not_acquired(key, self._limit(limit), wait, paused=is_paused(self.admin, key))

@@ -97,8 +97,7 @@ class Runner:
             are held (0: fail fast).
         retry_delay (float): for a plain function call only: seconds between attempts.
         weight (int | Callable[..., int] | None): units of the limit each run takes, or a
-            callable of the task's arguments returning them (see :class:`~.limits.WeightSpec`);
-            None: 1.
+            callable of the task's arguments returning them (:class:`~.limits.WeightSpec`).
         fair_by (str | Callable[..., str] | None): the tenant of each run for fair turns, a
             template or callable as for ``semaphore``: runs waiting in the room take turns
             across tenants (see :meth:`WaitingRoom.park`); None: arrival order.
@@ -262,7 +261,8 @@ class Runner:
     def _call_plain(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
         app = self.app if self.app is not None or self.redis is not None else get_current_app()
         bound = self.resolve(app)
-        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
+        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs,
+                      rates=bound.policy.rates)  # fmt: skip
         names = Names.of(ask.keys, self.template.sources)
         started = time.monotonic()
         slot = take(bound.semaphore, ask, retries=self.retries, retry_delay=self.retry_delay)
@@ -274,7 +274,8 @@ class Runner:
 
     def _call_waiting(self, task: Task, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         semaphore, policy, _ = bound = self.resolve(task.app)
-        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs)
+        ask = ask_for(self.template, bound.limits, self.weights, args, kwargs,
+                      rates=bound.policy.rates)  # fmt: skip
         names = Names.of(ask.keys, self.template.sources)
         budget = policy.wait_budget()
         started = time.monotonic()
