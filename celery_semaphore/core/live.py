@@ -50,7 +50,8 @@ class Pause:
     by: str
 
 
-def _text(value: Any) -> str:
+def text_of(value: Any) -> str:
+    """A Redis reply's value as text (bytes decoded as UTF-8, undecodable bytes replaced)."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -66,7 +67,7 @@ def setter() -> str:
 def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
     """The live limit a key's limits hash holds, read from HGETALL's reply (bytes or text),
     or None when the hash holds none."""
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
     if "limit" not in fields:
         return None
     return LiveLimit(int(fields["limit"]), int(fields.get("set_at", 0)) / 1000,
@@ -76,7 +77,7 @@ def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
 def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
     """The pause a key's limits hash records, read from HGETALL's reply (bytes or text), or
     None when the key is not paused."""
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
     if "paused_at" not in fields:
         return None
     return Pause(int(fields["paused_at"]) / 1000, fields.get("paused_by", ""))

@@ -15,9 +15,9 @@ from typing import Any
 
 from . import validation as check
 from .calls import Call, call_of
-from .live import setter
+from .live import setter, text_of
 from .names import Keys
-from .rates import Rate
+from .rates import Rate, check_rate_name
 
 logger = logging.getLogger(__name__)
 
@@ -64,13 +64,9 @@ class RateState:
     due_in: float = 0.0
 
 
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def live_rates_of(raw: Mapping[Any, Any]) -> dict[str, LiveRate]:
     """The live rates a key's limits hash holds (HGETALL's reply, bytes or text), by name."""
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
     found = {}
     for field, spec in fields.items():
         if field.startswith("rate_spec:"):
@@ -84,7 +80,7 @@ def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tu
     """Each start rate of a key: from its limits hash (HGETALL's reply: TATs and live
     rates) and ``declared``, the rates its room last recorded (``"!rates"``, None: none),
     at the server's ``now_ms``."""
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
     lives = live_rates_of(raw)
     given: dict[str, tuple[float, int]] = {}
     items = (declared or "").split()
@@ -113,19 +109,26 @@ def read_rate_states(
 ) -> tuple[RateState, ...]:
     """The start rates of the key of ``keys`` (see :func:`rate_states`), read from Redis:
     its limits hash (or ``raw``, HGETALL's reply already read), its room's ``"!rates"`` and
-    the server's clock; () for a key with no rate (then one round trip, or none).
+    the server's clock: one round trip, and one more for the clock when the key has a rate
+    (() when it has none).
 
     Raises:
         redis.RedisError: Redis failed (the caller words it).
     """
-    if raw is None:
-        raw = client.hgetall(keys.limits)
-    declared = client.hget(keys.parked, "!rates")
+    if raw is None:  # both keys share a hash slot: one round trip, on a cluster too
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.limits)
+            pipe.hget(keys.parked, "!rates")
+            raw, declared = pipe.execute()
+    else:
+        declared = client.hget(keys.parked, "!rates")
     names = (k if isinstance(k, bytes) else str(k).encode() for k in raw)
     if not declared and not any(name.startswith((b"tat:", b"rate:")) for name in names):
         return ()
     seconds, micros = client.time()
-    return rate_states(raw, _text(declared) if declared else None, seconds * 1000 + micros // 1000)
+    return rate_states(
+        raw, text_of(declared) if declared else None, seconds * 1000 + micros // 1000
+    )
 
 
 def rate_change(
@@ -138,11 +141,10 @@ def rate_change(
         SemaphoreValidationError: ``key``, ``rate``, ``name`` or ``by`` is invalid.
     """
     checked = check.check_key(key)
+    name = check_rate_name(name, "rate ")
     new = None
     if rate is not None:
         new = rate if isinstance(rate, Rate) else Rate(rate, name=name)  # type: ignore[arg-type]
-    else:
-        Rate(1, name=name)  # type: ignore[arg-type]  # the name alone, checked
     return checked, new, setter() if by is None else check.check_key(by, "by")
 
 
@@ -158,7 +160,7 @@ def set_rate_call(
     )
 
     def parse(reply: Any) -> tuple[str | None, int]:
-        return _text(reply[0]) or None, int(reply[1])
+        return text_of(reply[0]) or None, int(reply[1])
 
     return call_of("set_rate", keys, args, parse)
 

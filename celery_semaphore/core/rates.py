@@ -65,11 +65,7 @@ class Rate:
                 f"rate {self.spec!r}: burst must be an int from 1 to {MAX_BURST}, "
                 f"got {self.burst!r}"
             )
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise SemaphoreValidationError(
-                f"rate {self.spec!r}: name must be 1 to 64 letters, digits or '_', "
-                f"got {self.name!r}"
-            )
+        check_rate_name(self.name, f"rate {self.spec!r}: ")
         if not callable(self.units):
             check_units(self, self.units)
 
@@ -83,8 +79,15 @@ class Rate:
         """The rate as rates.lua reads it: ``"<name> <interval_ms> <burst>"``."""
         return f"{self.name} {self.interval_ms:.6f} {self.burst}"
 
-    def __str__(self) -> str:
-        return f"{self.name} {self.spec} (burst {self.burst})"
+
+def check_rate_name(name: object, where: str = "") -> str:
+    """``name`` if it names a rate (1 to 64 letters, digits or ``_``), else raise
+    :class:`SemaphoreValidationError`, its message starting with ``where``."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise SemaphoreValidationError(
+            f"{where}name must be 1 to 64 letters, digits or '_', got {name!r}"
+        )
+    return name
 
 
 def parse_rate(spec: object, name: str = "rate") -> tuple[float, float]:
@@ -155,9 +158,12 @@ def units_for(rates: Sequence[Rate], units: Mapping[str, int] | None) -> dict[st
     """Each rate's units for one run: ``units[name]``, else the rate's fixed units, checked.
 
     Raises:
-        SemaphoreValidationError: a unit count is invalid, or names no rate of the key.
+        SemaphoreValidationError: a unit count is invalid, or names no rate of the key (or
+            units are given and the key has no rate).
     """
     given = dict(units or {})
+    if given and not rates:
+        raise SemaphoreValidationError(f"units given for no rate: {given}")
     unknown = sorted(set(given) - {rate.name for rate in rates})
     if unknown:
         raise SemaphoreValidationError(f"units for no rate of the key: {unknown}")
@@ -187,11 +193,9 @@ def acquire_rates(rates: Sequence[Rate], units: Mapping[str, int] | None) -> tup
     Raises:
         SemaphoreValidationError: a unit count is invalid.
     """
-    if not rates:
-        if units:
-            raise SemaphoreValidationError(f"units given for no rate: {dict(units)}")
-        return ()
     found = units_for(rates, units)
+    if not rates:
+        return ()
     args: list[str | int] = [len(rates)]
     for rate in rates:
         args += [rate.name, f"{rate.interval_ms:.6f}", rate.burst, found[rate.name]]
@@ -206,10 +210,8 @@ def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
         SemaphoreValidationError: a rate or a unit count is invalid.
     """
     rates = rates_of(spec)
-    if not rates:
-        if units:
-            raise SemaphoreValidationError(f"units given for no rate: {dict(units)}")
-        return "", ""
     found = units_for(rates, units)
+    if not rates:
+        return "", ""
     return (" ".join(rate.lua() for rate in rates),
             ",".join(f"{name}={u}" for name, u in found.items() if u != 1))  # fmt: skip

@@ -180,6 +180,7 @@ class WaitingRoom:
         """Take the slot a hand-off reserved for ``waiter`` (its run has started).
 
         Its other arguments are :meth:`park`'s (``weight`` the one the waiter parked with).
+        A reservation for a start rate's instant still to come is waited for (sleeping).
 
         Args:
             delivery (str): an id of the message that started this run (each publish of a
@@ -195,13 +196,12 @@ class WaitingRoom:
         Errors as :meth:`park`.
         """
         check_delivery(delivery)
-        while True:  # a run that came early for a start rate's instant waits for it
-            result = self._one(key, waiter, b"", None, lease, metadata, 0, room_ttl, True, 0,
-                               delivery, limit, weight, ("", 0, ("", "")), None)  # fmt: skip
-            if not isinstance(result, Early):
-                assert not isinstance(result, RoomFull)
-                return result
+        while isinstance(result := self._one(key, waiter, b"", None, lease, metadata, 0,
+                         room_ttl, True, 0, delivery, limit, weight, ("", 0, ("", "")),
+                         None), Early):  # fmt: skip
             time.sleep(result.wait_ms / 1000)
+        assert not isinstance(result, RoomFull)
+        return result
 
     def _one(
         self, key: str, waiter: str, payload: bytes | Callable[[], bytes], arrival: float | None,

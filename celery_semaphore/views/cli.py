@@ -85,7 +85,7 @@ def _live(sem: SemaphoreView | Standing) -> str:
         said += f" PAUSED by {sem.paused.by} at {_when(sem.paused.paused_at)}"
     if sem.live is not None:
         said += f" (live limit {sem.live.limit}, set by {sem.live.by} at {_when(sem.live.set_at)})"
-    for rate in getattr(sem, "rates", ()):
+    for rate in sem.rates:
         said += f"\n  rate {rate.name}: " + _rate(rate)
     return said
 

@@ -267,7 +267,8 @@ class RoomCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Yield ``semaphore_queued``, ``semaphore_oldest_wait_seconds`` and the start
-        rates' gauges of the keys with a backlog (one more round trip per such key)."""
+        rates' gauges of the keys with a backlog (one more round trip per such key, two when
+        it has a rate: the store's clock)."""
         queued = GaugeMetricFamily(
             f"{self.namespace}semaphore_queued", "Runs parked in the waiting room.", labels=["key"]
         )

@@ -21,7 +21,7 @@ import redis
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
-from ..core.live import LiveLimit, Pause, live_limit_of, pause_of
+from ..core.live import LiveLimit, Pause, live_limit_of, pause_of, text_of
 from ..core.live_rates import RateState, rate_states, read_rate_states
 from ..core.names import Namespace
 from ..core.scripts import backend_errors
@@ -102,7 +102,7 @@ def _rooms_of(client: redis.Redis, names: Namespace, task_id: str) -> Iterator[s
     """The keys of the indexed rooms that hold ``task_id`` (parked or reserved)."""
     start = 0
     while True:
-        page = [_text(k) for k in client.zrange(names.room_index, start, start + PAGE - 1)]
+        page = [text_of(k) for k in client.zrange(names.room_index, start, start + PAGE - 1)]
         if not page:
             return
         with client.pipeline(transaction=False) as pipe:
@@ -132,7 +132,7 @@ def _standing(
             pipe.execute()
         )
     now = sec + usec / 1e6
-    arrival = re.match(r"\d*", _text(entry or "")).group(0)  # type: ignore[union-attr]
+    arrival = re.match(r"\d*", text_of(entry or "")).group(0)  # type: ignore[union-attr]
     state = "reserved" if reserved is not None else "passive" if passive else "parked"
     live, paused = live_limit_of(raw), pause_of(raw)
     limit = 0 if paused else live.limit if live else int(given) if given else None
@@ -142,7 +142,7 @@ def _standing(
         reserved_for=None if reserved is None else max(0.0, float(reserved) / 1000 - now),
         gives_up_in=None if deadline is None else float(deadline) / 1000 - now,
         limit=limit, live=live, paused=paused, holders=tuple(admin.holders(key)),
-        rates=rate_states(raw, _text(declared) if declared else None, sec * 1000 + usec // 1000),
+        rates=rate_states(raw, text_of(declared) if declared else None, sec * 1000 + usec // 1000),
     )  # fmt: skip
 
 
@@ -155,7 +155,3 @@ def _holding(client: redis.Redis, admin: SemaphoreAdmin, names: Namespace, key: 
     return Standing(key, "holding", None, int(client.zcard(names.keys_of(key).room)), None,
                     None, None, limit, live, paused, holders,
                     read_rate_states(client, names.keys_of(key), raw))  # fmt: skip
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -243,7 +243,8 @@ if reply[1] == 0 and grace_ms > 0 and not redis.call('ZSCORE', slots, '~' .. wai
   -- its instant), or nothing: every start stands on a unit of its own at its own instant.
   -- (A waiter this very call reserved a later instant for is not here for a slot now.)
   local stale = redis.call('ZRANGEBYSCORE', slots, '-inf', now + claim_ms - grace_ms)
-  local rates = #rate_list > 0 and rates_read(limits, rate_list, 1, #rate_list / 3, 3)
+  local rates = #stale > 0 and #rate_list > 0
+    and rates_read(limits, rate_list, 1, #rate_list / 3, 3)
   for _, member in ipairs(stale) do
     if string.sub(member, 1, 1) == '~' and not string.find(member, '#', 1, true)
         and redis.call('HEXISTS', parked, '!m:' .. string.sub(member, 2)) == 0 then

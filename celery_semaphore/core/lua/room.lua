@@ -205,12 +205,13 @@ end
 -- reserved until then plus the claim lease, recorded as the reservation's "start", and
 -- answered as {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to
 -- publish to start then (an instant, not a delay: a publish that comes late does not move
--- the start later, where it would crowd the next one). A waiter of several keys is not held to rates.
+-- the start later, where it would crowd the next one). A waiter of several keys is not
+-- held to rates. The rates are read at the first reservation: a call that reserves
+-- nothing (most releases into a full room) does not read them.
 local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
                              out)
   if claim_ms <= 0 then return end
-  local made = false
-  local rates = room_rates(slots, parked)
+  local made, rates = false, nil
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end
@@ -221,6 +222,7 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
       if redis.call('ZCARD', slots) + weight > limit then break end
       local keys = redis.call('HGET', parked, '!m:' .. waiter)
       local start = now
+      if rates == nil then rates = room_rates(slots, parked) or false end
       if rates and not keys then
         local units = rate_units_of(entry)
         start = rates_start(rates, units, now)
