@@ -41,7 +41,8 @@ T = TypeVar("T")
 
 ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 SCRIPT_KEYS = {
-    "acquire": slice(0, 3), "acquire_many": slice(0, 3), "extend": _PAIR,
+    "acquire": slice(0, 3), "acquire_rated": slice(0, 3), "acquire_many": slice(0, 3),
+    "extend": _PAIR,
     "count": slice(0, 1), "held": slice(0, 1), "holders": _PAIR,
     "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
     "release": ROOM_KEYS,
@@ -109,8 +110,8 @@ def acquire_call(
     """Take ``weight`` units of the key if its live holders leave that many of ``limit``
     and its start rates (``rated``) allow it."""
     args = acquire_argv(limit, lease_ms, token, metadata, weight, rated)
-    return call_of("acquire", keys, args, functools.partial(parse_acquire, limit=limit,
-                                                        lease_ms=lease_ms))  # fmt: skip
+    parse = functools.partial(parse_acquire, limit=limit, lease_ms=lease_ms)
+    return call_of("acquire_rated" if rated else "acquire", keys, args, parse)
 
 
 def acquire_many_call(

@@ -59,13 +59,14 @@ _MANY = ("park_many", "gather")
 room.lua's at their top."""
 
 
-_RATES = (*_ROOM, "acquire", "set_rate")
+_RATES = (*_ROOM, "acquire_rated", "set_rate")
 """Scripts that take slots under start rates, or set them (``lua/rates.lua``, at their
-top)."""
+top). ``acquire_rated`` is acquire.lua with them: the plain ``acquire``, the hot path,
+never takes the branch that calls them and does not carry them."""
 
 
 def _source(name: str) -> str:
-    text = _lua(name)
+    text = _lua("acquire" if name == "acquire_rated" else name)
     if name in _ROOM:
         if _ROOM_MARK in text:
             text = text.replace(_ROOM_MARK, _lua("room"))
@@ -251,7 +252,9 @@ class Scripts:
         """Take ``weight`` units if the live holders leave that many and every start rate
         (``rated``: :func:`.rates.acquire_rates`) allows it (one round trip)."""
         args = acquire_argv(limit, lease_ms, token, self._metadata(metadata), weight, rated)
-        reply = self._send("acquire", self._encoded(keys).acquire + args)
+        reply = self._send(
+            "acquire_rated" if rated else "acquire", self._encoded(keys).acquire + args
+        )
         return parse_acquire(reply, limit, lease_ms)
 
     def acquire_many(

@@ -13,7 +13,9 @@
 --                     token, then "<token>#2".."<token>#<weight>" are members of the set
 -- ARGV[6]  rates      how many start rates the key has (absent: none), then for each from
 --                     ARGV[7]: name, interval_ms, burst, and the units this call takes
---                     (see rates.lua); a slot is taken only if every rate allows it now
+--                     (see rates.lua); a slot is taken only if every rate allows it now.
+--                     Only the acquire_rated script, which has rates.lua above this one,
+--                     is sent rates (scripts.py)
 --
 -- Returns now_ms when the token took a new slot under ARGV[1] (it expires at now_ms +
 --         lease_ms), or
