@@ -97,6 +97,30 @@ def test_a_store_out_of_reach_is_one_line_repeated_with_a_backoff_and_runs_wait_
     assert len(outage()) <= 6, [r.getMessage() for _, r in outage()]
 
 
+def test_a_store_that_goes_again_during_the_first_checks_is_one_line_not_a_traceback(
+    redis_server: RedisServer, lines: _Lines
+) -> None:
+    """The worker's first checks of a store that answered (counters, server warnings) can
+    meet the store gone again; that is the outage the watch reports, in one line. Any other
+    failure of them keeps its traceback."""
+    from celery_semaphore.errors import SemaphoreBackendError
+    from celery_semaphore.integration.store_watch import StoreWatch
+
+    def gone() -> None:
+        raise SemaphoreBackendError("Redis failed: ConnectionError: connection refused")
+
+    def broken() -> None:
+        raise ValueError("a bug")
+
+    app = make_app(redis_server.url)
+    for check in (gone, broken):
+        assert StoreWatch(app, False, check).check()
+    said = lines.saying("could not check the semaphore store")
+    assert [r.exc_info is None for _, r in said] == [True, False]
+    assert "connection refused" in said[0][1].getMessage()
+    app.close()
+
+
 @pytest.mark.parametrize(
     ("args", "save", "expected"),
     [

@@ -23,6 +23,8 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.scripts import REDIS_ERRORS
+from ..errors import SemaphoreBackendError
 from .settings import app_settings, client_for, journal_for
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,10 @@ class StoreWatch:
         if self.on_first_reach is not None:
             try:
                 self.on_first_reach()
+            except (SemaphoreBackendError, *REDIS_ERRORS) as exc:
+                # The store went again meanwhile: an outage, which the next check reports in
+                # its one line, not a fault with a traceback.
+                logger.warning("could not check the semaphore store: %s", exc)
             except Exception:  # telemetry and advice: never stop a worker over them
                 logger.warning("could not check the semaphore store", exc_info=True)
 
