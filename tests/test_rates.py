@@ -29,7 +29,7 @@ from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
 
 from . import history
-from .helpers import Published
+from .helpers import Published, wait_for
 from .history import BODIES, History
 
 
@@ -93,6 +93,33 @@ def test_a_run_that_comes_early_waits_for_its_instant(redis_server: RedisServer)
     assert isinstance(slot, Slot)
     assert time.monotonic() - started > delay - 0.05
     sem.client.close()
+
+
+def test_a_run_that_comes_late_for_its_instant_takes_a_new_one(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    # 20/s: an instant every 50 ms, and a run may start up to 25 ms after its own. w1 comes
+    # later than that (its worker was busy): starting it then would put it beside w2's
+    # instant, so it waits for the first instant after every one given out.
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=published)
+    for n in range(4):
+        sem.room.park("k", f"w{n}", b"p", rates="20/s")
+    w1, _, w3 = published.made
+    assert wait_for(lambda: _store_ms(client) > w1.start_ms + 40, timeout=5.0)
+    limits = redis_keys("semaphore", "k").limits
+    last_given = float(client.hget(limits, "tat:requests") or 0)
+    assert last_given == w3.start_ms + 50
+    slot = sem.room.claim("k", "w1")
+    assert isinstance(slot, Slot)
+    assert slot.acquired_at * 1000 >= last_given - 1  # its start, by the store's clock
+    assert float(client.hget(limits, "tat:requests") or 0) >= last_given + 50
+    sem.client.close()
+
+
+def _store_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
 
 
 @pytest.mark.parametrize(
@@ -345,3 +372,47 @@ def test_a_rate_declared_in_app_conf_semaphores_holds_its_tasks(app: Celery) -> 
     assert (rate.spec, rate.burst) == ("30/m", 2)
     with pytest.raises(SemaphoreValidationError, match=r"semaphores\['bad-rate'\]: rate must be"):
         declared_semaphores({"bad-rate": {"limit": 4, "rate": "30/x"}})
+
+
+def test_acquire_many_on_a_semaphore_with_a_rate_is_refused(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """The several-keys script takes no rate: refused, rather than pass the rate unseen."""
+    from celery_semaphore.asyncio import AsyncSemaphore
+
+    sem = Semaphore(redis_server.url, limit=5, rate="10/s")
+    with pytest.raises(SemaphoreValidationError, match="acquire_many takes no start rates"):
+        sem.acquire_many([("a", 2), ("b", 2)])
+    with (
+        pytest.raises(SemaphoreValidationError, match="acquire_many takes no start rates"),
+        sem.hold_many([("a", 2), ("b", 2)]),
+    ):
+        pass
+
+    async def main() -> None:
+        async with AsyncSemaphore(redis_server.url, limit=5, rate="10/s") as asem:
+            with pytest.raises(SemaphoreValidationError, match="takes no start rates"):
+                await asem.acquire_many([("a", 2), ("b", 2)])
+
+    asyncio.run(main())
+    assert client.keys("*") == []
+    sem.client.close()
+
+
+def test_a_several_keys_task_on_a_key_declared_with_a_rate_is_refused_at_bind(
+    app: Celery, client: redis.Redis
+) -> None:
+    app.conf.semaphores = {"provider": {"limit": 4, "rate": "30/m"}}
+    with pytest.raises(SemaphoreValidationError, match="'provider' declares a rate"):
+
+        @app.task(base=SemaphoreTask, semaphore=[("provider", 4), ("tenant:{t}", 1)],
+                  shared=False, name="rates.several")  # fmt: skip
+        def several(t: str) -> None: ...
+
+        several.name  # noqa: B018  (the app binds a task when it is first used)
+    with pytest.raises(SemaphoreValidationError, match="'provider' declares a rate"):
+
+        @bounded([("provider", 4), ("tenant:{t}", 1)], app=app)
+        def plain(t: str) -> None: ...
+
+    assert client.keys("*") == []

@@ -29,7 +29,7 @@ from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
 from ..core.options import DEFAULT_LEASE, acquire_args, hold_interval, many_plan, semaphore_options
 from ..core.process import new_token
-from ..core.rates import RateSpec, acquire_rates, rates_of
+from ..core.rates import RateSpec, acquire_rates, rates_of, refuse_for_many
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts
@@ -333,6 +333,7 @@ class AsyncSemaphore:
         soon as the answer is in. A bounded spin when ``retries``: no release wakes a caller
         for keys it does not hold, so there is no ``wait``.
         """
+        refuse_for_many(self.rates)
         plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
                          self._acquirer.metadata, self.names.keys_of_many)  # fmt: skip
         return await take_group(self._acquirer, plan)

@@ -215,3 +215,18 @@ def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
         return "", ""
     return (" ".join(rate.lua() for rate in rates),
             ",".join(f"{name}={u}" for name, u in found.items() if u != 1))  # fmt: skip
+
+
+def refuse_for_many(rates: Sequence[Rate]) -> None:
+    """Refuse ``acquire_many`` on a semaphore with start rates: the several-keys script
+    takes slots only, and a rate it skipped would let those calls pass it unseen.
+
+    Raises:
+        SemaphoreValidationError: ``rates`` is not empty.
+    """
+    if rates:
+        raise SemaphoreValidationError(
+            "acquire_many takes no start rates: this semaphore has "
+            f"{', '.join(repr(r.spec) for r in rates)}; take rated keys one at a time "
+            "(acquire), or use a semaphore without rate= for the several keys"
+        )

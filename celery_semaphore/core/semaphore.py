@@ -38,7 +38,7 @@ from .options import (
     semaphore_options,
 )
 from .process import new_token
-from .rates import RateSpec, acquire_rates, rates_of
+from .rates import RateSpec, acquire_rates, rates_of, refuse_for_many
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
 from .room import WaitingRoom
@@ -318,10 +318,12 @@ class Semaphore:
             key); None if every attempt found some key without room.
 
         Raises:
-            SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
-                cluster the keys share no shard (nothing is sent to Redis).
+            SemaphoreValidationError: an argument is invalid, a key is given twice, on a
+                cluster the keys share no shard, or the semaphore has a ``rate`` (nothing is
+                sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
+        refuse_for_many(self.rates)
         plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
                          self._record.encode, self.names.keys_of_many)  # fmt: skip
         return take_group(self._scripts, plan, self._slot)

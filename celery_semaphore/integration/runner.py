@@ -173,7 +173,9 @@ class Runner:
     ) -> tuple[Policy, LimitSpec]:
         """The effective policy and limit option of runs under ``app``, without making a
         semaphore (see :func:`.settings.policy_and_limits`)."""
-        return policy_and_limits(app, self.template.source, self.options, self.limits, settings)
+        several = self.template.sources if isinstance(self.template, KeySet) else ()
+        source, options, limits = self.template.source, self.options, self.limits
+        return policy_and_limits(app, source, options, limits, settings, several)
 
     def resolve(self, app: Celery | None) -> Bound:
         """The semaphore, the effective policy and the limit option for runs under ``app``
@@ -313,11 +315,9 @@ class Runner:
             limit = ask.limit
             if is_give_up(request):
                 give_up_or_end(task, semaphore, policy, ask.keys, limit)
-            slot = (
-                claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
-                if is_handoff(request)
-                else None
-            )
+            slot = None
+            if is_handoff(request):
+                slot = claim_or_end(task, semaphore, key, limit, ask.weight, metadata, ask.many)
             if slot is None:
                 slot = self._ask(task, semaphore, policy, ask, metadata, names)
         except SemaphoreNotAcquiredError as exc:  # a parked run's budget, or a full room

@@ -44,7 +44,7 @@ otherwise it must be set.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,6 +310,7 @@ def policy_and_limits(
     options: Mapping[str, Any],
     limits: LimitSpec | None,
     settings: bool = True,
+    several: Sequence[str] = (),
 ) -> tuple[Policy, LimitSpec]:
     """The effective policy and the limit option of a task whose ``semaphore`` option is
     ``name``, whose own policy options are ``options`` and limit option ``limits`` (None:
@@ -318,12 +319,22 @@ def policy_and_limits(
     a worker checks when it starts): ``app.conf.semaphores`` and the app's
     ``semaphore_lease`` and ``semaphore_heartbeat`` are read as they stand, so that a
     heartbeat is judged against the lease that will apply, and the policy returned holds
-    only the options so combined.
+    only the options so combined. ``several`` are the keys of a run of several keys, as
+    written.
 
     Raises:
         SemaphoreValidationError: an app setting is invalid, conflicts with ``options``, or
-            ``limits`` is None and no declaration gives a limit.
+            ``limits`` is None and no declaration gives a limit; or ``app.conf.semaphores``
+            declares a rate for one of ``several`` (a run of several keys is not held to
+            rates: refused rather than let such runs pass the rate unseen).
     """
+    for key in several:
+        if declared_for(app, key, settings).get("rate") is not None:
+            raise SemaphoreValidationError(
+                f"semaphore {key!r} declares a rate in app.conf.semaphores, and a run of "
+                "several keys is not held to rates: bound this task by that key alone, or "
+                "declare the rate on a key of its own"
+            )
     if limits is None:
         declared = declared_for(app, name, settings).get("limit")
         if declared is None:

@@ -159,9 +159,25 @@ if mine then return {1, tonumber(mine), now, limit} end
 if redis.call('ZSCORE', slots, '~' .. waiter) then
   -- A reservation for a start rate's instant: a run that came early (its worker's clock
   -- ahead of this server's) waits for it.
-  local start = tonumber(string.match(redis.call('HGET', holders, '~' .. waiter) or '',
-    '"start":(%d+)'))
+  local record = redis.call('HGET', holders, '~' .. waiter) or ''
+  local start = tonumber(string.match(record, '"start":(%d+)'))
   if start and start > now then return {-4, start - now, now, limit} end
+  -- One that comes later than its slack (its worker was busy) would start right beside the
+  -- run given the next instant: it takes its units again, at the first instant free now,
+  -- and the instant it missed stays spent (the bound holds by the bodies' clocks too).
+  local rates = start and room_rates(slots, parked)
+  local entry = rates and redis.call('HGET', parked, waiter)
+  local late = entry and rate_units_of(entry)
+  if entry and now - start > rates_slack(rates, late) then
+    start = rates_start(rates, late, now)
+    rates_take(limits, rates, late, start, now)
+    redis.call('HSET', holders, '~' .. waiter,
+      (string.gsub(record, '"start":%d+', '"start":' .. start, 1)))
+    if start > now then
+      room_reserve(slots, KEYS[6], parked, waiter, weight_of(entry), start + claim_ms)
+      return {-4, start - now, now, limit}
+    end
+  end
   local claimed = {1, take('~' .. waiter, nil), now, limit}
   -- The last run of a drained room: the room goes now, not at its next sweep.
   room_close_if_empty(room, parked, deadlines)

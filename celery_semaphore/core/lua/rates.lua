@@ -65,6 +65,21 @@ local function rates_start(rates, units, now)
   return math.ceil(start)
 end
 
+-- How late a run may start after the instant it was given before it takes its units again:
+-- half its own spacing under the rate that spaces it most (the one that holds it back). A
+-- run later than that would crowd the next run's instant (two starts closer than the rate
+-- allows, by the bodies' clocks); one within it keeps every window at the rate and burst.
+-- The lesser spacing of a rate that does not hold runs back would re-time runs for nothing:
+-- each re-timed run leaves its instant unused.
+local function rates_slack(rates, units)
+  local slack = nil
+  for _, r in ipairs(rates) do
+    local spacing = rate_units(units, r[1], r[3]) * r[2] / 2
+    slack = math.max(slack or spacing, spacing)
+  end
+  return slack or 0
+end
+
 -- A limits hash of TATs alone lives until its last TAT passes (a TAT in the past is the
 -- same as none); one that holds an operator's setting (live limit, pause) has no TTL.
 -- set_limit.lua calls this after each change, rates_take when the hash has no TTL.

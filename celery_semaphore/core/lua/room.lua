@@ -201,9 +201,9 @@ end
 -- or {"!<waiter>", keys} for a waiter that needs several keys (see the top of this file).
 --
 -- Under start rates ("!rates"), each reservation also takes its waiter's units of every
--- rate, for the first instant the rates allow (rates.lua): a start in the future is
--- reserved until then plus the claim lease, recorded as the reservation's "start", and
--- answered as {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to
+-- rate, for the first instant the rates allow (rates.lua), recorded as the reservation's
+-- "start" (park.lua's claim gives a run that comes too late for it a new one); a start in
+-- the future is reserved until then plus the claim lease, and answered as {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to
 -- publish to start then (an instant, not a delay: a publish that comes late does not move
 -- the start later, where it would crowd the next one). A waiter of several keys is not
 -- held to rates. The rates are read at the first reservation: a call that reserves
@@ -232,7 +232,7 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
       local record = {reserved_for = waiter, limit = limit}
       if weight > 1 then record.weight = weight end
       if keys then record.waiting = true end
-      if start > now then record.start = start end
+      if rates and not keys then record.start = start end
       redis.call('HSET', holders, '~' .. waiter, now .. "|" .. cjson.encode(record))
       local name = waiter
       if keys then name = '!' .. waiter elseif start > now then
