@@ -22,6 +22,7 @@ on its way to the store.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -87,22 +88,32 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._local = threading.local()
+        self._open: tuple[int, sqlite3.Connection, threading.Lock] | None = None
 
-    def _db(self) -> sqlite3.Connection:
-        """This thread's connection (a forked process makes its own)."""
-        found: tuple[int, sqlite3.Connection] | None = getattr(self._local, "db", None)
-        if found is not None and found[0] == os.getpid():
-            return found[1]
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """The process's connection, for one caller at a time (a forked process makes its
+        own). One per process, not per thread: in a gevent or eventlet pool every task runs
+        in a greenlet of its own, and a thread-local connection would be opened and set up
+        anew for each park, at a cost of ten writes, in the one thread that also publishes
+        the hand-offs."""
+        found = self._open
+        if found is None or found[0] != os.getpid():
+            # Two threads that race here each use their own connection once: harmless.
+            found = self._open = (os.getpid(), self._connect(), threading.Lock())
+        with found[2]:
+            yield found[1]
+
+    def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None)
+        db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None,
+                             check_same_thread=False)  # fmt: skip
         # Several processes write at once: WAL lets readers and one writer work together.
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute(_SCHEMA)
         if "at" not in {row[1] for row in db.execute("PRAGMA table_info(parked)")}:
             db.execute("ALTER TABLE parked ADD COLUMN at REAL NOT NULL DEFAULT 0")  # 0.1.0's
-        self._local.db = (os.getpid(), db)
         return db
 
     def record(
@@ -130,10 +141,11 @@ class Journal:
         Raises:
             sqlite3.Error, OSError: the file cannot be written.
         """
-        cursor = self._db().execute(
-            "DELETE FROM parked WHERE rowid = ? AND waiter = ?", (entry.row, entry.waiter)
-        )
-        return cursor.rowcount == 1
+        with self._db() as db:
+            cursor = db.execute(
+                "DELETE FROM parked WHERE rowid = ? AND waiter = ?", (entry.row, entry.waiter)
+            )
+            return cursor.rowcount == 1
 
     def restamp(self, waiter: str, incarnation: str) -> None:
         """Mark a run as found parked in the store's ``incarnation``."""
@@ -141,7 +153,8 @@ class Journal:
 
     def _write(self, sql: str, args: tuple[object, ...]) -> None:
         try:
-            self._db().execute(sql, args)
+            with self._db() as db:
+                db.execute(sql, args)
         except (sqlite3.Error, OSError) as exc:
             logger.warning("could not write the waiting room's journal %s: %s", self.path, exc)
 
@@ -151,10 +164,11 @@ class Journal:
         Raises:
             sqlite3.Error, OSError: the file cannot be read.
         """
-        rows = self._db().execute(
-            "SELECT rowid, waiter, keys, payload, incarnation, at FROM parked WHERE rowid > ? "
-            "ORDER BY rowid LIMIT ?", (after, limit),
-        )  # fmt: skip
+        with self._db() as db:
+            rows = db.execute(
+                "SELECT rowid, waiter, keys, payload, incarnation, at FROM parked "
+                "WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, limit),
+            ).fetchall()  # fmt: skip
         return [Entry(int(r), str(w), tuple(json.loads(k)), bytes(p), str(i), float(a))
                 for r, w, k, p, i, a in rows]  # fmt: skip
 
@@ -166,11 +180,11 @@ class Journal:
             sqlite3.Error, OSError: the file cannot be read.
         """
         found: dict[str, tuple[str, ...]] = {}
-        db = self._db()
-        for waiter in waiters:  # a look-up by primary key each: revokes come a few at a time
-            row = db.execute("SELECT keys FROM parked WHERE waiter = ?", (waiter,)).fetchone()
-            if row is not None:
-                found[waiter] = tuple(json.loads(row[0]))
+        with self._db() as db:
+            for waiter in waiters:  # a look-up by primary key each: revokes come a few at once
+                row = db.execute("SELECT keys FROM parked WHERE waiter = ?", (waiter,)).fetchone()
+                if row is not None:
+                    found[waiter] = tuple(json.loads(row[0]))
         return found
 
     def entries(self, page: int = 500) -> Iterator[Entry]:
