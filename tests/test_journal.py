@@ -5,8 +5,10 @@ store restarted under parked runs, is in tests/test_room_faults.py.)"""
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,6 +17,7 @@ from kombu.serialization import dumps
 
 from celery_semaphore.integration.settings import app_settings, journal_for
 from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
+from celery_semaphore.integration.waiting_room.journal import Journal
 from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
 
 from .helpers import queued
@@ -87,3 +90,26 @@ def test_a_run_journaled_moments_ago_is_left_alone(
     JournalKeeper(app).keep()
     assert _entries(app) == [task_id]
     assert queued(client) == 0
+
+
+def test_many_threads_of_a_process_share_its_one_journal_connection(tmp_path: Path) -> None:
+    """Under gevent or eventlet every task is a green thread of its own: the journal serves
+    them all from the process's one connection (a connection per thread was opened and set
+    up anew on every park there), and every write lands."""
+    journal = Journal(tmp_path / "journal.sqlite3")
+    journal.forget("nobody")  # opened once: threads that race to open it first may each open one
+    opened: list[object] = []
+
+    def park_some(n: int) -> None:
+        for i in range(50):
+            journal.record(f"w{n}-{i}", ["k"], b"payload", "inc")
+        with journal._db() as db:
+            opened.append(db)
+
+    threads = [threading.Thread(target=park_some, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({entry.waiter for entry in journal.entries()}) == 400
+    assert len({id(db) for db in opened}) == 1
