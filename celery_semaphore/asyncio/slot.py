@@ -234,6 +234,7 @@ class AsyncSlot(LeaseRecord):
                 release_call(self._keys, self.token, self._handoffs.release_claim_ms, self.weight)
             )
         self._on_release(self)
+        owned = owned and time.monotonic() < self.deadline  # as Slot.release judges it
         if not owned:
             self._mark_lost("release found the slot already gone")
         await deliver(self._handoffs, self.key, handed, self._scripts)

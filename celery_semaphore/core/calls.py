@@ -154,8 +154,9 @@ def release_call(
     keys: Keys, token: str, claim_ms: int, weight: int | None = 1
 ) -> Call[tuple[bool, list[Handoff]]]:
     """Remove ``token`` (of ``weight`` units; None: as many as it has): whether it was still
-    a live holder until now, and the hand-offs of the units it freed (to the oldest parked
-    waiters)."""
+    a live holder until now (for a holder of one unit on a key with no room and nobody
+    blocked: whether it was there at all, its lease left to the caller's own deadline), and
+    the hand-offs of the units it freed (to the oldest parked waiters)."""
     return call_of("release", keys, release_argv(token, claim_ms, weight), parse_release)
 
 

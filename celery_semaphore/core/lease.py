@@ -50,8 +50,11 @@ class LeaseRecord:
         self.acquired_at = admitted.now_ms / 1000
         self.expires_at = admitted.expires_at_ms / 1000
         # Local monotonic time at which the last successful acquire/extend was *sent*: the
-        # lease began no earlier than that, so the slot is surely ours until `deadline`.
-        self._renewed_at = sent_at
+        # lease began no earlier than that, so the slot is surely ours until `deadline`. (A
+        # resent acquire is answered with the slot the first one took, whose lease may end
+        # sooner: the deadline is then moved up to match.)
+        left = (admitted.expires_at_ms - admitted.now_ms) / 1000
+        self._renewed_at = sent_at - max(0.0, lease - left)
         # When the extend that set the current lease was sent: an older reply must not undo it.
         self._lease_sent_at = sent_at
         self._lost_reason = ""

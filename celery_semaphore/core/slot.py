@@ -203,6 +203,10 @@ class Slot(LeaseRecord):
                 recover_later(self._scripts, self._keys, self.key, self.token, self._handoffs,
                               sent_at, exc)  # fmt: skip
                 raise backend_error(exc, self.key, self.limit) from exc
+            # Ours until now only if the store still had it and its lease had not run out by
+            # this side's own, cautious, reckoning (the store does not read its clock for a
+            # key with no room: release.lua).
+            self._released = self._released and time.monotonic() < self.deadline
             if handed:
                 self._handoffs.deliver(self.key, handed, self._scripts)
             if not self._released:

@@ -13,7 +13,10 @@
 -- Returns owned, or {owned, hand-offs...} when the release handed slots off: owned is 1 when
 -- the slot was still ours up to this moment (present, expiry in the future), 0 when it had
 -- lapsed or been taken away (the bound did not hold for the whole body); hand-offs are
--- {waiter, payload} pairs the caller publishes.
+-- {waiter, payload} pairs the caller publishes. A plain holder of a key with no room and
+-- nobody blocked is answered 1 when it was present at all: its own lease deadline, which
+-- its client keeps on the safe side of the store's (slot.py), tells it whether it had
+-- lapsed, so this path needs neither the clock nor the expiry.
 -- The holder is removed either way, and a semaphore with no holder and no room is deleted.
 -- The limit comes from the room (a live limit, else "!limit", written by park.lua): no room,
 -- no hand-off.
@@ -22,15 +25,12 @@ local slots, holders, token = KEYS[1], KEYS[2], ARGV[1]
 
 -- With no room (no parked hash) and nobody blocked, a freed slot has nobody to go to: a
 -- plain holder only leaves, and Redis deletes each key as its last member goes. This runs
--- before the room's steps are even defined, and reads the clock after its writes, so it
--- replicates as it stands on any Redis.
+-- before the room's steps are even defined, and reads no clock, so it replicates as it
+-- stands on any Redis.
 if ARGV[3] == nil and redis.call('EXISTS', KEYS[5], KEYS[7]) == 0 then
-  local score = redis.call('ZSCORE', slots, token)
-  if not score then return 0 end
-  redis.call('ZREM', slots, token)
+  if redis.call('ZREM', slots, token) == 0 then return 0 end
   redis.call('HDEL', holders, token)
-  local t = redis.call('TIME')
-  return tonumber(score) > t[1] * 1000 + math.floor(t[2] / 1000) and 1 or 0
+  return 1
 end
 --[[room.lua]]
 if redis.replicate_commands then pcall(redis.replicate_commands) end
