@@ -96,6 +96,8 @@ LOG_LENGTH = 4096  # the store's slowlog-max-len
 OWN_COMMANDS = {"info", "slowlog", "config", "ping", "client", "hello"}
 TIMEOUT = 10.0  # seconds any one store or broker command of this benchmark may take
 PING_EVERY, PING_TIMEOUT = 0.01, 2.0
+DEBUG = bool(os.environ.get("BENCH_DEBUG"))
+"""Print the store's commands over each window (see _print_commands)."""
 SEND_EVERY = 0.1
 
 
@@ -367,6 +369,23 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+def _print_commands(before: dict[str, Any], after: dict[str, Any], wall: float) -> None:
+    """BENCH_DEBUG=1: the store's commands over the window by server time, most first
+    (a script's own commands are counted apart from its EVALSHA, on Redis 7)."""
+    rows = []
+    for name, stat in after.items():
+        old = before.get(name, {"calls": 0, "usec": 0})
+        calls, usec = stat["calls"] - old["calls"], stat["usec"] - old["usec"]
+        if calls:
+            rows.append((usec, calls, name.removeprefix("cmdstat_")))
+    for usec, calls, name in sorted(rows, reverse=True)[:12]:
+        print(
+            f"  {name:24} {calls / wall:9.1f}/s {usec / wall / 1e4:6.2f}% of a core "
+            f"{usec / calls:8.1f} us/call",
+            file=sys.stderr,
+        )
+
+
 def _store_stats(client: redis.Redis) -> tuple[float, int, int] | None:
     """The store's CPU seconds, script calls and all calls so far; None if it did not
     answer within TIMEOUT."""
@@ -402,6 +421,7 @@ def measure(store: Store, broker: RedisServer, workers: int, args: argparse.Name
             raise RuntimeError("the PING process did not start")
         slowlog = SlowLog(client, store.scripts)
         before, cpu_before = _store_stats(client), _cpu_seconds(pids)
+        commands_before = client.info("commandstats") if DEBUG else {}
         started = time.monotonic()
         sent: dict[str, float] = {}
         stalled = None
@@ -425,6 +445,8 @@ def measure(store: Store, broker: RedisServer, workers: int, args: argparse.Name
         slowlog.read()
         after, cpu_after = _store_stats(client), _cpu_seconds(pids)
         wall = time.monotonic() - started
+        if DEBUG:
+            _print_commands(commands_before, client.info("commandstats"), wall)
         line.send("stop")
         latencies, timeouts = [], 0
         if line.poll(PING_TIMEOUT + 10):
