@@ -286,7 +286,7 @@ def server(args: argparse.Namespace, console: Console) -> None:
                 into.extend(sem.acquire("cost") for _ in range(n))
 
             costs["acquire"].append(usec(take))
-            renewals = [(s._keys, s.token, 60_000, 1) for s in slots if s is not None]
+            renewals = [(s._keys, s._member, 60_000, 1) for s in slots if s is not None]
 
             def renew(rows: list[Any] = renewals) -> None:
                 for i in range(0, len(rows), BATCH):

@@ -883,13 +883,15 @@ class SemaphoreMachine(RuleBasedStateMachine):
                 pipe.time()
                 pipe.pttl(names.slots)
                 pipe.pttl(names.holders)
-                pipe.zrange(names.slots, -1, -1, withscores=True)
-                (seconds, micros), slots_ttl, holders_ttl, last = pipe.execute()
+                pipe.zrange(names.slots, 0, -1, withscores=True)
+                (seconds, micros), slots_ttl, holders_ttl, members = pipe.execute()
             now_ms = seconds * 1000 + micros // 1000
-            if last and last[0][1] > now_ms:
-                latest = int(last[0][1]) - now_ms
-                leases[names.slots] = (slots_ttl, latest)
-                leases[names.holders] = (holders_ttl, latest)
+            if members and members[-1][1] > now_ms:
+                leases[names.slots] = (slots_ttl, int(members[-1][1]) - now_ms)
+            # The holders hash keeps the records of members that do not carry their own.
+            recorded = [score for m, score in members if b"|" not in m and score > now_ms]
+            if recorded:
+                leases[names.holders] = (holders_ttl, int(max(recorded)) - now_ms)
         return ttls, leases
 
 

@@ -191,8 +191,9 @@ def test_room_keys_expire_and_bad_arguments_are_refused_before_redis(
     _fill(sem)
     sem.room.park("k", "w1", b"", room_ttl=120.0, deadline=time.time() + 60)
     keys = redis_keys(sem.prefix, "k")
-    # blocked and wake: see test_wait.py; limits (a live limit) persists: see test_limits.py
-    for name in [keys.slots, keys.holders, keys.room, keys.parked, keys.deadlines,
+    # blocked and wake: see test_wait.py; limits (a live limit) persists: see test_limits.py;
+    # no holders hash: each holder's record is in its member
+    for name in [keys.slots, keys.room, keys.parked, keys.deadlines,
                  sem.room.index.key]:  # fmt: skip
         assert 0 < client.pttl(name) <= 120_000, name
     for bad in [

@@ -38,8 +38,9 @@ from .servers import ClusterServers, SentinelServers
 
 LIMIT = 2
 """``csem.room_step``'s limit."""
-ROOM_SUFFIXES = ("", ":holders", ":room", ":parked")
-"""The Redis keys of one semaphore key are ``semaphore:{<key>}`` and these suffixes."""
+ROOM_SUFFIXES = ("", ":room", ":parked")
+"""The Redis keys of one semaphore key with parked runs are ``semaphore:{<key>}`` and these
+suffixes (no ``:holders`` hash: each holder's record is in its member)."""
 
 
 # --- helpers -------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def test_a_backlog_drains_through_a_rabbitmq_broker(
 
 
 def _assert_room_keys_share_the_hash_tag(cluster: ClusterServers, key: str) -> None:
-    """The four Redis keys of ``key`` (slots, holders, room, parked) exist and, by the
+    """The three Redis keys of ``key`` (slots, room, parked) exist and, by the
     server's own CLUSTER KEYSLOT, they and any other key of it sit in the slot of the key's
     hash tag."""
     names = set(_redis_names(key))
@@ -241,7 +242,7 @@ def test_a_backlog_drains_on_a_cluster_or_sentinel_store(
             _assert_room_keys_share_the_hash_tag(servers, f"room:{key}")
         else:
             primary = servers.primary().client()
-            assert primary.exists(*_redis_names(f"room:{key}")) == 4
+            assert primary.exists(*_redis_names(f"room:{key}")) == 3
             primary.close()
         _drain(holder, results, client, key)
     app.close()
@@ -373,7 +374,7 @@ def test_outside_a_worker_a_full_key_is_waited_for_and_never_parks(
     [run] = _runs(client, key)
     assert not run.data["handoff"]
     # Nothing was ever parked: the room's keys were never made.
-    assert client.exists(*_redis_names(holder.key)[2:]) == 0
+    assert client.exists(*_redis_names(holder.key)[1:]) == 0
     app.close()
 
 
@@ -407,7 +408,7 @@ def test_inside_a_workers_run_a_direct_call_or_apply_waits_too(
         assert result.get(timeout=60) == 6
     [run] = _runs(client, key)
     assert not run.data["handoff"]
-    assert client.exists(*_redis_names(holder.key)[2:]) == 0
+    assert client.exists(*_redis_names(holder.key)[1:]) == 0
 
 
 # --- 6. AsyncResult while parked -------------------------------------------------------------
@@ -444,7 +445,7 @@ def test_a_parked_run_is_pending_and_get_returns_once_it_runs(
             backend = redis.Redis.from_url(redis_server.url)
             assert backend.exists(*_redis_names(holder.key)) == 0
             backend.close()
-        assert holder.sem.client.exists(*_redis_names(holder.key)[2:]) == 2
+        assert holder.sem.client.exists(*_redis_names(holder.key)[1:]) == 2
 
         def get() -> None:
             try:

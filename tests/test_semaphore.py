@@ -217,10 +217,10 @@ def test_keys_get_a_ttl_and_an_empty_semaphore_is_deleted(
     sem = make_semaphore(limit=2, lease=5.0, prefix="app")
     slot = sem.acquire("k")
     assert slot is not None
-    assert sorted(client.keys("*")) == [b"app:{k}", b"app:{k}:holders"]
-    # At least the lease (the keys outlive it), at most two (the TTL's headroom).
+    # The holder's record is in its member: one Redis key, no holders hash.
+    assert client.keys("*") == [b"app:{k}"]
+    # At least the lease (the key outlives it), at most two (the TTL's headroom).
     assert 4900 < client.pttl("app:{k}") <= 10000
-    assert 4900 < client.pttl("app:{k}:holders") <= 10000
     slot.release()
     assert client.keys("*") == []
 
@@ -252,8 +252,8 @@ def test_a_resent_acquire_with_the_same_token_takes_no_second_slot(
 
     sem = make_semaphore(limit=2)
     keys = redis_keys(sem.prefix, "k")
-    first = sem._scripts.acquire(keys, 2, 5000, "tok", "{}")
-    again = sem._scripts.acquire(keys, 2, 5000, "tok", "{}")
+    first = sem._scripts.acquire(keys, 2, 5000, "tok")
+    again = sem._scripts.acquire(keys, 2, 5000, "tok")
     assert isinstance(first, Admitted)
     assert isinstance(again, Admitted)
     assert again.expires_at_ms == first.expires_at_ms
@@ -435,3 +435,21 @@ def test_slow_renewal_replies_are_not_a_loss(redis_server: RedisServer) -> None:
     with sem.hold("k", heartbeat=0.5) as slot:
         assert not slot.lost.wait(3.0)
     assert not slot.lost.is_set()
+
+
+def test_a_holders_record_rides_in_its_member_and_operators_name_it_by_its_token(
+    make_semaphore: MakeSemaphore, client: redis.Redis
+) -> None:
+    sem = make_semaphore(limit=3, prefix="app")
+    slot = sem.acquire("k", metadata={"note": "a #hash, a | bar"}, weight=2)
+    assert slot is not None
+    assert "|" not in slot.token
+    assert client.exists("app:{k}:holders") == 0  # one key written, not two
+    (holder,) = sem.admin.holders("k")  # its second unit is not a holder of its own
+    assert holder.token == slot.token
+    assert holder.metadata["note"] == "a #hash, a | bar"
+    assert holder.metadata["weight"] == 2
+    assert 0 <= holder.held_for < 60
+    assert sem.admin.force_release("k", holder.token) is True  # by the token the views show
+    assert sem.count("k") == 0
+    assert slot.release() is False

@@ -83,7 +83,7 @@ class Acquirer:
             return await self.scripts.run(call)
 
     async def take(
-        self, keys: Keys, key: str, token: str, ms: int, info: str, limit: int, weight: int = 1,
+        self, keys: Keys, key: str, token: str, ms: int, limit: int, weight: int = 1,
         rated: tuple[str | int, ...] = (),
     ) -> Admitted | Full:  # fmt: skip
         """One acquire round trip of ``weight`` units under ``limit`` (and the start rates
@@ -93,8 +93,8 @@ class Acquirer:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        return await self.taking(acquire_call(keys, limit, ms, token, info, weight, rated), key,
-                                 token, [(keys, key)])  # fmt: skip
+        return await self.taking(acquire_call(keys, limit, ms, token, weight, rated), key, token,
+                                 [(keys, key)])  # fmt: skip
 
     async def taking(
         self, call: Call[T], label: str, token: str, held: Sequence[tuple[Keys, str]]
@@ -159,7 +159,7 @@ class Acquirer:
         return slot
 
     def _forget(self, slot: AsyncSlot) -> None:
-        self.held.pop((slot.token, slot.key), None)
+        self.held.pop((slot._member, slot.key), None)
 
     async def wait(
         self,
@@ -167,7 +167,6 @@ class Acquirer:
         key: str,
         token: str,
         lease: float,
-        info: str,
         full: Full,
         wait: float,
         limit: int,
@@ -196,7 +195,7 @@ class Acquirer:
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = await self.take(keys, key, token, ms, info, limit, weight, rated)
+                reply = await self.take(keys, key, token, ms, limit, weight, rated)
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
                     return slot

@@ -34,9 +34,11 @@ from ..core.live import (
     log_pause_change,
     pause_change,
     pause_of,
+    text_of,
 )
 from ..core.live_rates import log_rate_change, rate_change, set_rate_call
 from ..core.names import Keys, Namespace
+from ..core.process import is_holder, member_pattern, token_of
 from ..core.rates import Rate
 from ..core.scripts import AsyncScripts, backend_errors
 from .clients import AsyncClient
@@ -113,11 +115,17 @@ class AsyncSemaphoreAdmin:
         """
         key = check.check_key(key)
         check.check_key(token, "token")
-        call = release_call(self.keys_of(key), token, self.handoffs.release_claim_ms, None)
+        keys = self.keys_of(key)
+        with backend_errors(key):  # the views show a token; the store may know a member
+            async for member, _ in self.client.zscan_iter(keys.slots, match=member_pattern(token)):
+                if is_holder(text_of(member)):
+                    token = text_of(member)
+                    break
+        call = release_call(keys, token, self.handoffs.release_claim_ms, None)
         live, handed = await self._run(key, call)
         await deliver(self.handoffs, key, handed, self._scripts)
         if live:
-            logger.warning("semaphore %r: holder %s force-released", key, token)
+            logger.warning("semaphore %r: holder %s force-released", key, token_of(token))
         return live
 
     async def force_release_all(self, key: str) -> int:

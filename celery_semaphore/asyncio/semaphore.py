@@ -28,7 +28,7 @@ from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, Handoff
 from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
 from ..core.options import DEFAULT_LEASE, acquire_args, hold_interval, many_plan, semaphore_options
-from ..core.process import new_token
+from ..core.process import member_of
 from ..core.rates import RateSpec, acquire_rates, rates_of, refuse_for_many
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
@@ -174,16 +174,16 @@ class AsyncSemaphore:
         limit = self.limit if limit is None else check.check_limit(limit)
         weight = check.check_weight(weight, limit)
         acquirer = self._acquirer
-        info = acquirer.metadata(metadata, limit, weight)
+        # The holder's record rides in its member, as Semaphore.acquire's does.
+        token = member_of(acquirer.metadata(metadata, limit, weight))
         rated = acquire_rates(self.rates, units) if self.rates or units else ()
         keys = self.names.keys_of(key)
-        token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, info, limit, weight, rated)
+                reply = await acquirer.take(keys, key, token, ms, limit, weight, rated)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -193,7 +193,7 @@ class AsyncSemaphore:
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
                 slot = await acquirer.wait(
-                    keys, key, token, seconds, info, reply, wait, limit, weight, rated
+                    keys, key, token, seconds, reply, wait, limit, weight, rated
                 )
                 if slot is not None:
                     record(attempts, "acquired")

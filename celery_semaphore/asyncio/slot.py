@@ -154,7 +154,7 @@ class AsyncSlot(LeaseRecord):
     def _renewal(self) -> tuple[AsyncScripts, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
-        return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
+        return self._scripts, self._keys, self._member, check.lease_ms(self.lease)
 
     # -- the holder's surface -------------------------------------------------------------
 
@@ -180,7 +180,7 @@ class AsyncSlot(LeaseRecord):
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
             [expires_at_ms] = await self._scripts.run(
-                extend_call([(self._keys, self.token, ms, self.weight)])
+                extend_call([(self._keys, self._member, ms, self.weight)])
             )
         if self._renewed(sent_at, seconds, expires_at_ms):
             return True
@@ -204,7 +204,7 @@ class AsyncSlot(LeaseRecord):
             SemaphoreBackendError: the round trip failed; nothing is known either way.
         """
         with backend_errors(self.key, self.limit):
-            [held] = await self._scripts.run(held_call([(self._keys, self.token)]))
+            [held] = await self._scripts.run(held_call([(self._keys, self._member)]))
         return held
 
     async def release(self) -> bool:
@@ -231,7 +231,7 @@ class AsyncSlot(LeaseRecord):
     async def _give_back(self) -> bool:
         with backend_errors(self.key, self.limit):
             owned, handed = await self._scripts.run(
-                release_call(self._keys, self.token, self._handoffs.release_claim_ms, self.weight)
+                release_call(self._keys, self._member, self._handoffs.release_claim_ms, self.weight)
             )
         self._on_release(self)
         owned = owned and time.monotonic() < self.deadline  # as Slot.release judges it

@@ -29,9 +29,11 @@ from .live import (
     log_pause_change,
     pause_change,
     pause_of,
+    text_of,
 )
 from .live_rates import log_rate_change, rate_change, set_rate_call
 from .names import Keys, Namespace
+from .process import is_holder, member_pattern, token_of
 from .rates import Rate
 from .recovery import recovering
 from .scripts import Scripts, backend_errors
@@ -81,7 +83,8 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
         acquired_at=acquired_ms / 1000,
         expires_at=expires_at_ms / 1000,
         expires_in=(expires_at_ms - now_ms) / 1000,
-        held_for=(now_ms - acquired_ms) / 1000,
+        # A record in a member was stamped by its host's clock, which may run ahead.
+        held_for=max(0, now_ms - acquired_ms) / 1000,
         metadata=metadata,
     )
 
@@ -186,6 +189,11 @@ class SemaphoreAdmin:
         key = check.check_key(key)
         check.check_key(token, "token")
         keys = self.keys_of(key)
+        with backend_errors(key):  # the views show a token; the store may know a member
+            for member, _ in self.client.zscan_iter(keys.slots, match=member_pattern(token)):
+                if is_holder(text_of(member)):
+                    token = text_of(member)
+                    break
         with backend_errors(key), recovering(self._scripts, keys, key, token, self.handoffs):
             live, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
             if token.startswith("~"):
@@ -194,7 +202,7 @@ class SemaphoreAdmin:
                 self.client.zadd(self.names.room_index, {key: 0}, xx=True)
         self.handoffs.deliver(key, handed, self._scripts)
         if live:
-            logger.warning("semaphore %r: holder %s force-released", key, token)
+            logger.warning("semaphore %r: holder %s force-released", key, token_of(token))
         return live
 
     def force_release_all(self, key: str) -> int:

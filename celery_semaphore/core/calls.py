@@ -93,23 +93,23 @@ def call_of(
 
 
 def acquire_argv(
-    limit: int, lease_ms: int, token: str, metadata: str | bytes, weight: int,
-    rated: tuple[str | int, ...] = (),
-) -> tuple[str | bytes | int, ...]:  # fmt: skip
-    """acquire.lua's ARGV (the weight only when above 1 or with rates, ``rated``)."""
+    limit: int, lease_ms: int, token: str, weight: int, rated: tuple[str | int, ...] = ()
+) -> tuple[str | bytes | int, ...]:
+    """acquire.lua's ARGV (the weight only when above 1 or with rates, ``rated``); ``token``
+    is the holder's member, its record in it (:func:`.process.member_of`)."""
     # Digits as bytes: redis-py sends them as they are, where an int takes it four checks.
     if weight == 1 and not rated:
-        return b"%d" % limit, b"%d" % lease_ms, token, metadata
-    return b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, *rated
+        return b"%d" % limit, b"%d" % lease_ms, token
+    return b"%d" % limit, b"%d" % lease_ms, token, weight, *rated
 
 
 def acquire_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1,
+    keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1,
     rated: tuple[str | int, ...] = (),
 ) -> Call[Admitted | Full]:  # fmt: skip
     """Take ``weight`` units of the key if its live holders leave that many of ``limit``
     and its start rates (``rated``) allow it."""
-    args = acquire_argv(limit, lease_ms, token, metadata, weight, rated)
+    args = acquire_argv(limit, lease_ms, token, weight, rated)
     parse = functools.partial(parse_acquire, limit=limit, lease_ms=lease_ms)
     return call_of("acquire_rated" if rated else "acquire", keys, args, parse)
 
@@ -200,7 +200,7 @@ def force_release_all_call(keys: Keys) -> Call[int]:
 
 
 def park_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, waiter: str,
+    keys: Keys, limit: int, lease_ms: int, token: str, waiter: str,
     arrival_ms: int | None, payload: bytes, claim_ms: int, room_ttl_ms: int, max_queued: int,
     claim_only: bool, deadline_ms: int, grace_ms: int, delivery: str = "", weight: int = 1,
     tenant: str = "", ahead_ms: int = 0, rated: tuple[str, str] = ("", ""),
@@ -210,7 +210,7 @@ def park_call(
     ``rated`` is the key's start rates and the waiter's units (:func:`.rates.rates_argv`).
     See park.lua's contract for each argument; the answer and the hand-offs the call made."""
     args = (
-        limit, lease_ms, token, metadata, weight, "claim" if claim_only else "park",
+        limit, lease_ms, token, weight, "claim" if claim_only else "park",
         waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
         max_queued, deadline_ms, grace_ms, delivery, tenant, ahead_ms, payload,
         *(rated if rated[0] else ()),
@@ -220,11 +220,11 @@ def park_call(
 
 
 def take_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
+    keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1
 ) -> Call[Admitted | Declined]:
     """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
     mode): what a park would do on such a key, without the payload it would park with."""
-    args = (b"%d" % limit, b"%d" % lease_ms, token, metadata, weight, "take")
+    args = (b"%d" % limit, b"%d" % lease_ms, token, weight, "take")
 
     def parse(reply: Any) -> Admitted | Declined:
         result, _ = parse_park(reply, limit, lease_ms)

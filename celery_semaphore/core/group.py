@@ -113,8 +113,8 @@ class GroupRecord(Generic[M]):
 
 
 def held_pairs(slots: Sequence[Member]) -> list[tuple[Keys, str]]:
-    """What :func:`~.calls.held_call` asks about each of ``slots``: its keys and token."""
-    return [(slot._renewal()[1], slot.token) for slot in slots]
+    """What :func:`~.calls.held_call` asks about each of ``slots``: its keys and member."""
+    return [(keys, member) for _, keys, member, _ in (slot._renewal() for slot in slots)]
 
 
 class SlotGroup(GroupRecord[Slot]):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..errors import SemaphoreLeaseLostError
+from .process import token_of
 from .replies import Admitted
 
 RenewErrorCallback = Callable[[BaseException], object]
@@ -23,7 +24,8 @@ class LeaseRecord:
     Args:
         key (str): the semaphore's key.
         limit (int): the limit the slot was taken under.
-        token (str): the acquisition's token.
+        token (str): the acquisition's member (see :func:`.process.member_of`);
+            :attr:`token` is the token it starts with.
         lease (float): seconds the slot lives without an extend.
         admitted (Admitted): the acquire's answer (expiry and server time, ms).
         sent_at (float): ``time.monotonic()`` when that acquire was sent.
@@ -45,7 +47,10 @@ class LeaseRecord:
         # The limit that applied, as the script answered it (a live limit wins over the
         # caller's; see set_limit.lua).
         self.limit = admitted.limit or limit
-        self.token = token
+        # The store knows the holder by its member (process.py): the token and, for a plain
+        # acquire, the holder's record after it; views and operators know it by its token.
+        self._member = token
+        self.token = token_of(token)
         self.lease = lease
         self.acquired_at = admitted.now_ms / 1000
         self.expires_at = admitted.expires_at_ms / 1000

@@ -7,13 +7,19 @@ process, so making one is an integer increment and a string format. After a fork
 otherwise repeat its parent's tokens. Two tokens are equal only if their suffixes are (the
 suffix has a fixed length at the end), which for two processes is a 1 in 2**64 chance.
 Tokens are not ordered and not secret: they identify a holder, they do not authorize one.
+
+A holder taken by a plain acquire is known to the store by its *member*, the token with the
+holder's record after it (``<token>|<acquired_at_ms>|<metadata JSON>``, see
+:func:`member_of`), so that taking and giving back a slot writes one key, not two.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import secrets
+import time
 
 
 class _Process:
@@ -45,3 +51,33 @@ def new_token() -> str:
 def pid() -> int:
     """This process's id, as ``os.getpid()`` but without the system call each time."""
     return _THIS.pid
+
+
+def member_of(info: str) -> str:
+    """A new holder's member: a new token, then ``|``, then its record as holders.lua reads
+    it: when it was taken (epoch ms, this host's clock) and ``info``, the holder's metadata
+    JSON. The token is what views show and an operator force-releases by; the store finds
+    the record in the member, with no hash field to write on acquire and delete on release.
+    """
+    return f"{_THIS.token()}|{int(time.time() * 1000)}|{info}"
+
+
+def token_of(member: str) -> str:
+    """The token a member (:func:`member_of`) starts with; a bare token stays as it is."""
+    return member.partition("|")[0]
+
+
+def member_pattern(token: str) -> str:
+    """The ``ZSCAN MATCH`` pattern of the members that start with ``token`` (for an operator
+    who names a holder by the token the views show), glob characters escaped: the holder's
+    member and, for a weight above 1, its further units (see :func:`is_holder`)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", token) + "|*"
+
+
+def is_holder(member: str) -> bool:
+    """Whether ``member`` names a holder, not one of its further units (``<member>#<i>``;
+    a record's JSON never ends in ``#`` and digits)."""
+    return _UNIT.search(member) is None
+
+
+_UNIT = re.compile(r"#\d+$")

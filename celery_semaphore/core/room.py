@@ -29,7 +29,7 @@ from .options import (
     many_args,
     park_args,
 )
-from .process import new_token
+from .process import member_of, new_token
 from .rates import RateSpec, rated
 from .recovery import recovering
 from .replies import Admitted, Declined, Early, NotWaiting, Parked, RoomFull, Waiter
@@ -219,9 +219,9 @@ class WaitingRoom:
         )
         limit = check.room_limit(limit, self.limit)
         weight = check.check_weight(weight, limit)
-        info = self._record.encode(metadata, limit, weight)
+        # The holder's record rides in its member (see process.member_of), not in a hash.
+        token = member_of(self._record.encode(metadata, limit, weight))
         keys = self.names.keys_of(key)
-        token = new_token()
         with (
             acquire_span(key, limit) as record,
             backend_errors(key, limit),
@@ -229,7 +229,7 @@ class WaitingRoom:
         ):
             if make is not None and key not in self._rooms and not turn[2][0]:
                 sent_at = time.monotonic()
-                taken = self._scripts.take(keys, limit, ms, token, info, weight)
+                taken = self._scripts.take(keys, limit, ms, token, weight)
                 if isinstance(taken, Admitted):
                     record(1, OUTCOMES[Admitted])
                     return self._slot(keys, key, limit, token, seconds, taken, sent_at, weight)
@@ -239,7 +239,7 @@ class WaitingRoom:
             assert isinstance(payload, bytes)
             sent_at = time.monotonic()
             result, handed = self._scripts.park(
-                keys, limit, ms, token, info, waiter, arrival_ms, payload,
+                keys, limit, ms, token, waiter, arrival_ms, payload,
                 self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline,
                 self.handoffs.grace_ms, delivery, weight, *turn,
             )  # fmt: skip

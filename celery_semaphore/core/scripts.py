@@ -164,7 +164,6 @@ class Scripts:
         encoder = client.get_encoder()
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
         self._names: dict[Keys, _Names] = {}
-        self._record: tuple[str, bytes] = ("", b"")
 
     def _encoded(self, keys: Keys) -> _Names:
         """``keys`` encoded as the client encodes them, once per semaphore key: redis-py
@@ -175,16 +174,6 @@ class Scripts:
                 self._names.clear()
             found = self._names[keys] = _Names(tuple(n.encode(*self._encoding) for n in keys))
         return found
-
-    def _metadata(self, metadata: str) -> bytes:
-        """``metadata`` encoded; a plain acquire sends the same record every time, which is
-        encoded once."""
-        last = self._record
-        if last[0] is metadata:
-            return last[1]
-        encoded = metadata.encode(*self._encoding)
-        self._record = (metadata, encoded)
-        return encoded
 
     def _evalsha(
         self, name: str, keys: Sequence[str | bytes], args: Sequence[str | int | bytes]
@@ -246,12 +235,12 @@ class Scripts:
             return list(pipe.execute(raise_on_error=False))
 
     def acquire(
-        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1,
+        self, keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1,
         rated: tuple[str | int, ...] = (),
     ) -> Admitted | Full:  # fmt: skip
         """Take ``weight`` units if the live holders leave that many and every start rate
         (``rated``: :func:`.rates.acquire_rates`) allows it (one round trip)."""
-        args = acquire_argv(limit, lease_ms, token, self._metadata(metadata), weight, rated)
+        args = acquire_argv(limit, lease_ms, token, weight, rated)
         reply = self._send(
             "acquire_rated" if rated else "acquire", self._encoded(keys).acquire + args
         )
@@ -285,7 +274,6 @@ class Scripts:
         limit: int,
         lease_ms: int,
         token: str,
-        metadata: str,
         waiter: str,
         arrival_ms: int | None,
         payload: bytes,
@@ -303,17 +291,17 @@ class Scripts:
     ) -> tuple[ParkAnswer, list[Handoff]]:
         """Take a slot in arrival order or park (see :func:`~.calls.park_call`)."""
         return self.run(calls.park_call(
-            keys, limit, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
+            keys, limit, lease_ms, token, waiter, arrival_ms, payload, claim_ms,
             room_ttl_ms, max_queued, claim_only, deadline_ms, grace_ms, delivery, weight, tenant,
             ahead_ms, rated,
         ))  # fmt: skip
 
     def take(
-        self, keys: Keys, limit: int, lease_ms: int, token: str, metadata: str, weight: int = 1
+        self, keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1
     ) -> Admitted | Declined:
         """Take a free slot of a key that has no waiting room, or do nothing (see
         :func:`~.calls.take_call`)."""
-        return self.run(calls.take_call(keys, limit, lease_ms, token, metadata, weight))
+        return self.run(calls.take_call(keys, limit, lease_ms, token, weight))
 
     def park_many(
         self,

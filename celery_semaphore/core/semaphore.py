@@ -37,7 +37,7 @@ from .options import (
     many_plan,
     semaphore_options,
 )
-from .process import new_token
+from .process import member_of
 from .rates import RateSpec, acquire_rates, rates_of, refuse_for_many
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
@@ -189,16 +189,16 @@ class Semaphore:
         )  # fmt: skip
         checked = self._checked(key, limit, weight, lease, retries, retry_delay, wait, plain)
         key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
-        info = self._record.encode(metadata, limit, weight)
+        # The holder's record rides in its member: no hash field to write, nor to delete.
+        token = member_of(self._record.encode(metadata, limit, weight))
         rated = acquire_rates(self.rates, units) if self.rates or units else ()
-        token = new_token()
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     time.sleep(delay)
                 sent_at = time.monotonic()
                 try:
-                    reply = self._scripts.acquire(keys, limit, ms, token, info, weight, rated)
+                    reply = self._scripts.acquire(keys, limit, ms, token, weight, rated)
                 except REDIS_ERRORS as exc:
                     raise backend_error(exc, key, limit) from exc
                 if isinstance(reply, Admitted):
@@ -211,8 +211,8 @@ class Semaphore:
                     late.give_back_late()
             if wait and isinstance(reply, Full):
                 slot = wait_for_slot(
-                    self._scripts, cast(Redis, self.client), keys, key, token, seconds, info,
-                    wait, limit, weight,
+                    self._scripts, cast(Redis, self.client), keys, key, token, seconds, wait,
+                    limit, weight,
                     lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
                                                       weight), rated,
                 )  # fmt: skip

@@ -38,7 +38,8 @@ class Slot(LeaseRecord):
         key (str): the semaphore's key.
         limit (int): the limit the slot was taken under.
         weight (int): how many units of the limit it takes (1 unless acquired with a weight).
-        token (str): unique to this acquisition; proves ownership to Redis.
+        token (str): unique to this acquisition: how views and operators name the holder
+            (the store knows it by its member, the token with the holder's record after it).
         lease (float): seconds the slot lives without an extend (updated by ``extend``).
         lost (threading.Event): set the moment the slot is known to be gone. Long bodies can
             poll ``slot.lost.is_set()`` or wait on it, to stop instead of running over the
@@ -129,13 +130,13 @@ class Slot(LeaseRecord):
         ms = check.lease_ms(seconds)
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
-            [expires_at_ms] = self._scripts.extend([(self._keys, self.token, ms, self.weight)])
+            [expires_at_ms] = self._scripts.extend([(self._keys, self._member, ms, self.weight)])
         return self._renewed(sent_at, seconds, expires_at_ms)
 
     def _renewal(self) -> tuple[Scripts, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
         the semaphore's keys, the token and the lease in ms."""
-        return self._scripts, self._keys, self.token, check.lease_ms(self.lease)
+        return self._scripts, self._keys, self._member, check.lease_ms(self.lease)
 
     def extend(self, lease: float | None = None) -> bool:
         """Renew the lease for ``lease`` seconds from now (one round trip).
@@ -176,7 +177,7 @@ class Slot(LeaseRecord):
             SemaphoreBackendError: the round trip failed; nothing is known either way.
         """
         with backend_errors(self.key, self.limit):
-            [held] = self._scripts.run(held_call([(self._keys, self.token)]))
+            [held] = self._scripts.run(held_call([(self._keys, self._member)]))
         return held
 
     def release(self) -> bool:
@@ -196,11 +197,11 @@ class Slot(LeaseRecord):
             sent_at = time.monotonic()
             try:
                 self._released, handed = self._scripts.release(
-                    self._keys, self.token, self._handoffs.release_claim_ms, self.weight
+                    self._keys, self._member, self._handoffs.release_claim_ms, self.weight
                 )
             except REDIS_ERRORS as exc:
                 # It may have run: its hand-off, or the slot, must not wait for a lease.
-                recover_later(self._scripts, self._keys, self.key, self.token, self._handoffs,
+                recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
                               sent_at, exc)  # fmt: skip
                 raise backend_error(exc, self.key, self.limit) from exc
             # Ours until now only if the store still had it and its lease had not run out by

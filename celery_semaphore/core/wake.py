@@ -36,7 +36,6 @@ def wait_for_slot(
     key: str,
     token: str,
     lease: float,
-    info: str,
     wait: float,
     limit: int,
     weight: int,
@@ -45,7 +44,7 @@ def wait_for_slot(
 ) -> S | None:
     """After an acquire found the key full, block for up to ``wait`` seconds until a
     release wakes this caller, then take a slot (``weight`` units of ``limit`` for ``lease``
-    seconds, recorded as ``info``, under the start rates ``rated``, when given: a call a
+    seconds, under the start rates ``rated``, when given: a call a
     rate refused blocks until the rate allows it); ``make``'s slot, or None when the time
     is up.
 
@@ -60,7 +59,7 @@ def wait_for_slot(
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = scripts.block(keys, token, math.ceil(remaining * 1000))
                 sent_at = time.monotonic()
-                reply = scripts.acquire(keys, limit, ms, token, info, weight, rated)
+                reply = scripts.acquire(keys, limit, ms, token, weight, rated)
                 if isinstance(reply, Admitted):
                     return make(reply, sent_at)
                 lapse = reply.first_lapse(now_ms)

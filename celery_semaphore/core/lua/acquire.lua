@@ -1,18 +1,20 @@
 -- acquire: take one slot of a leased counting semaphore, if one is free.
 --
 -- KEYS[1]  slots    sorted set: member = holder token, score = lease expiry (ms, Redis TIME)
--- KEYS[2]  holders  hash: holder token -> "<acquired_at_ms>|<metadata JSON>"
+-- KEYS[2]  holders  hash: token -> "<acquired_at_ms>|<metadata JSON>" of holders that other
+--                   scripts took (several keys, hand-offs); this one only deletes from it
 -- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any;
 --                   "paused_at" while an operator paused the key (the limit is then 0)
 -- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless a
 --                     live limit is set, which wins
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
--- ARGV[3]  token      unique per acquisition
--- ARGV[4]  metadata   JSON text describing the holder (host, pid, task id, ...)
--- ARGV[5]  weight     how many units of the limit the holder takes (integer >= 1): its
---                     token, then "<token>#2".."<token>#<weight>" are members of the set
--- ARGV[6]  rates      how many start rates the key has (absent: none), then for each from
---                     ARGV[7]: name, interval_ms, burst, and the units this call takes
+-- ARGV[3]  token      the holder's member, unique per acquisition, its record in itself:
+--                     "<token>|<acquired_at_ms>|<metadata JSON>" (process.py), so that a
+--                     slot taken and given back writes one key, not two
+-- ARGV[4]  weight     how many units of the limit the holder takes (integer >= 1): its
+--                     member, then "<member>#2".."<member>#<weight>" are members of the set
+-- ARGV[5]  rates      how many start rates the key has (absent: none), then for each from
+--                     ARGV[6]: name, interval_ms, burst, and the units this call takes
 --                     (see rates.lua); a slot is taken only if every rate allows it now.
 --                     Only the acquire_rated script, which has rates.lua above this one,
 --                     is sent rates (scripts.py)
@@ -41,7 +43,7 @@ local live_limit = set[2] and 0 or tonumber(set[1])
 local limit = live_limit or tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
-local weight = tonumber(ARGV[5]) or 1
+local weight = tonumber(ARGV[4]) or 1
 
 -- Scripts that write after TIME need effect replication on Redis < 7; a no-op later.
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -50,10 +52,10 @@ local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local expires_at_ms = now_ms + lease_ms
 
 local live = redis.call('ZCARD', slots)
-local nrates, rates, units = tonumber(ARGV[6]) or 0, nil, nil
+local nrates, rates, units = tonumber(ARGV[5]) or 0, nil, nil
 if nrates > 0 then
-  rates, units = rates_read(KEYS[3], ARGV, 7, nrates, 4), {}
-  for i = 0, nrates - 1 do units[ARGV[7 + 4 * i]] = tonumber(ARGV[10 + 4 * i]) end
+  rates, units = rates_read(KEYS[3], ARGV, 6, nrates, 4), {}
+  for i = 0, nrates - 1 do units[ARGV[6 + 4 * i]] = tonumber(ARGV[9 + 4 * i]) end
   local mine = tonumber(redis.call('ZSCORE', slots, token))
   if mine and mine > now_ms then return {1, mine, now_ms, limit} end
   local start = rates_start(rates, units, now_ms)
@@ -83,7 +85,6 @@ if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms,
   redis.call('ZADD', slots, expires_at_ms, token)
   for i = 2, weight do redis.call('ZADD', slots, expires_at_ms, token .. '#' .. i) end
 end
-redis.call('HSET', holders, token, now_ms .. '|' .. ARGV[4])
 if rates then rates_take(KEYS[3], rates, units, now_ms, now_ms) end
 -- Both keys outlive every live lease, so an abandoned semaphore disappears by itself (within
 -- two leases). Raising the TTL to twice the lease whenever it is below one lease makes the

@@ -10,7 +10,7 @@ local time = redis.call('TIME')
 local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local live = 0
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf')) do
-  if not string.find(member, '#', 1, true) then live = live + 1 end
+  if not string.find(member, '#%d+$') then live = live + 1 end
 end
 redis.call('DEL', KEYS[1], KEYS[2])
 return live

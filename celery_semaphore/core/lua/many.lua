@@ -87,8 +87,9 @@ local function many_settle(sems, waiter, place, claim_ms, now, out)
       if s.weight > 1 then record.weight = s.weight end
       redis.call('HSET', s.holders, '~' .. waiter, now .. '|' .. cjson.encode(record))
       redis.call('HDEL', s.parked, '!p:' .. waiter)
-      if redis.call('PTTL', s.slots) < claim_ms then  -- as room.lua's hand-off
-        redis.call('PEXPIRE', s.slots, claim_ms)
+      -- As room.lua's hand-off: each key on its own (a hash made after the set has no TTL).
+      if redis.call('PTTL', s.slots) < claim_ms then redis.call('PEXPIRE', s.slots, claim_ms) end
+      if redis.call('PTTL', s.holders) < claim_ms then
         redis.call('PEXPIRE', s.holders, claim_ms)
       end
       reserved[i] = true

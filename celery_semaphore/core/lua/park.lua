@@ -5,41 +5,41 @@
 --             room.lua)
 -- ARGV[1]  limit        the key's limit (integer >= 1); a live limit, when set, wins
 -- ARGV[2]  lease_ms     lease of the slot taken (integer >= 1)
--- ARGV[3]  token        unique per acquisition
--- ARGV[4]  metadata     JSON text describing the holder
--- ARGV[5]  weight       how many units of the limit the waiter takes (integer >= 1)
--- ARGV[6]  mode         "park"; "claim" (take only a reservation; never park anew); or
+-- ARGV[3]  token        unique per acquisition: the holder's member, its record in itself
+--                       ("<token>|<acquired_at_ms>|<metadata JSON>", process.py)
+-- ARGV[4]  weight       how many units of the limit the waiter takes (integer >= 1)
+-- ARGV[5]  mode         "park"; "claim" (take only a reservation; never park anew); or
 --                       "take" (take a free slot of a key with no room, else do nothing:
 --                       the caller then parks with the rest of the arguments; only ARGV[1]
---                       to ARGV[6] are sent)
--- ARGV[7]  waiter       the waiter's id (a task id); never starts with "~" or "!"
--- ARGV[8]  arrival_ms   when it first asked (epoch ms), or "" for now, or -<ms>: that long
+--                       to ARGV[5] are sent)
+-- ARGV[6]  waiter       the waiter's id (a task id); never starts with "~" or "!"
+-- ARGV[7]  arrival_ms   when it first asked (epoch ms), or "" for now, or -<ms>: that long
 --                       before now by this server's clock; a waiter already parked keeps
 --                       its first arrival
--- ARGV[9]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
--- ARGV[10] room_ttl_ms  how long a room outlives its last touch (integer >= 1): recorded as
+-- ARGV[8]  claim_ms     how long a hand-off's reservation waits for its run (integer >= 1)
+-- ARGV[9]  room_ttl_ms  how long a room outlives its last touch (integer >= 1): recorded as
 --                       its "!ttl", which every room script renews (room_keep)
--- ARGV[11] max_queued   refuse to park past this many waiters (0: no limit)
--- ARGV[12] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0, or
+-- ARGV[10] max_queued   refuse to park past this many waiters (0: no limit)
+-- ARGV[11] deadline_ms  when a newly parked waiter gives up waiting (epoch ms), or 0, or
 --                       -<ms>: that long after its arrival, by this server's clock
--- ARGV[13] grace_ms     a reservation its run has not claimed within this long may be taken
+-- ARGV[12] grace_ms     a reservation its run has not claimed within this long may be taken
 --                       by this waiter, which is here now (0: never)
--- ARGV[14] delivery     claim mode: an id of the message this run came in ("" if none),
+-- ARGV[13] delivery     claim mode: an id of the message this run came in ("" if none),
 --                       recorded with the claim
--- ARGV[15] group        a fair-turn group ("" for none): a waiter of a group parks at its
+-- ARGV[14] group        a fair-turn group ("" for none): a waiter of a group parks at its
 --                       turn, one past its group's last, and no earlier than the room's
 --                       head, instead of at its arrival; so a group with many waiters takes
 --                       turns with one that has few
--- ARGV[16] ahead_ms     a head start (integer >= 0): a newly parked waiter stands that
+-- ARGV[15] ahead_ms     a head start (integer >= 0): a newly parked waiter stands that
 --                       many ms before its arrival, so it passes waiters that came less
 --                       than that long before it and no older one; with a group, that
 --                       many turns before its turn, never before the room's head (the
 --                       group's next turn is not moved)
--- ARGV[17] payload      what to hand to whoever publishes it (opaque), or "" to keep the
+-- ARGV[16] payload      what to hand to whoever publishes it (opaque), or "" to keep the
 --                       parked one
--- ARGV[18] rates        the key's start rates, "<name> <interval_ms> <burst> ..." ("" or
+-- ARGV[17] rates        the key's start rates, "<name> <interval_ms> <burst> ..." ("" or
 --                       absent: none; see rates.lua), recorded as the room's "!rates"
--- ARGV[19] units        the waiter's units of each rate that are not 1, "<name>=<u>,..."
+-- ARGV[18] units        the waiter's units of each rate that are not 1, "<name>=<u>,..."
 --
 -- Returns now_ms                                            the key had no room and the
 --                                                     waiter took a new slot under ARGV[1]
@@ -68,8 +68,8 @@
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local given = tonumber(ARGV[1])
 local lease_ms = tonumber(ARGV[2])
-local token, metadata, waiter = ARGV[3], ARGV[4], ARGV[7]
-local weight = tonumber(ARGV[5]) or 1
+local token, waiter = ARGV[3], ARGV[6]
+local weight = tonumber(ARGV[4]) or 1
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 -- A key with no room has nobody parked or reserved: the waiter would be alone in the room,
@@ -77,11 +77,11 @@ if redis.replicate_commands then pcall(redis.replicate_commands) end
 -- full key (or a token already there) goes on to the room's steps, below, which are not
 -- even defined on this path. The take mode goes no further: a caller that finds a free slot
 -- there has not made or sent the payload it would park with.
-local mode = ARGV[6]
+local mode = ARGV[5]
 -- The key's start rates, and this waiter's units of each (rates.lua).
 local rate_list, units = {}, {}
-for item in string.gmatch(ARGV[18] or '', '%S+') do rate_list[#rate_list + 1] = item end
-for name, u in string.gmatch(ARGV[19] or '', '([%w_]+)=(%d+)') do units[name] = tonumber(u) end
+for item in string.gmatch(ARGV[17] or '', '%S+') do rate_list[#rate_list + 1] = item end
+for name, u in string.gmatch(ARGV[18] or '', '([%w_]+)=(%d+)') do units[name] = tonumber(u) end
 if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
   local set = redis.call('HMGET', limits, 'limit', 'paused_at')  -- paused: 0
   local limit = set[2] and 0 or tonumber(set[1]) or given
@@ -95,12 +95,9 @@ if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
       and redis.call('ZADD', slots, 'NX', now + lease_ms, token) == 1 then
     if rates then rates_take(limits, rates, units, now, now) end
     for i = 2, weight do redis.call('ZADD', slots, now + lease_ms, token .. '#' .. i) end
-    redis.call('HSET', holders, token, now .. '|' .. metadata)
     -- Twice the lease when below one, as acquire.lua does: a PEXPIRE about once a lease.
-    if redis.call('PTTL', slots) < lease_ms then
-      redis.call('PEXPIRE', slots, 2 * lease_ms)
-      redis.call('PEXPIRE', holders, 2 * lease_ms)
-    end
+    if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
+    if redis.call('PTTL', holders) < lease_ms then redis.call('PEXPIRE', holders, 2 * lease_ms) end
     if set[1] then return {2, now + lease_ms, now, limit} end  -- a live limit applied
     return now
   end
@@ -109,13 +106,13 @@ if mode == 'take' then return {-3, 0, 0, 0} end
 --[[room.lua]]
 local deadlines, blocked, wake, claims = KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local limit = live_limit(limits, given)
-local payload, claim_ms = ARGV[17], tonumber(ARGV[9])
-local room_ttl_ms, max_queued = tonumber(ARGV[10]), tonumber(ARGV[11])
-local deadline_ms, grace_ms, delivery = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
-local group, ahead_ms = ARGV[15] or '', tonumber(ARGV[16]) or 0
+local payload, claim_ms = ARGV[16], tonumber(ARGV[8])
+local room_ttl_ms, max_queued = tonumber(ARGV[9]), tonumber(ARGV[10])
+local deadline_ms, grace_ms, delivery = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13]
+local group, ahead_ms = ARGV[14] or '', tonumber(ARGV[15]) or 0
 
 local now = room_now_ms()
-local arrival = tonumber(ARGV[8]) or now
+local arrival = tonumber(ARGV[7]) or now
 -- A negative arrival is a wait the caller measured itself (ms before now), and a negative
 -- deadline a budget counted from the arrival: both then stand on this server's clock, not
 -- on the caller's, which may be off.
@@ -146,11 +143,8 @@ local function take(member, units)
   room_keep(room, parked, deadlines)
   local expires_at_ms = now + lease_ms
   units_add(slots, token, weight, expires_at_ms)
-  redis.call('HSET', holders, token, now .. '|' .. metadata)
-  if redis.call('PTTL', slots) < lease_ms then
-    redis.call('PEXPIRE', slots, 2 * lease_ms)
-    redis.call('PEXPIRE', holders, 2 * lease_ms)
-  end
+  if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
+  if redis.call('PTTL', holders) < lease_ms then redis.call('PEXPIRE', holders, 2 * lease_ms) end
   return expires_at_ms
 end
 
@@ -225,11 +219,11 @@ if group ~= '' or turned or (ahead_ms > 0 and not known) then
   end
   tag = tag .. '@' .. place
 end
-if (ARGV[19] or '') ~= '' then tag = tag .. 'r' .. ARGV[19] end
+if (ARGV[18] or '') ~= '' then tag = tag .. 'r' .. ARGV[18] end
 redis.call('HSET', parked, waiter, arrival .. tag .. '|' .. payload, '!limit', given,
   '!ttl', room_ttl_ms)
 if #rate_list > 0 then
-  redis.call('HSET', parked, '!rates', ARGV[18])
+  redis.call('HSET', parked, '!rates', ARGV[17])
 elseif mode == 'park' then
   redis.call('HDEL', parked, '!rates')
 end

@@ -29,7 +29,8 @@ local slots, holders, token = KEYS[1], KEYS[2], ARGV[1]
 -- stands on any Redis.
 if ARGV[3] == nil and redis.call('EXISTS', KEYS[5], KEYS[7]) == 0 then
   if redis.call('ZREM', slots, token) == 0 then return 0 end
-  redis.call('HDEL', holders, token)
+  -- A member that carries its record (acquire.lua) has no hash field to delete.
+  if not string.find(token, '|', 1, true) then redis.call('HDEL', holders, token) end
   return 1
 end
 --[[room.lua]]

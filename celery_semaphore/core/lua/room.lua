@@ -21,8 +21,9 @@
 --            last turn given to a tenant, "!ttl" -> how long the room outlives its
 --            last touch (ms, room_keep), "!scan" -> where sweep.lua's backstop scan
 --            stands, "!claim" -> the shortest claim lease (ms) a reservation of the room
---            had (room_hand_off; sweep.lua comes at least that often); and for a waiter that needs several keys (park_many.lua), which
---            waits in each of their rooms at once: "!m:<waiter>" ->
+--            had (room_hand_off; sweep.lua comes at least that often); and for a
+--            waiter that needs several keys (park_many.lua), which waits in each of
+--            their rooms at once: "!m:<waiter>" ->
 --            the JSON list of the slots keys of all of them, "!p:<waiter>" while it is
 --            passive here and "!h:<waiter>" once it holds what it is given (see many.lua)
 --   deadlines  sorted set: waiter id -> when it gives up waiting (ms), for waiters with a
@@ -203,8 +204,9 @@ end
 -- Under start rates ("!rates"), each reservation also takes its waiter's units of every
 -- rate, for the first instant the rates allow (rates.lua), recorded as the reservation's
 -- "start" (park.lua's claim gives a run that comes too late for it a new one); a start in
--- the future is reserved until then plus the claim lease, and answered as {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to
--- publish to start then (an instant, not a delay: a publish that comes late does not move
+-- the future is reserved until then plus the claim lease, and answered as
+-- {">" .. <start, epoch ms> .. "|" .. <waiter>, payload}, for the caller to publish to
+-- start then (an instant, not a delay: a publish that comes late does not move
 -- the start later, where it would crowd the next one). A waiter of several keys is not
 -- held to rates. The rates are read at the first reservation: a call that reserves
 -- nothing (most releases into a full room) does not read them.
@@ -253,8 +255,9 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
     out[#out + 1] = '~sweep'
     out[#out + 1] = room_sweep_mark(slots, now + claim_ms)
   end
-  if redis.call('PTTL', slots) < claim_ms then
-    redis.call('PEXPIRE', slots, claim_ms)
+  if redis.call('PTTL', slots) < claim_ms then redis.call('PEXPIRE', slots, claim_ms) end
+  -- The reservations' records: a holders hash made here has no TTL of its own yet.
+  if made and redis.call('PTTL', holders) < claim_ms then
     redis.call('PEXPIRE', holders, claim_ms)
   end
 end
