@@ -206,7 +206,9 @@ def test_holders_show_metadata_and_times(make_semaphore: MakeSemaphore) -> None:
     assert isinstance(holder.metadata["pid"], int)
     assert 29.0 < holder.expires_in <= 30.0
     assert 0 <= holder.held_for < 1.0
-    assert holder.expires_at - holder.acquired_at == pytest.approx(30.0, abs=0.01)
+    # acquired_at is the acquiring host's clock when it sent the acquire (the record rides
+    # in the member), expires_at the server's: a round trip apart, here on one machine.
+    assert holder.expires_at - holder.acquired_at == pytest.approx(30.0, abs=1.0)
     slot.release()
     assert sem.admin.holders("k") == []
 

@@ -54,10 +54,12 @@ class Holder:
 
     Attributes:
         token (str): the acquisition's unique token.
-        acquired_at (float): when the slot was taken, epoch seconds by the Redis clock.
+        acquired_at (float): when the slot was taken, epoch seconds: by the acquiring
+            host's clock when it sent the acquire, for a holder whose record rides in its
+            member (a plain acquire); by the Redis clock for the others.
         expires_at (float): when the lease lapses unless extended, epoch seconds (Redis clock).
         expires_in (float): seconds from the server's "now" to ``expires_at``.
-        held_for (float): seconds from ``acquired_at`` to the server's "now".
+        held_for (float): seconds from ``acquired_at`` to the server's "now" (never below 0).
         metadata (Mapping[str, Any]): ``host``, ``pid`` and ``limit`` of the holder, plus
             whatever it attached (a Celery task's id and name, say).
     """
