@@ -17,7 +17,7 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreTask, SemaphoreValidationError, current_slot
 from celery_semaphore.core.names import redis_keys
-from celery_semaphore.core.process import is_holder
+from celery_semaphore.core.process import holder_member
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.inspection import view
 
@@ -73,7 +73,7 @@ def test_a_weighted_holders_units_come_and_go_together(
     assert light.extend(30.0)
     scores = {m.decode(): s for m, s in client.zrange(slots, 0, -1, withscores=True)}
     # The store knows the holder by its member: the token, then its record.
-    (member,) = [m for m in scores if m.startswith(f"{heavy.token}|") and is_holder(m)]
+    member = holder_member("", [m for m in scores if m.startswith(f"{heavy.token}|")])
     units = [member, f"{member}#2", f"{member}#3"]
     assert len({scores[m] for m in units}) == 1
     assert scores[member] > (time.time() + 20) * 1000

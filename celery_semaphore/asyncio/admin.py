@@ -38,7 +38,7 @@ from ..core.live import (
 )
 from ..core.live_rates import log_rate_change, rate_change, set_rate_call
 from ..core.names import Keys, Namespace
-from ..core.process import is_holder, member_pattern, token_of
+from ..core.process import holder_member, member_pattern, token_of
 from ..core.rates import Rate
 from ..core.scripts import AsyncScripts, backend_errors
 from .clients import AsyncClient
@@ -117,10 +117,8 @@ class AsyncSemaphoreAdmin:
         check.check_key(token, "token")
         keys = self.keys_of(key)
         with backend_errors(key):  # the views show a token; the store may know a member
-            async for member, _ in self.client.zscan_iter(keys.slots, match=member_pattern(token)):
-                if is_holder(text_of(member)):
-                    token = text_of(member)
-                    break
+            found = self.client.zscan_iter(keys.slots, match=member_pattern(token))
+            token = holder_member(token, [text_of(member) async for member, _ in found])
         call = release_call(keys, token, self.handoffs.release_claim_ms, None)
         live, handed = await self._run(key, call)
         await deliver(self.handoffs, key, handed, self._scripts)

@@ -33,7 +33,7 @@ from .live import (
 )
 from .live_rates import log_rate_change, rate_change, set_rate_call
 from .names import Keys, Namespace
-from .process import is_holder, member_pattern, token_of
+from .process import holder_member, member_pattern, token_of
 from .rates import Rate
 from .recovery import recovering
 from .scripts import Scripts, backend_errors
@@ -192,10 +192,8 @@ class SemaphoreAdmin:
         check.check_key(token, "token")
         keys = self.keys_of(key)
         with backend_errors(key):  # the views show a token; the store may know a member
-            for member, _ in self.client.zscan_iter(keys.slots, match=member_pattern(token)):
-                if is_holder(text_of(member)):
-                    token = text_of(member)
-                    break
+            found = self.client.zscan_iter(keys.slots, match=member_pattern(token))
+            token = holder_member(token, (text_of(member) for member, _ in found))
         with backend_errors(key), recovering(self._scripts, keys, key, token, self.handoffs):
             live, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
             if token.startswith("~"):

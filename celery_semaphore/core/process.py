@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Iterable
 
 
 class _Process:
@@ -70,14 +71,16 @@ def token_of(member: str) -> str:
 def member_pattern(token: str) -> str:
     """The ``ZSCAN MATCH`` pattern of the members that start with ``token`` (for an operator
     who names a holder by the token the views show), glob characters escaped: the holder's
-    member and, for a weight above 1, its further units (see :func:`is_holder`)."""
+    member and, for a weight above 1, its further units (see :func:`holder_member`)."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", token) + "|*"
 
 
-def is_holder(member: str) -> bool:
-    """Whether ``member`` names a holder, not one of its further units (``<member>#<i>``;
-    a record's JSON never ends in ``#`` and digits)."""
-    return _UNIT.search(member) is None
+def holder_member(token: str, members: Iterable[str]) -> str:
+    """The member that ``token`` names, among ``members`` (the answer to a ``ZSCAN`` with
+    :func:`member_pattern`), skipping a weighted holder's further units
+    (``<member>#<i>``: a record's JSON never ends in ``#`` and digits); ``token`` itself
+    when none is (a bare token, a reservation, or a holder already gone)."""
+    return next((m for m in members if _UNIT.search(m) is None), token)
 
 
 _UNIT = re.compile(r"#\d+$")

@@ -135,7 +135,8 @@ class Slot(LeaseRecord):
 
     def _renewal(self) -> tuple[Scripts, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
-        the semaphore's keys, the token and the lease in ms."""
+        the semaphore's keys, the member (the store's name for the holder) and the lease
+        in ms."""
         return self._scripts, self._keys, self._member, check.lease_ms(self.lease)
 
     def extend(self, lease: float | None = None) -> bool:

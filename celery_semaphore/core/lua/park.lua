@@ -97,7 +97,6 @@ if mode ~= 'claim' and redis.call('EXISTS', room, parked) == 0 then
     for i = 2, weight do redis.call('ZADD', slots, now + lease_ms, token .. '#' .. i) end
     -- Twice the lease when below one, as acquire.lua does: a PEXPIRE about once a lease.
     if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
-    if redis.call('PTTL', holders) < lease_ms then redis.call('PEXPIRE', holders, 2 * lease_ms) end
     if set[1] then return {2, now + lease_ms, now, limit} end  -- a live limit applied
     return now
   end
@@ -144,7 +143,6 @@ local function take(member, units)
   local expires_at_ms = now + lease_ms
   units_add(slots, token, weight, expires_at_ms)
   if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
-  if redis.call('PTTL', holders) < lease_ms then redis.call('PEXPIRE', holders, 2 * lease_ms) end
   return expires_at_ms
 end
 
