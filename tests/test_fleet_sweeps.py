@@ -1,7 +1,7 @@
 """The waiting rooms' sweeps at fleet scale (issue 23): a fleet sweeps each room once each time
-something in it may fall due (here, where nothing does: once per ``IDLE_SWEEPS`` intervals),
-however many workers it has; a room still drains when all workers but one were
-killed; and a worker with thousands of rooms to sweep still starts a plain task at once.
+something in it may fall due (here, where nothing does: once per a quarter of the room's TTL,
+to keep it alive), however many workers it has; a room still drains when all workers but one
+were killed; and a worker with thousands of rooms to sweep still starts a plain task at once.
 
 Real ``celery worker`` processes (prefork, each in a subprocess) on a real redis-server.
 The rooms are made by the test itself, each with a waiter parked behind a slot held for the
@@ -27,7 +27,6 @@ from celery_semaphore import Semaphore
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.integration.stats import stats_key
 from celery_semaphore.integration.waiting_room import revoked
-from celery_semaphore.integration.waiting_room.sweeps import IDLE_SWEEPS
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import add_room_fault_tasks
@@ -50,13 +49,18 @@ def _workers(
         ]
 
 
+ROOM_TTL = 12.0
+"""The test rooms' TTL: a room where nothing falls due is swept once per a quarter of it."""
+
+
 def _rooms(url: str, count: int, prefix: str = "fleet") -> Semaphore:
     """``count`` rooms, each with one run parked behind a slot held for 10 minutes."""
     sem = Semaphore(url, limit=1, lease=600.0)
     for n in range(count):
         key = f"{prefix}:{n}"
         assert sem.acquire(key) is not None
-        assert isinstance(sem.room.park(key, f"waiter-{n}", b"never published"), Parked)
+        parked = sem.room.park(key, f"waiter-{n}", b"never published", room_ttl=ROOM_TTL)
+        assert isinstance(parked, Parked)
     return sem
 
 
@@ -77,7 +81,7 @@ def test_a_fleet_of_three_workers_sweeps_each_still_room_once_per_idle_period(
     app: Celery, client: redis.Redis, tmp_path: Path
 ) -> None:
     rooms, interval, window = 40, 0.2, 9.0
-    idle = IDLE_SWEEPS * interval  # nothing falls due in these rooms: 3 s between sweeps
+    idle = ROOM_TTL / 4  # nothing falls due in these rooms: 3 s between sweeps
     _rooms(app.conf.semaphore_url, rooms)
     with _workers(app, tmp_path, 3, interval):
         # Every room swept once at least: the fleet is in its steady state.
@@ -93,8 +97,9 @@ def test_a_fleet_of_three_workers_sweeps_each_still_room_once_per_idle_period(
     print(f"\n3 workers, {rooms} rooms, {elapsed:.1f}s: {swept} sweeps ({swept / once:.2f} of "
           f"once an idle period), {scripts} script calls; shares {shares}")  # fmt: skip
     # Every worker sweeping every room would be 3 times `once`, and sweeping each room every
-    # interval 15 times. The counters are written up to a second late, and a room is swept a
-    # little after its time: wide margins.
+    # interval 15 times (by default, a quarter TTL is 6 hours: 10,800 intervals). The
+    # counters are written up to a second late, and a room is swept a little after its time:
+    # wide margins.
     assert 0.4 * once <= swept <= 1.5 * once, (swept, once)
     # The same from the server, without the library's counters: each sweep is one script
     # call, and each worker asks the index at most about 8 times an interval beside them.
@@ -104,19 +109,28 @@ def test_a_fleet_of_three_workers_sweeps_each_still_room_once_per_idle_period(
 def test_a_room_drains_when_every_worker_but_one_was_killed_and_its_releaser_is_gone(
     app: Celery, client: redis.Redis, tmp_path: Path
 ) -> None:
-    """The gate's slot is held by a holder that cannot hand it off, three runs park behind
-    it, and two of the three workers are SIGKILLed; then the holder dies (it never releases,
-    and its lease lapses a second later). The last worker's sweeps hand the slot to the
-    oldest run once the lease has lapsed, whichever worker had the room to sweep last (a
-    room taken by a worker that died is due again one interval later), and each run's
-    release hands it to the next."""
+    """The gate's slot is held by a holder that cannot hand it off and renews its 4 s lease
+    every second, three runs park behind it, and two of the three workers are SIGKILLed;
+    then the holder dies (its renewals stop, and it never releases). The last worker's
+    sweeps hand the slot to the oldest run once the lease has lapsed (the room is scored
+    with the lease end its last sweep saw, and swept again then), whichever worker had the
+    room to sweep last (a room taken by a worker that died is due again one interval
+    later), and each run's release hands it to the next."""
     add_room_fault_tasks(app)
     gate = app.tasks["csem.gate"]
     _rooms(app.conf.semaphore_url, 30)  # more rooms than the gate's, to share out
-    releaser = Semaphore(app.conf.semaphore_url, limit=1, lease=60.0)  # cannot hand off
+    releaser = Semaphore(app.conf.semaphore_url, limit=1, lease=4.0)  # cannot hand off
+    died = threading.Event()
+
+    def renew() -> None:
+        while not died.wait(1.0) and held.extend():
+            pass
+
     with _workers(app, tmp_path, 3, 1.0) as procs:
         held = releaser.acquire("gate")
         assert held is not None
+        renewer = threading.Thread(target=renew, daemon=True)
+        renewer.start()
         runs = []
         for n in range(3):
             runs.append(gate.delay(n))
@@ -124,7 +138,8 @@ def test_a_room_drains_when_every_worker_but_one_was_killed_and_its_releaser_is_
         assert wait_for(lambda: _swept(client) >= 31, timeout=60)  # the fleet is sweeping
         for proc in procs[:2]:
             kill_worker(proc)
-        assert held.extend(1.0)  # its last renewal: then its process dies
+        died.set()  # its process dies: no more renewals
+        renewer.join()
         assert [r.get(timeout=90) for r in runs] == [0, 1, 2]
         assert releaser.room.waiters("gate") == []
         assert wait_for(lambda: releaser.count("gate") == 0, timeout=30)
@@ -139,8 +154,8 @@ def test_a_plain_task_starts_at_once_on_a_worker_that_sweeps_thousands_of_rooms(
     rooms = 4000
     _rooms(app.conf.semaphore_url, rooms)
     probe = app.tasks["csem.now"]
-    # A short interval, so that the still rooms are swept every 3 s (IDLE_SWEEPS intervals):
-    # the probes go out while the worker sweeps.
+    # A short TTL and interval, so that the still rooms are swept every 3 s: the probes go out
+    # while the worker sweeps.
     with _workers(app, tmp_path, 1, 0.2, concurrency=2):
         assert wait_for(lambda: _swept(client) >= rooms, timeout=120)  # a pass of every room
         first = last = _swept(client)

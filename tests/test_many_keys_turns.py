@@ -148,7 +148,7 @@ def test_it_lets_its_first_turn_pass_keeps_its_second_and_is_handed_off_once(
     assert [fleet.sem.count(k) for k in ("provider", "tenant:a")] == [0, 0]
     for key in ("provider", "tenant:a"):  # nothing of it is left in its rooms (the room's own
         assert [f for f in client.hkeys(redis_keys("semaphore", key).parked)  # marks may be)
-                if f not in (b"!limit", b"!ttl", b"!claim")] == []  # fmt: skip
+                if f not in (b"!limit", b"!ttl", b"!due")] == []  # fmt: skip
 
 
 def test_runs_waiting_for_a_busy_tenant_hold_no_provider_unit(fleet: Fleet) -> None:

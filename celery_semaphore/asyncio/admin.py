@@ -120,6 +120,7 @@ class AsyncSemaphoreAdmin:
             found = self.client.zscan_iter(keys.slots, match=member_pattern(token))
             token = holder_member(token, [text_of(member) async for member, _ in found])
         call = release_call(keys, token, self.handoffs.release_claim_ms, None)
+        await self._bring_on(keys, key)
         live, handed = await self._run(key, call)
         await deliver(self.handoffs, key, handed, self._scripts)
         if live:
@@ -184,6 +185,7 @@ class AsyncSemaphoreAdmin:
         """
         key, limit, who = limit_change(key, limit, by)
         call = set_limit_call(self.keys_of(key), limit, who, self.handoffs.release_claim_ms)
+        await self._bring_on(self.keys_of(key), key)
         previous, _, handed = await self._run(key, call)
         await deliver(self.handoffs, key, handed, self._scripts)
         log_limit_change(key, limit, previous, who)
@@ -204,10 +206,18 @@ class AsyncSemaphoreAdmin:
     async def _pause(self, key: str, paused: bool, by: str | None) -> bool:
         key, who = pause_change(key, by)
         call = pause_call(self.keys_of(key), paused, who, self.handoffs.release_claim_ms)
+        await self._bring_on(self.keys_of(key), key)
         was, handed = await self._run(key, call)
         await deliver(self.handoffs, key, handed, self._scripts)
         log_pause_change(key, paused, was, who)
         return was
+
+    async def _bring_on(self, keys: Keys, key: str) -> None:
+        """Before a change that may free slots of ``key``: see
+        :meth:`~celery_semaphore.core.handoff.HandoffRoute.mark_before`."""
+        index, mark = self.handoffs.mark_before(keys, key)
+        with backend_errors(key):
+            await self.client.zadd(index, mark, xx=True, lt=True)
 
     async def pause_of(self, key: str) -> Pause | None:
         """Whether ``key`` is paused: who paused it and when, or None (one round trip).

@@ -34,14 +34,8 @@ async def deliver(
     (Celery's, say) does blocking I/O, which must not stall the event loop. Waiters of
     several keys are gathered first, through ``scripts`` (see
     :class:`~celery_semaphore.core.handoff.Gathering`), and a room left to a sweep is made
-    due now (see :func:`~celery_semaphore.core.handoff.sweep_soon`). Never raises."""
-    for mark in [h for h in handed if h.waiter == SWEEP_DUE]:
-        try:
-            index, due, room = sweep_mark(mark.payload)
-            await scripts.client.zadd(index, {room: due}, xx=True, lt=True)
-        except REDIS_ERRORS as exc:
-            logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
-    handed = [h for h in handed if h.waiter != SWEEP_DUE]
+    due sooner (see :func:`~celery_semaphore.core.handoff.sweep_soon`). Never raises."""
+    handed = await _sweep_soon(key, handed, scripts)
     if any(handoff.gather for handoff in handed) and handoffs.publisher is not None:
         found = Gathering(handed, handoffs.claim_ms)
         while (call := found.next_call()) is not None:
@@ -50,10 +44,21 @@ async def deliver(
             except REDIS_ERRORS as exc:
                 logger.warning(GATHER_FAILED, key, exc)
                 continue
-            found.add(more)
+            found.add(await _sweep_soon(key, more, scripts))
         handed = found.ready
     if handed:
         await asyncio.to_thread(handoffs.deliver, key, handed)
+
+
+async def _sweep_soon(key: str, handed: Sequence[Handoff], scripts: AsyncScripts) -> list[Handoff]:
+    """:func:`~celery_semaphore.core.handoff.sweep_soon` on the asyncio client."""
+    for mark in [h for h in handed if h.waiter == SWEEP_DUE]:
+        try:
+            index, due, room = sweep_mark(mark.payload)
+            await scripts.client.zadd(index, {room: due}, xx=True, lt=True)
+        except REDIS_ERRORS as exc:
+            logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
+    return [h for h in handed if h.waiter != SWEEP_DUE]
 
 
 def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
@@ -231,6 +236,9 @@ class AsyncSlot(LeaseRecord):
 
     async def _give_back(self) -> bool:
         with backend_errors(self.key, self.limit):
+            index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
+            if mark:
+                await self._scripts.client.zadd(index, mark, xx=True, lt=True)
             owned, handed = await self._scripts.run(
                 release_call(self._keys, self._member, self._handoffs.release_claim_ms, self.weight)
             )

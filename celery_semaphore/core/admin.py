@@ -195,6 +195,7 @@ class SemaphoreAdmin:
             found = self.client.zscan_iter(keys.slots, match=member_pattern(token))
             token = holder_member(token, (text_of(member) for member, _ in found))
         with backend_errors(key), recovering(self._scripts, keys, key, token, self.handoffs):
+            self._bring_on(keys, key)
             live, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
             if token.startswith("~"):
                 # A reservation taken away is due in its room now (its waiter goes back in
@@ -264,6 +265,7 @@ class SemaphoreAdmin:
         key, limit, who = limit_change(key, limit, by)
         keys = self.keys_of(key)
         with backend_errors(key, limit), recovering(self._scripts, keys, key, "", self.handoffs):
+            self._bring_on(keys, key)
             previous, _, handed = self._scripts.set_limit(
                 keys, limit, who, self.handoffs.release_claim_ms
             )
@@ -317,12 +319,18 @@ class SemaphoreAdmin:
         key, who = pause_change(key, by)
         keys = self.keys_of(key)
         with backend_errors(key), recovering(self._scripts, keys, key, "", self.handoffs):
+            self._bring_on(keys, key)
             was, handed = self._scripts.run(
                 pause_call(keys, paused, who, self.handoffs.release_claim_ms)
             )
         self.handoffs.deliver(key, handed, self._scripts)
         log_pause_change(key, paused, was, who)
         return was
+
+    def _bring_on(self, keys: Keys, key: str) -> None:
+        """Before a change that may free slots of ``key``: see :meth:`HandoffRoute.mark_before`."""
+        index, mark = self.handoffs.mark_before(keys, key)
+        self.client.zadd(index, mark, xx=True, lt=True)
 
     def pause_of(self, key: str) -> Pause | None:
         """Whether ``key`` is paused: who paused it and when, or None (one round trip).

@@ -49,10 +49,10 @@ SCRIPT_KEYS = {
     "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS, "recover": ROOM_KEYS,
     "gather": slice(0, 6), "block": slice(6, 7), "set_rate": slice(2, 3),
     "waiting": slice(3, 5),
-    "due_rooms": slice(0, 0),
+    "due_rooms": slice(0, 0), "reschedule": slice(0, 0),
 }  # fmt: skip
-"""Which of a semaphore's :class:`Keys` each script takes, in order (``due_rooms`` takes
-none: its one key is the room index)."""
+"""Which of a semaphore's :class:`Keys` each script takes, in order (``due_rooms`` and
+``reschedule`` take none: their one key is the room index)."""
 
 
 class Call(Generic[T]):
@@ -300,3 +300,11 @@ def due_rooms_call(index: str, interval_ms: int, count: int, ttl_ms: int) -> Cal
     make each due again ``interval_ms`` later; the index lives at least ``ttl_ms`` more once
     a room is taken (see due_rooms.lua)."""
     return Call("due_rooms", [index], (interval_ms, count, ttl_ms), parse_due_rooms)
+
+
+def reschedule_call(index: str, rooms: Sequence[tuple[str, int, int]]) -> Call[int]:
+    """Score each room of ``rooms`` (key, its score when taken, when next due; epoch ms) in
+    the room ``index`` with when it is next due, unless a mark brought it sooner since (see
+    reschedule.lua): how many were scored."""
+    args = tuple(value for room in rooms for value in room)
+    return Call("reschedule", [index], args, int)

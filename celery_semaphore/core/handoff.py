@@ -19,10 +19,13 @@ gathers it: so a lost gather costs at most one claim lease, as a lost publish do
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Sequence
 
 from . import validation as check
 from .calls import Call, gather_call
+from .names import Keys, room_index_of
 from .replies import Handoff
 from .scripts import REDIS_ERRORS, Scripts
 
@@ -43,10 +46,11 @@ GATHER_FAILED = (
 )
 SWEEP_DUE = "~sweep"
 """The waiter of the mark a script answers beside its hand-offs when the room's next sweep
-must come sooner than the room index says: a release that left a freed slot to the sweep
-(its caller cannot publish), or a reservation with a claim lease shorter than any the room
-had. Its payload is the room index's key, when the sweep is due (epoch ms; 0: now) and the
-semaphore key, space-separated: see :func:`sweep_soon`."""
+must come sooner than its last sweep scored it for: a release that left a freed slot to the
+sweep (its caller cannot publish), a raised limit, or a reservation that lapses before the
+room's next sweep (room.lua's ``room_bring_on``). Its payload is the room index's key, when
+the sweep is due (epoch ms; 0: now) and the semaphore key, space-separated: see
+:func:`sweep_soon`."""
 
 
 def sweep_mark(payload: bytes) -> tuple[str, int, str]:
@@ -56,6 +60,12 @@ def sweep_mark(payload: bytes) -> tuple[str, int, str]:
     return index, int(due), key
 
 
+SWEPT_WITHIN = 60.0
+"""Seconds: a hand-off whose publish is lost with the process that released the slot is
+handed out again within this, or the claim timeout when longer, after the release. The room
+is swept at the first lease end its last sweep saw, no later than a lease after it for a
+holder that renews; a holder whose lease is longer brings its room's sweep on to its
+release's claim lease before it releases (:meth:`HandoffRoute.mark_before`)."""
 MAX_GATHERS = 32
 """Gather calls one delivery makes at most (each may find more waiters to gather); past it
 the rest lapse, and are reserved and gathered again after their claim lease."""
@@ -64,8 +74,8 @@ the rest lapse, and are reserved and gathered again after their claim lease."""
 def sweep_soon(key: str, handoffs: Sequence[Handoff], scripts: Scripts | None) -> list[Handoff]:
     """``handoffs`` less the :data:`SWEEP_DUE` marks, whose room is made due for a sweep no
     later than they say (one ``ZADD XX LT`` on the room index each, through ``scripts``'
-    client). Never raises: a room left as it was is swept when its score comes, at most an
-    idle period later."""
+    client). Never raises: a room left as it was is swept when its score comes (see
+    sweep.lua for how late that may be)."""
     marks = [h for h in handoffs if h.waiter == SWEEP_DUE]
     if not marks:
         return list(handoffs)
@@ -142,6 +152,20 @@ class HandoffRoute:
         out, rather than sit reserved for a run nobody starts."""
         return self.claim_ms if self.publisher is not None else 0
 
+    def mark_before(
+        self, keys: Keys, key: str, lease: float = math.inf
+    ) -> tuple[str, dict[str, int]]:
+        """What a call that may free slots of ``key`` (the release of a slot leased for
+        ``lease`` seconds; an operator's change, by default) writes to the room index before
+        it runs, as ``ZADD <index> XX LT <mapping>``: its room, if it has one, due no later
+        than the claim lease of a reservation the call may make (by this host's clock).
+        Nothing (an empty mapping) for a lease no longer than :data:`SWEPT_WITHIN` or the
+        claim timeout: see there. The mark the call's own script answers is written after
+        it, and would be lost with a process that died in between."""
+        if lease * 1000 <= max(SWEPT_WITHIN * 1000, self.claim_ms):
+            return "", {}
+        return room_index_of(keys.slots), {key: int(time.time() * 1000) + self.claim_ms}
+
     def deliver(self, key: str, handoffs: Sequence[Handoff], scripts: Scripts | None = None) -> int:
         """Hand ``handoffs`` to the publisher, those of waiters of several keys gathered first
         through ``scripts`` (None: they lapse and are gathered again): how many it passed on.
@@ -180,5 +204,5 @@ class HandoffRoute:
             except REDIS_ERRORS as exc:
                 logger.warning(GATHER_FAILED, key, exc)
                 continue
-            found.add(handed)
+            found.add(sweep_soon(key, handed, scripts))
         return found.ready

@@ -68,6 +68,12 @@ def key_named(slots: str) -> str:
     return slots[slots.index("{") + 1 : -1]
 
 
+def room_index_of(slots: str) -> str:
+    """The room index of the semaphore whose slots key is ``slots`` (see
+    :attr:`Namespace.room_index`)."""
+    return slots[: slots.index("{") - 1] + ":rooms"
+
+
 def check_cluster_key(key: str) -> str:
     """``key`` if its Redis keys share a Redis Cluster shard (hash slot), which all keys do
     but those that start with ``}`` (whose hash tag would be empty).

@@ -294,11 +294,14 @@ class DueRooms:
         now_ms (int): the server's time, epoch ms.
         next_ms (int): when the earliest room left in the index is due, epoch ms (at most
             ``now_ms`` when more were due than the call took); -1 when the index is empty.
+        taken_ms (int): the score each room taken was given (``now_ms`` + the interval),
+            which its sweep's score replaces unless a mark lowered it since; -1: not known.
     """
 
     keys: tuple[str, ...]
     now_ms: int
     next_ms: int
+    taken_ms: int = -1
 
 
 def parse_due_rooms(reply: Any) -> DueRooms:

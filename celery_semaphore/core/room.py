@@ -371,10 +371,9 @@ class WaitingRoom:
         return found
 
     def sweep(self, key: str) -> int:
-        """The room's safety net for ``key``: requeue waiters whose reservation lapsed, hand
-        every free slot to the oldest waiters, and give up waiters past their deadline (see
-        :meth:`park`); a room found gone leaves the index (see :class:`RoomIndex`). Returns
-        how many slots were handed off and waiters given up.
+        """The safety net of ``key``'s room: requeue waiters whose reservation lapsed, hand
+        free slots to the oldest, give up those past their deadline (see :meth:`park`), take
+        a room found gone out of the index: how many were handed off and given up.
 
         Raises:
             SemaphoreValidationError: ``key`` is not a non-empty str.
@@ -382,10 +381,11 @@ class WaitingRoom:
         """
         return self.sweep_many([key])
 
-    def sweep_many(self, keys: Sequence[str], idle: float | None = None) -> int:
-        """:meth:`sweep` the room of each of ``keys`` in one pipelined round trip, each room
-        swept again within ``idle`` seconds (see :func:`~.room_sweeps.sweep_rooms`)."""
-        return sweep_rooms(self._scripts, self.names, self.handoffs, self.index, keys, idle)
+    def sweep_many(self, keys: Sequence[str], idle: float | None = None,
+                   taken_ms: int | None = None) -> int:  # fmt: skip
+        """:meth:`sweep` the rooms of ``keys`` in one round trip (:func:`.sweep_rooms`)."""
+        args = (self._scripts, self.names, self.handoffs, self.index, keys, idle, taken_ms)
+        return sweep_rooms(*args)
 
     def waiters(self, key: str) -> list[Waiter]:
         """The waiters parked on ``key``, oldest first (not those holding a reservation, nor

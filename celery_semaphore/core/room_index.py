@@ -4,14 +4,17 @@ a sweep, so that a fleet's sweeps share the rooms out instead of each scanning t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
 from .admin import scan_keys
+from .calls import reschedule_call
 from .names import Namespace
 from .replies import DueRooms
 from .scripts import REDIS_ERRORS, Scripts, backend_errors
@@ -39,7 +42,8 @@ class RoomIndex:
     ms by the store's clock (0: at once). A park adds its room due at once unless it is
     there already; :meth:`due` hands out the rooms whose time has come and pushes each one
     interval ahead, so the fleet shares them out, and :meth:`reschedule` then scores each
-    with when its sweep says something in it next falls due.
+    with when its sweep says something in it next falls due (a still room: a quarter of its
+    TTL on, to keep it alive).
 
     Args:
         client (redis.Redis): where it lives.
@@ -66,10 +70,10 @@ class RoomIndex:
         costs one write; ``new_room`` (the waiter parked at the head of its room, which may
         have just been made) writes regardless, since a sweep may have taken the room's last
         incarnation out of the index a moment ago, and so does a waiter with a deadline
-        (``due_ms``): a room where nothing fell due was scored up to a claim timeout ahead
-        by its last sweep, which knew nothing of this deadline. Never raises: a key left out
-        is found by the next full scan (see :meth:`backstop`), a deadline missed by the
-        room's next sweep, at most a claim timeout late.
+        (``due_ms``): a room where nothing fell due was scored up to a quarter of its TTL
+        ahead by its last sweep, which knew nothing of this deadline. Never raises: a key
+        left out is found by the next full scan (see :meth:`backstop`), a deadline missed
+        by the room's next sweep (the first lease end it saw, while anyone waits).
 
         Args:
             key (str): the semaphore key whose room took a waiter.
@@ -116,22 +120,36 @@ class RoomIndex:
             self._scripts = Scripts(self.client)
         interval_ms, ttl_ms = max(1, round(interval * 1000)), max(1, round(ttl * 1000))
         with backend_errors(self.key):
-            return self._scripts.due_rooms(self.key, interval_ms, max(1, count), ttl_ms)
+            due = self._scripts.due_rooms(self.key, interval_ms, max(1, count), ttl_ms)
+        return dataclasses.replace(due, taken_ms=due.now_ms + interval_ms)
 
-    def reschedule(self, next_due: dict[str, int]) -> None:
-        """Score each room of ``next_due`` (key -> epoch ms by the store's clock) with when
-        its sweep just said it next needs one, if it is still in the index (one round trip;
-        none for no rooms). A room dropped meanwhile stays out; a park that lowered a
-        room's score between its sweep and this write is not undone by more than that
-        sweep's ``idle`` (see sweep.lua).
+    def scores(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's score in the index, epoch ms (None: not there); one round trip.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        if not next_due:
-            return
         with backend_errors(self.key):
-            self.client.zadd(self.key, dict(next_due), xx=True)
+            found = self.client.zmscore(self.key, list(keys))
+        return [None if score is None else int(score) for score in found]
+
+    def reschedule(self, rooms: Sequence[tuple[str, int, int]]) -> None:
+        """Score each room of ``rooms`` (key, its score when it was taken to sweep, when its
+        sweep says it next needs one; epoch ms by the store's clock) with the latter, if it
+        is still in the index (one round trip; none for no rooms). A room whose score moved
+        since it was taken (a mark of a reservation made after its sweep, a park with a
+        deadline: see room.lua's ``room_bring_on``) is only ever brought sooner, so no such
+        write is undone (reschedule.lua).
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        if not rooms:
+            return
+        if self._scripts is None:
+            self._scripts = Scripts(self.client)
+        with backend_errors(self.key):
+            self._scripts.run(reschedule_call(self.key, rooms))
 
     def rooms(self, full_scan: bool = False) -> list[str]:
         """Every key in the room index, and with ``full_scan`` every room a SCAN of the

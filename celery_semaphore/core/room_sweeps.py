@@ -5,8 +5,10 @@ A worker sweeps the rooms due a page at a time (see :meth:`.room_index.RoomIndex
 cost its round-trip time each (a millisecond or more on a busy host, where the script itself
 takes a tenth of that): so the page's calls go in one pipeline, each still atomic on its own,
 and what they hand off is delivered room by room after. Each sweep answers when its room
-next needs one, and the index is told so in one more pipelined round trip: a room where
-nothing can fall due is swept once per ``idle`` seconds, not once per interval.
+next needs one, and the index is told so in one more round trip: a room where nothing can
+fall due is swept once per ``idle`` seconds (a quarter of its TTL, by default), which only
+keeps its keys alive, since whatever could fall due in it later brings its sweep on itself
+(see sweep.lua).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from .recovery import recover_later
 from .room_index import RoomIndex
 from .scripts import REDIS_ERRORS, Scripts, backend_error
 
+MAX_IDLE_MS = 2**31 - 1
+"""The longest idle a sweep is asked for (about 25 days): sweep.lua caps it at a quarter of
+each room's TTL."""
+
 
 def sweep_rooms(
     scripts: Scripts,
@@ -30,6 +36,7 @@ def sweep_rooms(
     index: RoomIndex,
     keys: Sequence[str],
     idle: float | None = None,
+    taken_ms: int | None = None,
 ) -> int:
     """Sweep the room of each of ``keys`` (see :meth:`.room.WaitingRoom.sweep`): every
     ``sweep.lua`` call in one pipelined round trip, then each room's hand-offs delivered,
@@ -43,8 +50,12 @@ def sweep_rooms(
         index (RoomIndex): the room index, which a room found gone leaves.
         keys (Sequence[str]): the semaphore keys whose rooms to sweep.
         idle (float | None): the most seconds a room may go unswept when nothing in it
-            falls due sooner (None, or more than the claim timeout: the claim timeout,
-            which sweep.lua's reasoning needs as the most).
+            falls due sooner (None, or more than a quarter of the room's TTL: that quarter,
+            so that the sweeps keep the room's keys alive).
+        taken_ms (int | None): the score every room of ``keys`` was given in the index when
+            it was taken to sweep (:meth:`.room_index.RoomIndex.due`); None: the rooms'
+            scores are read first (one more round trip), so that a room whose score a mark
+            lowered meanwhile keeps it.
 
     Returns:
         int: how many slots were handed off and waiters given up, in every room.
@@ -60,7 +71,8 @@ def sweep_rooms(
     if not rooms:
         return 0
     claim_ms = handoffs.claim_ms
-    idle_ms = claim_ms if idle is None else max(1, min(claim_ms, round(idle * 1000)))
+    idle_ms = MAX_IDLE_MS if idle is None else max(1, min(MAX_IDLE_MS, round(idle * 1000)))
+    taken = index.scores([key for key, _ in rooms]) if taken_ms is None else None
     sent_at = time.monotonic()
     try:
         answers = scripts.run_many([sweep_call(k, claim_ms, idle_ms) for _, k in rooms])
@@ -71,14 +83,15 @@ def sweep_rooms(
         raise backend_error(exc, named, None) from exc
     failed: Exception | None = None
     handed = 0
-    next_due: dict[str, int] = {}
-    for (key, _), answer in zip(rooms, answers, strict=True):
+    next_due: list[tuple[str, int, int]] = []
+    for n, ((key, _), answer) in enumerate(zip(rooms, answers, strict=True)):
         try:
             if isinstance(answer, Exception):
                 raise backend_error(answer, key, None) from answer
             alive, found, next_ms = answer
-            if alive:
-                next_due[key] = next_ms
+            was = taken_ms if taken is None else taken[n]
+            if alive and was is not None:
+                next_due.append((key, was, next_ms))
             handed += handoffs.deliver(key, found, scripts)
             if not alive:
                 index.drop(key)

@@ -197,6 +197,9 @@ class Slot(LeaseRecord):
         if self._released is None:
             sent_at = time.monotonic()
             try:
+                index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
+                if mark:
+                    self._scripts.client.zadd(index, mark, xx=True, lt=True)
                 self._released, handed = self._scripts.release(
                     self._keys, self._member, self._handoffs.release_claim_ms, self.weight
                 )

@@ -83,6 +83,7 @@ local function many_settle(sems, waiter, place, claim_ms, now, out)
         and many_first(s.room, waiter, place)
         and redis.call('ZCARD', s.slots) + s.weight <= s.limit then
       room_reserve(s.slots, s.deadlines, s.parked, waiter, s.weight, now + claim_ms)
+      room_bring_on(s.slots, s.parked, now + claim_ms, out)
       local record = {reserved_for = waiter, limit = s.limit, waiting = true}
       if s.weight > 1 then record.weight = s.weight end
       redis.call('HSET', s.holders, '~' .. waiter, now .. '|' .. cjson.encode(record))

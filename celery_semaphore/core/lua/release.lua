@@ -65,7 +65,7 @@ if score and #reply == 0 then room_wake(blocked, wake, now) end
 if limit and claim_ms == 0 and redis.call('ZCARD', room) > 0 then
   -- The room's score in the index says when its last sweep saw something fall due; a slot
   -- left free for the next one is due now.
-  reply = {'~sweep', room_sweep_mark(slots, 0)}
+  room_bring_on(slots, parked, 0, reply)
 end
 if #reply == 0 then return owned end
 table.insert(reply, 1, owned)

@@ -20,8 +20,9 @@
 --            "!g:<tenant>" -> the
 --            last turn given to a tenant, "!ttl" -> how long the room outlives its
 --            last touch (ms, room_keep), "!scan" -> where sweep.lua's backstop scan
---            stands, "!claim" -> the shortest claim lease (ms) a reservation of the room
---            had (room_hand_off; sweep.lua comes at least that often); and for a
+--            stands, "!due" -> when the room's next sweep comes at the latest, as far as
+--            the room knows (epoch ms: its last sweep's answer, or a mark since; see
+--            room_bring_on); and for a
 --            waiter that needs several keys (park_many.lua), which waits in each of
 --            their rooms at once: "!m:<waiter>" ->
 --            the JSON list of the slots keys of all of them, "!p:<waiter>" while it is
@@ -146,6 +147,19 @@ local function room_sweep_mark(slots, due)
   return prefix .. ':rooms ' .. due .. ' ' .. key
 end
 
+-- Make sure the room is swept by `at` (epoch ms): when its next sweep may come later (by
+-- "!due"), note `at` there and append the "~sweep" mark to `out`, which asks the caller to
+-- bring the room's score in the room index down to `at` (handoff.py's sweep_soon). The room
+-- index lives apart from the room (on a cluster, on another node), so no script can write
+-- it; "!due" spares the caller that write whenever a sweep is due soon enough already.
+local function room_bring_on(slots, parked, at, out)
+  local due = tonumber(redis.call('HGET', parked, '!due'))
+  if due and due <= at then return end
+  redis.call('HSET', parked, '!due', at)
+  out[#out + 1] = '~sweep'
+  out[#out + 1] = room_sweep_mark(slots, at)
+end
+
 -- Delete a room nobody is left in (no waiter in line, no reservation or passive turn noted
 -- in its deadlines, no parked entry but the room's own "!" marks): true when it did. A key
 -- with no room takes its slots on park.lua's short path again.
@@ -213,7 +227,7 @@ end
 local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
                              out)
   if claim_ms <= 0 then return end
-  local made, rates = false, nil
+  local first, rates = nil, nil
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)
     if #head == 0 then break end
@@ -242,22 +256,17 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
       end
       out[#out + 1] = name
       out[#out + 1] = keys or payload_of(entry)
-      made = true
+      first = math.min(first or start, start)
     end
     redis.call('ZREM', room, waiter)
   end
-  -- The room's sweeps come at least once per shortest claim lease its reservations had
-  -- ("!claim", see sweep.lua); one shorter than any before may lapse before the sweep the
-  -- room is scored for: the "~sweep" mark asks the caller to bring it on to that lapse.
-  local least = made and tonumber(redis.call('HGET', parked, '!claim'))
-  if made and (not least or claim_ms < least) then
-    redis.call('HSET', parked, '!claim', claim_ms)
-    out[#out + 1] = '~sweep'
-    out[#out + 1] = room_sweep_mark(slots, now + claim_ms)
-  end
+  -- A reservation that goes without a claim is put right by the sweep at its lapse, which
+  -- the room may be scored for later than that (a still room's sweep comes a quarter TTL
+  -- on): bring it on.
+  if first then room_bring_on(slots, parked, first + claim_ms, out) end
   if redis.call('PTTL', slots) < claim_ms then redis.call('PEXPIRE', slots, claim_ms) end
   -- The reservations' records: a holders hash made here has no TTL of its own yet.
-  if made and redis.call('PTTL', holders) < claim_ms then
+  if first and redis.call('PTTL', holders) < claim_ms then
     redis.call('PEXPIRE', holders, claim_ms)
   end
 end

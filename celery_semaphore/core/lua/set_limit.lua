@@ -47,8 +47,7 @@ if limit and claim_ms > 0 then
   room_hand_off(slots, holders, room, parked, KEYS[6], limit, claim_ms, now, out)
   for _, value in ipairs(out) do reply[#reply + 1] = value end
 elseif limit and redis.call('ZCARD', room) > 0 then
-  reply[#reply + 1] = '~sweep'
-  reply[#reply + 1] = room_sweep_mark(slots, 0)
+  room_bring_on(slots, parked, 0, reply)
 end
 -- Wake blocked callers for what is still free (each woken caller asks again, and blocks
 -- again if it finds the key full, so a wake too many costs one call).

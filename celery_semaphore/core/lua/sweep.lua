@@ -2,7 +2,8 @@
 --
 -- KEYS[1..8]  slots, holders, limits, room, parked, deadlines, blocked, wake (see room.lua)
 -- ARGV[1]  claim_ms  how long a hand-off's reservation waits for its run (integer >= 1)
--- ARGV[2]  idle_ms   the longest the room may go unswept from now (integer, 1..claim_ms)
+-- ARGV[2]  idle_ms   the longest a room where nothing falls due goes unswept (integer >= 1;
+--                    at most a quarter of the room's TTL, "!ttl", whose keys it keeps alive)
 --
 -- Returns {alive, hand-offs, give-ups, next_ms}: alive is 0 once the room is gone (nothing
 -- parked); hand-offs and give-ups are flat {waiter, payload, ...} lists the caller
@@ -31,17 +32,23 @@
 --
 -- next_ms is the earliest of: the first entry of `deadlines` (a reservation's lapse, a
 -- waiter's deadline), the first holder's lease end while anyone waits (a holder that died
--- frees its slot then), and now + idle_ms (less up to a quarter). What this sweep cannot
--- see falls due no earlier than that: a reservation made later lapses claim_ms after it
--- was made, which is no earlier than now + idle_ms; a waiter parked later with a deadline
--- lowers the room's score itself (see room_index.py). Only a holder that takes a slot
--- later with a lease shorter than idle_ms and dies is seen later than its lease end, by at
--- most idle_ms.
+-- frees its slot then), and now + idle_ms (less up to a quarter). It is noted as "!due" in
+-- the parked hash. What this sweep cannot see brings the room's sweep on itself: a later
+-- reservation lapsing before "!due" marks the room (room_bring_on), as does a slot freed
+-- for the sweep to hand out; a waiter parked later with a deadline lowers the room's score
+-- itself (room_index.py). A holder that takes a slot later took a reservation (its lapse
+-- is marked) or a slot that was free while anyone waited, which only a lapse the room is
+-- scored for, or a mark, leaves free: the sweep that follows sees the holder, and scores the
+-- room with its lease end. So a still room, where nothing falls due, costs one sweep per
+-- idle_ms, which only keeps its keys alive. A mark is written by the caller after this
+-- script's call, and is lost if the caller dies in between: the room is then swept at the
+-- first lease end this sweep saw (at most a lease on, for a holder that renews), or, for a
+-- holder whose lease is long, when its release brought the sweep on before it ran (slot.py).
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local deadlines, blocked, wake = KEYS[6], KEYS[7], KEYS[8]
 local claim_ms, idle_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
--- No longer than the shortest claim lease a reservation of this room had (room_hand_off).
-idle_ms = math.min(idle_ms, tonumber(redis.call('HGET', KEYS[5], '!claim')) or idle_ms)
+idle_ms = math.max(1, math.min(idle_ms,
+  math.floor((tonumber(redis.call('HGET', parked, '!ttl')) or idle_ms * 4) / 4)))
 local DUE, PAGE, SCAN_EVERY_MS = 500, 100, 30000
 
 if redis.replicate_commands then pcall(redis.replicate_commands) end
@@ -94,6 +101,11 @@ end
 
 local out = {}
 room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now, out)
+-- This sweep scores the room itself, by every lapse it made (below): no mark.
+if out[#out - 1] == '~sweep' then
+  out[#out] = nil
+  out[#out] = nil
+end
 if redis.call('ZCARD', slots) < limit then room_wake(blocked, wake, now) end
 local give_ups = {}
 for _, waiter in ipairs(due) do
@@ -125,4 +137,6 @@ if redis.call('ZCARD', room) > 0 then
   first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
   if first[2] then next_ms = math.min(next_ms, tonumber(first[2])) end
 end
-return {1, out, give_ups, math.max(now, next_ms)}
+next_ms = math.max(now, next_ms)
+redis.call('HSET', parked, '!due', next_ms)
+return {1, out, give_ups, next_ms}

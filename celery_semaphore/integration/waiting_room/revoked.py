@@ -10,8 +10,9 @@ for, never with the room:
   runs (see :mod:`.journal`), which names the run's keys: the worker of the host that parked
   the run takes it out of its rooms within an interval, whatever the number of rooms;
 - an id the worker learned within the last :data:`FRESH` seconds is looked for in every room
-  it sweeps (a run parked by a host with no journal, or whose journal was lost): a room is
-  swept at least every 15 intervals (30 s), so such a run is out within that;
+  it sweeps (a run parked by a host with no journal, or whose journal was lost); a still
+  room is swept only every quarter TTL, so such a run may stay until its turn, when the
+  worker that gets its hand-off discards it and takes it out (``task_revoked``);
 - the older ones, in each room this worker sweeps at most once every :data:`OLD_EVERY`
   intervals (at its first sweep of the room after that long): a run that parks long after
   its revoke (a ``"wait"`` run revoked while it waited) is still found, without every sweep

@@ -7,8 +7,11 @@ room with when it is next due, and a worker takes a page of due rooms at a time
 between them, and a room whose sweeper died is due again one interval later), sweeps the
 page's rooms in one pipelined round trip, and scores each room with when its sweep says it
 next needs one: its earliest reservation lapse, deadline, or (while anyone waits) holder's
-lease end, and at the latest :data:`IDLE_SWEEPS` intervals on (capped at the claim
-timeout). A room where nothing changes costs a sweep every 30 s by default, not every 2 s.
+lease end, and at the latest a quarter of the room's TTL on (``semaphore_room_ttl``: 6 hours
+by default), to keep its keys alive. What the sweep could not see brings the room's score
+down itself (a reservation made later, a slot left free for a sweep, a raised limit, a
+waiter with a deadline: see sweep.lua), so a room where nothing changes costs the fleet
+nothing but that sweep a quarter TTL, however many rooms there are.
 
 A sweep requeues hand-offs whose reservation lapsed, hands free slots to the oldest parked
 runs, gives up runs past their ``queue_timeout``, and takes out runs the
@@ -62,9 +65,6 @@ FULL_SCAN_INTERVAL = 60.0
 index (a run that died between parking and indexing)."""
 PAGE = 100
 """Rooms a worker takes from the index at a time."""
-IDLE_SWEEPS = 15
-"""Sweep intervals a room where nothing falls due goes unswept at most (the claim timeout
-caps it: a reservation made after a sweep must not lapse before the next one)."""
 
 
 class RoomSweeper:
@@ -143,9 +143,8 @@ class RoomSweeper:
             interval_ms = round(interval * 1000)
             for key in due.keys:
                 self._cancel_revoked(room, key, due.now_ms, interval_ms)
-            idle = min(IDLE_SWEEPS * interval, settings.room_ttl / 4)
-            try:
-                room.sweep_many(due.keys, idle)  # one round trip for the page
+            try:  # one round trip for the page, one to score its rooms
+                room.sweep_many(due.keys, taken_ms=due.taken_ms)
             finally:
                 self._end_expired(room)
             if due.keys:
