@@ -141,6 +141,7 @@ class AsyncSemaphoreAdmin:
             SemaphoreBackendError: Redis failed.
         """
         key = check.check_key(key)
+        await self._bring_on(self.keys_of(key), key)
         displaced = await self._run(key, force_release_all_call(self.keys_of(key)))
         with backend_errors(key):  # the freed slots wait for the room's next sweep: now
             await self.client.zadd(self.names.room_index, {key: 0}, xx=True)

@@ -221,6 +221,7 @@ class SemaphoreAdmin:
         """
         key = check.check_key(key)
         with backend_errors(key):
+            self._bring_on(self.keys_of(key), key)
             displaced = self._scripts.force_release_all(self.keys_of(key))
             # The freed slots wait for the room's next sweep: bring it on.
             self.client.zadd(self.names.room_index, {key: 0}, xx=True)
