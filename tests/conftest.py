@@ -18,6 +18,7 @@ from celery_semaphore.integration.waiting_room import handoffs
 from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
 
 from .celery_apps import MADE, make_app
+from .helpers import Published
 from .servers import ClusterServers, SentinelServers, ha_capable
 
 # Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
@@ -108,6 +109,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("soak"):
                 item.add_marker(pytest.mark.timeout(seconds))
+
+
+@pytest.fixture
+def published() -> Published:
+    """Records what the semaphores a test makes with it hand off."""
+    return Published()
 
 
 @pytest.fixture

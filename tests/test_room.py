@@ -17,11 +17,6 @@ from .helpers import Published, wait_for
 
 
 @pytest.fixture
-def published() -> Published:
-    return Published()
-
-
-@pytest.fixture
 def sem(redis_server: RedisServer, published: Published) -> Iterator[Semaphore]:
     semaphore = Semaphore(redis_server.url, limit=2, lease=30.0, on_handoff=published)
     yield semaphore

@@ -29,11 +29,6 @@ class Died(BaseException):
 
 
 @pytest.fixture
-def published() -> Published:
-    return Published()
-
-
-@pytest.fixture
 def sem(redis_server: RedisServer, published: Published) -> Iterator[Semaphore]:
     semaphore = Semaphore(redis_server.url, limit=1, claim_timeout=1.0, on_handoff=published)
     yield semaphore
