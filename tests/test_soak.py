@@ -67,6 +67,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.states import READY_STATES
 
 from celery_semaphore import Semaphore, SemaphoreBackendError
 from celery_semaphore.core.names import redis_keys
@@ -492,11 +493,11 @@ class Plan:
 
 def _quiet(client: redis.Redis, sem: Semaphore, done: set[str], app: Celery) -> bool:
     """Nothing can start a task that has not run: no message queued, none out for delivery
-    (with acks_late a running or held-back task's message is out) but of tasks ``done`` (a
-    worker shutting down may hold one it never acknowledged, for up to 30 s: see
-    :meth:`Fleet.stop_warm`), nothing parked, no slot held or handed, and nothing in the
-    host's journal of parked runs (a run the store lost in a restart waits there until a
-    worker's keeper sends it again)."""
+    (with acks_late a running or held-back task's message is out) but of tasks ``done``,
+    whose results are stored (a worker shutting down may hold one it never acknowledged, for
+    up to 30 s: see :meth:`Fleet.stop_warm`), nothing parked, no slot held or handed, and
+    nothing in the host's journal of parked runs (a run the store lost in a restart waits
+    there until a worker's keeper sends it again)."""
     journal = journal_for(app)
     return (
         queued(client) == 0
@@ -521,6 +522,11 @@ def _states(app: Celery, ids: list[str]) -> dict[str, str]:
                 state += f" {(meta.get('result') or {}).get('exc_type', '?')}"
             states[task_id] = state
     return states
+
+
+def _ended(app: Celery, ids: list[str]) -> set[str]:
+    """The tasks among ``ids`` whose result is stored: a success or a failure."""
+    return {t for t, state in _states(app, ids).items() if state.split()[0] in READY_STATES}
 
 
 def _report(
@@ -652,16 +658,19 @@ def test_soak(
         # unfinished ones are lost); checked twice, a second apart.
         ids = list(plan.tasks)
         drain = time.monotonic() + 240
-        while not set(ids) <= progress.update():
+        # A body that ended is not a task done: a process killed after the body, before the
+        # result was stored, has its message delivered again. So wait on the stored results.
+        while not set(ids) <= (ended := _ended(app, ids)):
             assert time.monotonic() < drain, (
                 f"the soak did not drain: {Counter(_states(app, ids).values())}"
             )
             chaos.reap()
-            if _quiet(client, sem, progress.done, app):
+            if _quiet(client, sem, ended, app):
                 time.sleep(1.0)
-                if _quiet(client, sem, progress.update(), app):
+                if _quiet(client, sem, _ended(app, ids), app):
                     break
             time.sleep(0.2)
+        progress.update()
         elapsed = progress.last_end - started
         states = _states(app, ids)
     # Killed runs are run again (at least once): a body killed mid-run never ended, and the
@@ -704,5 +713,14 @@ def test_soak(
             return True
         return task_id in killed_after_body and task_id in chaos.may_miss
 
+    def account(task_id: str) -> str:
+        runs = [r.describe(started) for r in bodies.runs if r.task_id == task_id]
+        pids = [pid for t, pid in bodies.deliveries if t == task_id]
+        why = [reason for reason, ids in chaos.lost.items() if task_id in ids]
+        return (
+            f"runs: {runs or 'none'}; delivered to pids {pids}; killed pids among them: "
+            f"{sorted(set(pids) & chaos.killed_pids)}; may be lost as {why or 'nothing'}"
+        )
+
     unexplained = {t: state for t, state in states.items() if not explained(t, state)}
-    assert unexplained == {}, unexplained
+    assert unexplained == {}, {t: f"{state}: {account(t)}" for t, state in unexplained.items()}
