@@ -6,7 +6,9 @@ its reply."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from .names import Keys, keys_named
@@ -14,15 +16,16 @@ from .replies import (
     Admitted,
     Declined,
     DueRooms,
+    Early,
     Full,
     Handoff,
     NotWaiting,
-    ParkAnswer,
     Parked,
     RoomFull,
     parse_acquire,
     parse_acquire_many,
     parse_cancel,
+    parse_claim,
     parse_due_rooms,
     parse_extend,
     parse_gather,
@@ -34,6 +37,7 @@ from .replies import (
     parse_release,
     parse_set_limit,
     parse_sweep,
+    parse_take,
     parse_waiting,
 )
 
@@ -44,7 +48,8 @@ SCRIPT_KEYS = {
     "acquire": slice(0, 3), "acquire_rated": slice(0, 3), "acquire_many": slice(0, 3),
     "extend": _PAIR,
     "count": slice(0, 1), "held": slice(0, 1), "holders": _PAIR,
-    "force_release_all": _PAIR, "park": slice(0, 9), "park_many": slice(0, 9),
+    "force_release_all": _PAIR, "park": slice(0, 9), "claim": slice(0, 9),
+    "take": slice(0, 5), "park_many": slice(0, 9),
     "release": ROOM_KEYS,
     "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS, "recover": ROOM_KEYS,
     "gather": slice(0, 6), "block": slice(6, 7), "set_rate": slice(2, 3),
@@ -199,39 +204,55 @@ def force_release_all_call(keys: Keys) -> Call[int]:
     return call_of("force_release_all", keys, (), int)
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where and how a waiter waits in its room: park.lua's ARGV[8], whose contract says what
+    each field means. ``rates`` and ``units`` are :func:`.rates.rated`'s."""
+
+    arrival_ms: int | None = None
+    deadline_ms: int = 0
+    max_queued: int = 0
+    tenant: str = ""
+    ahead_ms: int = 0
+    rates: str = ""
+    units: str = ""
+
+
+def room_settings(claim_ms: int, room_ttl_ms: int, grace_ms: int) -> str:
+    """The room's settings as park.lua and claim.lua take them (ARGV[7]; see waiter.lua)."""
+    return json.dumps({"claim_ms": claim_ms, "ttl_ms": room_ttl_ms, "grace_ms": grace_ms})
+
+
 def park_call(
-    keys: Keys, limit: int, lease_ms: int, token: str, waiter: str,
-    arrival_ms: int | None, payload: bytes, claim_ms: int, room_ttl_ms: int, max_queued: int,
-    claim_only: bool, deadline_ms: int, grace_ms: int, delivery: str = "", weight: int = 1,
-    tenant: str = "", ahead_ms: int = 0, rated: tuple[str, str] = ("", ""),
-) -> Call[tuple[ParkAnswer, list[Handoff]]]:  # fmt: skip
-    """Take a slot of the key in arrival order or park ``waiter`` with ``payload`` (park
-    mode); or, with ``claim_only``, take the slot a hand-off reserved for it (claim mode).
-    ``rated`` is the key's start rates and the waiter's units (:func:`.rates.rates_argv`).
-    See park.lua's contract for each argument; the answer and the hand-offs the call made."""
-    args = (
-        limit, lease_ms, token, weight, "claim" if claim_only else "park",
-        waiter, "" if arrival_ms is None else arrival_ms, claim_ms, room_ttl_ms,
-        max_queued, deadline_ms, grace_ms, delivery, tenant, ahead_ms, payload,
-        *(rated if rated[0] else ()),
-    )  # fmt: skip
+    keys: Keys, limit: int, lease_ms: int, token: str, weight: int, waiter: str,
+    payload: bytes, room: str, place: Place,
+) -> Call[tuple[Admitted | Parked | RoomFull, list[Handoff]]]:  # fmt: skip
+    """Take a slot of the key in arrival order or park ``waiter`` with ``payload`` at
+    ``place``; ``room`` is :func:`room_settings`'s. See park.lua's contract; the answer and
+    the hand-offs the call made."""
+    args = (limit, lease_ms, token, weight, waiter, payload, room, json.dumps(vars(place)))
     parse = functools.partial(parse_park, limit=limit, lease_ms=lease_ms)
     return call_of("park", keys, args, parse)
+
+
+def claim_call(
+    keys: Keys, limit: int, lease_ms: int, token: str, weight: int, waiter: str,
+    delivery: str, room: str,
+) -> Call[tuple[Admitted | Parked | NotWaiting | Early, list[Handoff]]]:  # fmt: skip
+    """Take the slot a hand-off reserved for ``waiter``, whose run came in message
+    ``delivery`` ("" if unknown). See claim.lua's contract; the answer and the hand-offs."""
+    args = (limit, lease_ms, token, weight, waiter, delivery, room)
+    return call_of("claim", keys, args, parse_claim)
 
 
 def take_call(
     keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1
 ) -> Call[Admitted | Declined]:
-    """Take a free slot of a key that has no waiting room, or do nothing (park.lua's take
-    mode): what a park would do on such a key, without the payload it would park with."""
-    args = (b"%d" % limit, b"%d" % lease_ms, token, weight, "take")
-
-    def parse(reply: Any) -> Admitted | Declined:
-        result, _ = parse_park(reply, limit, lease_ms)
-        assert isinstance(result, (Admitted, Declined))
-        return result
-
-    return call_of("park", keys, args, parse)
+    """Take a free slot of a key that has no waiting room, or do nothing (take.lua): what a
+    park would do on such a key, without the payload it would park with."""
+    args = (b"%d" % limit, b"%d" % lease_ms, token, weight)
+    parse = functools.partial(parse_take, limit=limit, lease_ms=lease_ms)
+    return call_of("take", keys, args, parse)
 
 
 def park_many_call(
@@ -243,12 +264,11 @@ def park_many_call(
     of the first that cannot take it yet (see park_many.lua's contract). A
     :class:`Parked` answer's ``index`` says which."""
     keys = [name for k, _, _ in groups for name in k[SCRIPT_KEYS["park_many"]]]
-    args: list[str | int | bytes] = [
-        lease_ms, token, metadata, waiter, "" if arrival_ms is None else arrival_ms,
-        payload, claim_ms, room_ttl_ms, max_queued, "claim" if claim_only else "park",
-        deadline_ms, delivery,
-    ]  # fmt: skip
-    args += [value for _, limit, weight in groups for value in (limit, weight)]
+    how = {"arrival_ms": arrival_ms, "claim_ms": claim_ms, "ttl_ms": room_ttl_ms,
+           "max_queued": max_queued, "claim": claim_only, "deadline_ms": deadline_ms,
+           "delivery": delivery}  # fmt: skip
+    sizes = [value for _, limit, weight in groups for value in (limit, weight)]
+    args = (lease_ms, token, metadata, waiter, payload, json.dumps(how), json.dumps(sizes))
     return Call("park_many", keys, args, parse_park_many)
 
 

@@ -54,7 +54,7 @@ class RoomFull:
 
 @dataclass(frozen=True)
 class Early:
-    """park.lua in claim mode: the waiter's reservation is for a start rate's instant,
+    """claim.lua: the waiter's reservation is for a start rate's instant,
     ``wait_ms`` from now (its run came early: its clock is ahead of the server's)."""
 
     wait_ms: int
@@ -62,7 +62,7 @@ class Early:
 
 @dataclass(frozen=True)
 class NotWaiting:
-    """park.lua in claim mode: nothing is reserved or parked for the waiter. ``again`` when
+    """claim.lua: nothing is reserved or parked for the waiter. ``again`` when
     the claiming delivery is the one that claimed its slot before (its run was lost);
     ``recorded`` False when no claim of the waiter is on record at all (it left the room
     without one, or the store lost the record in a restart)."""
@@ -85,8 +85,8 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Declined:
-    """park.lua in take mode found a room on the key, or no free slot (or the token there
-    already), and did nothing: the caller parks with its payload instead."""
+    """take.lua found a room on the key, or no free slot (or the token there already), and
+    did nothing: the caller parks with its payload instead."""
 
 
 @dataclass(frozen=True)
@@ -184,31 +184,43 @@ def parse_gather(reply: Any) -> list[Handoff]:
     return _handoffs(reply, 0)
 
 
-ParkAnswer = Admitted | Parked | RoomFull | NotWaiting | Declined | Early
-"""What park.lua answers about the waiter (see :func:`parse_park`)."""
+def parse_take(reply: Any, limit: int, lease_ms: int) -> Admitted | Declined:
+    """take.lua's reply, for a call that gave ``limit`` and ``lease_ms`` (a bare ``now_ms``:
+    a new slot under them; 0: nothing was done)."""
+    if isinstance(reply, int):
+        return Admitted(reply + lease_ms, reply, limit, roomless=True) if reply else Declined()
+    return Admitted(int(reply[1]), int(reply[2]), int(reply[3]), roomless=True)
 
 
-def parse_park(reply: Any, limit: int, lease_ms: int) -> tuple[ParkAnswer, list[Handoff]]:
+def parse_park(
+    reply: Any, limit: int, lease_ms: int
+) -> tuple[Admitted | Parked | RoomFull, list[Handoff]]:
     """park.lua's reply, for a call that gave ``limit`` and ``lease_ms``: what became of
-    the waiter, and the hand-offs (a bare ``now_ms``: a new slot on a key with no room, and
-    none)."""
+    the waiter, and the hand-offs (a bare ``now_ms`` or a status 2: a free slot of a key
+    with no room, taken without joining it)."""
     if isinstance(reply, int):
         return Admitted(reply + lease_ms, reply, limit, roomless=True), []
     status, value, now_ms, limit = (int(v) for v in reply[:4])
-    result: ParkAnswer
-    if status in (1, 2):
+    result: Admitted | Parked | RoomFull
+    if status > 0:
         result = Admitted(value, now_ms, limit, roomless=status == 2)
-    elif status == -3:
-        result = Declined()
     elif status == 0:
         result = Parked(value, now_ms, limit)
-    elif status == -1:
-        result = RoomFull(value)
-    elif status == -4:
-        result = Early(value)
     else:
-        result = NotWaiting(again=value == 1, recorded=value != 2)
+        result = RoomFull(value)
     return result, _handoffs(reply, 4)
+
+
+def parse_claim(reply: Any) -> tuple[Admitted | Parked | NotWaiting | Early, list[Handoff]]:
+    """claim.lua's reply: what became of the waiter's run, and the hand-offs."""
+    status, value, now_ms, limit = (int(v) for v in reply[:4])
+    if status == 1:
+        return Admitted(value, now_ms, limit), _handoffs(reply, 4)
+    if status == 0:
+        return Parked(value, now_ms, limit), _handoffs(reply, 4)
+    if int(reply[4]) > 0:
+        return Early(int(reply[4])), []
+    return NotWaiting(again=value == 1, recorded=value != 2), []
 
 
 def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:

@@ -8,14 +8,16 @@ is the safety net. A :class:`~.semaphore.Semaphore` owns a :class:`WaitingRoom`
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from redis import Redis, RedisCluster
 
 from . import validation as check
 from .admin import DEFAULT_PREFIX
+from .calls import Place, claim_call, park_call, park_many_call, room_settings, take_call
 from .group import SlotGroup
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .names import Keys, Namespace
@@ -32,12 +34,12 @@ from .options import (
 from .process import member_of, new_token
 from .rates import RateSpec, rated
 from .recovery import recovering
-from .replies import Admitted, Declined, Early, NotWaiting, Parked, RoomFull, Waiter
+from .replies import Admitted, Early, Handoff, NotWaiting, Parked, RoomFull, Waiter
 from .room_index import RoomIndex, give_up_ms
 from .room_sweeps import sweep_rooms
 from .scripts import Scripts, backend_errors
 from .slot import Slot
-from .tracing import acquire_span
+from .tracing import Record, acquire_span
 
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds a room outlives its last touch (a park, claim, release into it, sweep)."""
@@ -45,6 +47,18 @@ DEFAULT_ROOM_TTL = 24 * 3600.0
 OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none",
             Early: "early"}  # fmt: skip
 ROOMS_KEPT = 4096  # keys a room remembers as having waiters (then it forgets them all)
+
+
+class _Ask(NamedTuple):
+    """A park's or claim's checked arguments: ``slot`` is what every room script that takes
+    a slot is sent first (keys, limit, lease in ms, token, weight)."""
+
+    key: str
+    slot: tuple[Keys, int, int, str, int]
+    lease: float
+    arrival_ms: int | None
+    max_queued: int
+    ttl_ms: int
 
 
 class WaitingRoom:
@@ -158,12 +172,33 @@ class WaitingRoom:
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        result = self._one(key, waiter, payload, arrival, lease, metadata, max_queued, room_ttl,
-                           False, deadline_ms(deadline, budget), "", limit, weight,
-                           (tenant, check.head_start_ms(head_start),
-                            rated(rates, units)), waited)  # fmt: skip
-        assert not isinstance(result, (NotWaiting, Early))
-        return result
+        make = payload if callable(payload) else None
+        check_waiter(waiter, b"" if make is not None else payload)
+        if tenant != "":
+            check.check_key(tenant, "tenant")
+        ahead_ms, (rates_arg, units_arg) = check.head_start_ms(head_start), rated(rates, units)
+        deadline_at = deadline_ms(deadline, budget)
+        ask = self._ask(key, limit, weight, lease, metadata, room_ttl, arrival, max_queued, waited)
+        with self._round_trip(ask) as record:
+            if make is not None and ask.key not in self._rooms and not rates_arg:
+                sent_at = time.monotonic()
+                taken = self._scripts.run(take_call(*ask.slot))
+                if isinstance(taken, Admitted):
+                    record(1, OUTCOMES[Admitted])
+                    return self._slot(ask, taken, sent_at)
+            if make is not None:
+                payload = make()
+                check_waiter(waiter, payload)
+            assert isinstance(payload, bytes)
+            place = Place(ask.arrival_ms, deadline_at, ask.max_queued, tenant, ahead_ms,
+                          rates_arg, units_arg)  # fmt: skip
+            sent_at = time.monotonic()
+            result, handed = self._scripts.run(
+                park_call(*ask.slot, waiter, payload, self._settings(ask), place)
+            )
+            record(1, OUTCOMES[type(result)])
+        self._after(ask, result, handed, deadline_at)
+        return self._slot(ask, result, sent_at) if isinstance(result, Admitted) else result
 
     def claim(
         self,
@@ -196,24 +231,27 @@ class WaitingRoom:
         Errors as :meth:`park`.
         """
         check_delivery(delivery)
-        while isinstance(result := self._one(key, waiter, b"", None, lease, metadata, 0,
-                         room_ttl, True, 0, delivery, limit, weight, ("", 0, ("", "")),
-                         None), Early):  # fmt: skip
+        check_waiter(waiter, b"")
+        ask = self._ask(key, limit, weight, lease, metadata, room_ttl)
+        call = claim_call(*ask.slot, waiter, delivery, self._settings(ask))
+        while True:
+            with self._round_trip(ask) as record:
+                sent_at = time.monotonic()
+                result, handed = self._scripts.run(call)
+                record(1, OUTCOMES[type(result)])
+            if not isinstance(result, Early):
+                break
             time.sleep(result.wait_ms / 1000)
-        assert not isinstance(result, RoomFull)
-        return result
+        self._after(ask, result, handed, 0)
+        return self._slot(ask, result, sent_at) if isinstance(result, Admitted) else result
 
-    def _one(
-        self, key: str, waiter: str, payload: bytes | Callable[[], bytes], arrival: float | None,
-        lease: float | None, metadata: Mapping[str, Any] | None, max_queued: int,
-        room_ttl: float, claim_only: bool, deadline: int, delivery: str, limit: int | None,
-        weight: int, turn: tuple[str, int, tuple[str, str]], waited: float | None,
-    ) -> Slot | Parked | RoomFull | NotWaiting | Early:  # fmt: skip
+    def _ask(
+        self, key: str, limit: int | None, weight: int, lease: float | None,
+        metadata: Mapping[str, Any] | None, room_ttl: float, arrival: float | None = None,
+        max_queued: int = 0, waited: float | None = None,
+    ) -> _Ask:  # fmt: skip
+        """A park's or claim's arguments, checked (nothing is sent)."""
         key = check.check_key(key)
-        make = payload if callable(payload) else None
-        check_waiter(waiter, b"" if make is not None else payload)
-        if turn[0] != "":
-            check.check_key(turn[0], "tenant")
         seconds, ms, arrival_ms, max_queued, ttl_ms = park_args(
             lease, self.lease, arrival, max_queued, room_ttl, waited
         )
@@ -221,38 +259,34 @@ class WaitingRoom:
         weight = check.check_weight(weight, limit)
         # The holder's record rides in its member (see process.member_of), not in a hash.
         token = member_of(self._record.encode(metadata, limit, weight))
-        keys = self.names.keys_of(key)
+        slot = (self.names.keys_of(key), limit, ms, token, weight)
+        return _Ask(key, slot, seconds, arrival_ms, max_queued, ttl_ms)
+
+    def _settings(self, ask: _Ask) -> str:
+        return room_settings(self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms)
+
+    @contextlib.contextmanager
+    def _round_trip(self, ask: _Ask) -> Iterator[Record]:
+        """One room call's span, its Redis errors as :class:`SemaphoreBackendError`, and the
+        recovery of a call whose answer is lost."""
+        keys, limit, _, token, _ = ask.slot
         with (
-            acquire_span(key, limit) as record,
-            backend_errors(key, limit),
-            recovering(self._scripts, keys, key, token, self.handoffs),
+            acquire_span(ask.key, limit) as record,
+            backend_errors(ask.key, limit),
+            recovering(self._scripts, keys, ask.key, token, self.handoffs),
         ):
-            if make is not None and key not in self._rooms and not turn[2][0]:
-                sent_at = time.monotonic()
-                taken = self._scripts.take(keys, limit, ms, token, weight)
-                if isinstance(taken, Admitted):
-                    record(1, OUTCOMES[Admitted])
-                    return self._slot(keys, key, limit, token, seconds, taken, sent_at, weight)
-            if make is not None:
-                payload = make()
-                check_waiter(waiter, payload)
-            assert isinstance(payload, bytes)
-            sent_at = time.monotonic()
-            result, handed = self._scripts.park(
-                keys, limit, ms, token, waiter, arrival_ms, payload,
-                self.handoffs.claim_ms, ttl_ms, max_queued, claim_only, deadline,
-                self.handoffs.grace_ms, delivery, weight, *turn,
-            )  # fmt: skip
-            assert not isinstance(result, Declined)
-            record(1, OUTCOMES[type(result)])
-        self._saw_waiters(key, not (isinstance(result, Admitted) and result.roomless))
-        self.handoffs.deliver(key, handed, self._scripts)
+            yield record
+
+    def _after(
+        self, ask: _Ask, result: Admitted | Parked | RoomFull | NotWaiting,
+        handed: list[Handoff], deadline: int,
+    ) -> None:  # fmt: skip
+        """Deliver a park's or claim's hand-offs, and note where its waiter stands."""
+        self._saw_waiters(ask.key, not (isinstance(result, Admitted) and result.roomless))
+        self.handoffs.deliver(ask.key, handed, self._scripts)
         if isinstance(result, Parked):
-            self.index.add(key, ttl_ms, result.position == 0,
-                           give_up_ms(deadline, arrival_ms, result.now_ms))  # fmt: skip
-        if isinstance(result, Admitted):
-            return self._slot(keys, key, limit, token, seconds, result, sent_at, weight)
-        return result
+            self.index.add(ask.key, ask.ttl_ms, result.position == 0,
+                           give_up_ms(deadline, ask.arrival_ms, result.now_ms))  # fmt: skip
 
     def park_many(
         self,
@@ -336,10 +370,10 @@ class WaitingRoom:
             backend_errors(label, specs[0][1]),
             recovering(self._scripts, all_keys[0], label, token, self.handoffs),
         ):
-            result, handed = self._scripts.park_many(
+            result, handed = self._scripts.run(park_many_call(
                 groups, ms, token, info, waiter, arrival_ms, payload, self.handoffs.claim_ms,
                 ttl_ms, max_queued, claim_only, deadline, delivery,
-            )  # fmt: skip
+            ))  # fmt: skip
             record(1, OUTCOMES[type(result)])
         self.handoffs.deliver(label, handed, self._scripts)
         if isinstance(result, Parked):  # it waits in every key's room
@@ -348,8 +382,9 @@ class WaitingRoom:
                 self.index.add(key, ttl_ms, due_ms=due_ms)
         if isinstance(result, Admitted):
             return SlotGroup(
-                [self._slot(k, key, limit, token, seconds, Admitted(result.expires_at_ms,
-                            result.now_ms, limit), sent_at, weight)
+                [Slot(self._scripts, k, key, limit, token, seconds,
+                      Admitted(result.expires_at_ms, result.now_ms, limit), sent_at,
+                      self.handoffs, weight)
                  for k, (key, limit, weight) in zip(all_keys, specs, strict=True)]
             )  # fmt: skip
         return result
@@ -408,9 +443,9 @@ class WaitingRoom:
             now_ms, count, rows = self._scripts.waiting(keys, last)
         return count, [Waiter(w, arrival / 1000, (now_ms - arrival) / 1000) for w, arrival in rows]
 
-    def _slot(self, keys: Keys, key: str, limit: int, token: str, lease: float,
-              admitted: Admitted, sent_at: float, weight: int) -> Slot:  # fmt: skip
-        return Slot(self._scripts, keys, key, limit, token, lease, admitted, sent_at,
+    def _slot(self, ask: _Ask, admitted: Admitted, sent_at: float) -> Slot:
+        keys, limit, _, token, weight = ask.slot
+        return Slot(self._scripts, keys, ask.key, limit, token, ask.lease, admitted, sent_at,
                     self.handoffs, weight)  # fmt: skip
 
     def _saw_waiters(self, key: str, waiters: bool) -> None:

@@ -15,6 +15,7 @@ module also maps redis-py errors to :class:`SemaphoreBackendError` (the keys are
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -30,14 +31,9 @@ from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, Renewal, acquire_argv, release_
 from .names import Keys, keys_named
 from .replies import (
     Admitted,
-    Declined,
     DueRooms,
     Full,
     Handoff,
-    NotWaiting,
-    ParkAnswer,
-    Parked,
-    RoomFull,
     parse_acquire,
     parse_release,
 )
@@ -49,36 +45,61 @@ def _lua(name: str) -> str:
     return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
-_ROOM = ("park", "park_many", "release", "sweep", "cancel", "set_limit", "recover", "gather")
-"""Scripts that run the waiting room's shared steps (``lua/room.lua``): in place of the
-script's ``--[[room.lua]]`` line, so that a fast path above it never defines them, or else
-at its top."""
-_ROOM_MARK = "--[[room.lua]]"
-_MANY = ("park_many", "gather")
-"""Scripts given every key of a waiter of several keys: ``lua/many.lua``'s steps go below
-room.lua's at their top."""
+_USES = re.compile(r"^--! uses: (.*)$", re.MULTILINE)
+_VARIANTS = {"acquire_rated": ("acquire", "rates"), "take_rated": ("take", "rates")}
+"""Scripts sent as another file with one more helper: the plain ``acquire`` and ``take``, the
+hot paths, never take the branch that calls the start rates' steps and do not carry them."""
 
 
-_RATES = (*_ROOM, "acquire_rated", "set_rate")
-"""Scripts that take slots under start rates, or set them (``lua/rates.lua``, at their
-top). ``acquire_rated`` is acquire.lua with them: the plain ``acquire``, the hot path,
-never takes the branch that calls them and does not carry them."""
+class Source:
+    """One script's text as sent, composed from its ``lua/*.lua`` file and the helper files
+    it names: a line ``--! uses: a b`` is replaced, where it stands, by ``a.lua`` and
+    ``b.lua`` (each with its own ``uses`` line replaced in turn, and each at most once per
+    script), so a script can keep the helpers below a fast path that never needs them.
+    :meth:`where` maps a line of the text back to the file and line it came from, for Lua's
+    errors (which count lines in the text sent).
+
+    Args:
+        name (str): the script's name: its file's, or one of :data:`_VARIANTS`.
+    """
+
+    def __init__(self, name: str) -> None:
+        file, extra = _VARIANTS.get(name, (name, ""))
+        self._spans: list[tuple[int, str, int]] = []  # (first line here, file, its line)
+        lines: list[str] = []
+        self._add(file, lines, {file}, extra)
+        self.text = "\n".join(lines)
+
+    def _add(self, file: str, lines: list[str], seen: set[str], extra: str = "") -> None:
+        for number, line in enumerate(_lua(file).split("\n"), 1):
+            if not self._spans or self._spans[-1][1] != file:
+                self._spans.append((len(lines) + 1, file, number))
+            lines.append(line)  # a "uses" line too: a comment, which keeps the count
+            uses = _USES.match(line)
+            if uses is None:
+                continue
+            for helper in f"{extra} {uses.group(1)}".split():
+                if helper not in seen:
+                    seen.add(helper)
+                    self._add(helper, lines, seen)
+            extra = ""
+
+    def where(self, line: int) -> str:
+        """``"<file>.lua:<line>"``: where line ``line`` (1-based) of :attr:`text` comes from."""
+        first, file, at = max(span for span in self._spans if span[0] <= line)
+        return f"{file}.lua:{at + line - first}"
 
 
-def _source(name: str) -> str:
-    text = _lua("acquire" if name == "acquire_rated" else name)
-    if name in _ROOM:
-        if _ROOM_MARK in text:
-            text = text.replace(_ROOM_MARK, _lua("room"))
-        elif name in _MANY:
-            text = _lua("room") + "\n" + _lua("many") + "\n" + text
-        else:
-            text = _lua("room") + "\n" + text
-    # Above everything, room.lua included: its hand-offs take rates too.
-    return _lua("rates") + "\n" + text if name in _RATES else text
+def located(exc: redis.ResponseError, script: str) -> redis.ResponseError:
+    """``exc``, a Lua error of ``script``, with the file and line it points at added (Redis
+    counts lines in the composed text, which no file holds)."""
+    found = re.search(r"user_script:(\d+)", str(exc))
+    if found is None or script not in _SOURCES:
+        return exc
+    return type(exc)(f"{exc} [at lua/{_SOURCES[script].where(int(found.group(1)))}]")
 
 
-_SOURCES = {name: _source(name) for name in SCRIPT_KEYS}
+_SOURCES = {name: Source(name) for name in SCRIPT_KEYS}
 _NAMES_KEPT = 4096
 """Semaphore keys whose encoded names a :class:`Scripts` keeps (then it starts afresh)."""
 
@@ -158,7 +179,7 @@ class Scripts:
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
-        self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+        self._scripts = {name: client.register_script(src.text) for name, src in _SOURCES.items()}
         self._shas = {name: _ascii(script.sha) for name, script in self._scripts.items()}
         self._execute: Callable[..., Any] = client.execute_command
         encoder = client.get_encoder()
@@ -190,12 +211,15 @@ class Scripts:
         or its ``evalsha``, two calls deeper; the SHA goes as bytes, which redis-py sends
         as they are."""
         try:
-            return self._execute("EVALSHA", self._shas[name], *args)
-        except NoScriptError:
-            script = self._scripts[name]
-            script.sha = _text(self.client.script_load(script.script))
-            self._shas[name] = _ascii(script.sha)
-            return self._execute("EVALSHA", self._shas[name], *args)
+            try:
+                return self._execute("EVALSHA", self._shas[name], *args)
+            except NoScriptError:
+                script = self._scripts[name]
+                script.sha = _text(self.client.script_load(script.script))
+                self._shas[name] = _ascii(script.sha)
+                return self._execute("EVALSHA", self._shas[name], *args)
+        except redis.ResponseError as exc:
+            raise located(exc, name) from exc
 
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
@@ -221,9 +245,10 @@ class Scripts:
         for n, reply in zip(again, self._pipelined([calls[n] for n in again]), strict=True):
             replies[n] = reply
         return [
-            reply if isinstance(reply, Exception) else call.parse(reply)
+            located(reply, call.script) if isinstance(reply, redis.ResponseError)
+            else reply if isinstance(reply, Exception) else call.parse(reply)
             for call, reply in zip(calls, replies, strict=True)
-        ]
+        ]  # fmt: skip
 
     def _pipelined(self, calls: Sequence[Call[Any]]) -> list[Any]:
         if not calls:
@@ -267,64 +292,6 @@ class Scripts:
         """Remove ``token`` (see :func:`release_call`)."""
         args = release_argv(token, claim_ms, weight)
         return parse_release(self._send("release", self._encoded(keys).release + args))
-
-    def park(
-        self,
-        keys: Keys,
-        limit: int,
-        lease_ms: int,
-        token: str,
-        waiter: str,
-        arrival_ms: int | None,
-        payload: bytes,
-        claim_ms: int,
-        room_ttl_ms: int,
-        max_queued: int,
-        claim_only: bool,
-        deadline_ms: int,
-        grace_ms: int,
-        delivery: str = "",
-        weight: int = 1,
-        tenant: str = "",
-        ahead_ms: int = 0,
-        rated: tuple[str, str] = ("", ""),
-    ) -> tuple[ParkAnswer, list[Handoff]]:
-        """Take a slot in arrival order or park (see :func:`~.calls.park_call`)."""
-        return self.run(calls.park_call(
-            keys, limit, lease_ms, token, waiter, arrival_ms, payload, claim_ms,
-            room_ttl_ms, max_queued, claim_only, deadline_ms, grace_ms, delivery, weight, tenant,
-            ahead_ms, rated,
-        ))  # fmt: skip
-
-    def take(
-        self, keys: Keys, limit: int, lease_ms: int, token: str, weight: int = 1
-    ) -> Admitted | Declined:
-        """Take a free slot of a key that has no waiting room, or do nothing (see
-        :func:`~.calls.take_call`)."""
-        return self.run(calls.take_call(keys, limit, lease_ms, token, weight))
-
-    def park_many(
-        self,
-        groups: Sequence[tuple[Keys, int, int]],
-        lease_ms: int,
-        token: str,
-        metadata: str,
-        waiter: str,
-        arrival_ms: int | None,
-        payload: bytes,
-        claim_ms: int,
-        room_ttl_ms: int,
-        max_queued: int,
-        claim_only: bool,
-        deadline_ms: int,
-        delivery: str = "",
-    ) -> tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]:
-        """Take every key in arrival order, or park in the room of the first that cannot
-        take it yet (see :func:`~.calls.park_many_call`)."""
-        return self.run(calls.park_many_call(
-            groups, lease_ms, token, metadata, waiter, arrival_ms, payload, claim_ms,
-            room_ttl_ms, max_queued, claim_only, deadline_ms, delivery,
-        ))  # fmt: skip
 
     def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
         """The room's size and oldest waiters (see :func:`~.calls.waiting_call`)."""
@@ -382,7 +349,7 @@ class AsyncScripts:
 
     def __init__(self, client: AsyncRedis | AsyncRedisCluster) -> None:
         self.client = client
-        self._scripts = {name: client.register_script(src) for name, src in _SOURCES.items()}
+        self._scripts = {name: client.register_script(src.text) for name, src in _SOURCES.items()}
         # redis-py's asyncio cluster client fails commands sent at once before it has read
         # the slot map, so a cluster client is initialised once, before its first call.
         self._unready = isinstance(client, AsyncRedisCluster)
@@ -395,4 +362,8 @@ class AsyncScripts:
                 if self._unready:
                     await self.client.initialize()
                     self._unready = False
-        return call.parse(await self._scripts[call.script](keys=call.keys, args=call.args))
+        try:
+            reply = await self._scripts[call.script](keys=call.keys, args=call.args)
+        except redis.ResponseError as exc:
+            raise located(exc, call.script) from exc
+        return call.parse(reply)

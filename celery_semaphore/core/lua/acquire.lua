@@ -36,6 +36,7 @@
 -- a live slot is answered with that slot and nothing more is taken, so a client that
 -- resends the call after a lost reply cannot leak a slot. Every reply element is an
 -- integer (RESP2/RESP3 safe).
+--! uses: clock
 local slots = KEYS[1]
 local holders = KEYS[2]
 local set = redis.call('HMGET', KEYS[3], 'limit', 'paused_at')
@@ -45,10 +46,7 @@ local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
 local weight = tonumber(ARGV[4]) or 1
 
--- Scripts that write after TIME need effect replication on Redis < 7; a no-op later.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now_ms = now_ms()
 local expires_at_ms = now_ms + lease_ms
 
 local live = redis.call('ZCARD', slots)

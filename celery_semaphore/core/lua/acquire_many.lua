@@ -15,9 +15,8 @@
 --
 -- Like acquire.lua: lapsed holders are pruned only where they stand in the way, and a token
 -- that already holds its slots (a resent call) is answered with them.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 local lease_ms, token, metadata = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local count = #KEYS / 3
 

@@ -7,9 +7,8 @@
 --
 -- Returns the server's time, ms. The caller asks for a slot again right after this, so a
 -- slot freed between its last attempt and its block is never missed.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+--! uses: clock
+local now = now_ms()
 local for_ms = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + for_ms, ARGV[1])
 if redis.call('PTTL', KEYS[1]) < for_ms then redis.call('PEXPIRE', KEYS[1], for_ms) end

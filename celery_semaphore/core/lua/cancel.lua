@@ -14,6 +14,7 @@
 --
 -- So a waiter of several keys never stays parked in some of its rooms, or holds units
 -- there, once it was cancelled in one: a cancel is for all of them, or none.
+--! uses: room
 local waiter, claim_ms = ARGV[1], tonumber(ARGV[2])
 local count = #KEYS / 8
 local function k(i, n) return KEYS[8 * (i - 1) + n] end
@@ -22,8 +23,7 @@ if count == 1 then
   local needs = redis.call('HGET', KEYS[5], '!m:' .. waiter)
   if needs and #cjson.decode(needs) > 1 then return {-1, needs} end
 end
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local now = room_now_ms()
+local now = now_ms()
 local found = 0
 for i = 1, count do
   local slots, holders, room, parked = k(i, 1), k(i, 2), k(i, 4), k(i, 5)

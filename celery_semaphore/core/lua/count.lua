@@ -5,6 +5,6 @@
 --
 -- Returns the number of members whose lease expiry is later than the server's clock;
 -- lapsed members that no acquire has pruned yet are not counted.
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 return redis.call('ZCOUNT', KEYS[1], '(' .. now_ms, '+inf')

@@ -15,12 +15,11 @@
 -- most now_ms when more rooms are due than `count`; and up to `count` keys whose score is
 -- at most now_ms, the most overdue first. A caller that dies before it sweeps them leaves
 -- them due again one interval later, for any other caller to take.
+--! uses: clock
 local index = KEYS[1]
 local interval_ms, count, ttl_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local due = redis.call('ZRANGEBYSCORE', index, '-inf', now, 'LIMIT', 0, count)
 local reply = {now, -1}
 local args = {}

@@ -14,9 +14,8 @@
 -- acquire prunes it, yet from the moment it lapsed every acquire has counted its slot as
 -- free. Reviving it would put the semaphore over its limit, so the score must still be in
 -- the future; a lapsed member is removed here, never renewed.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 
 local reply = {now_ms}
 for i = 1, #KEYS / 2 do

@@ -5,9 +5,8 @@
 --
 -- Returns how many LIVE holders were displaced (lapsed ones are not counted). Each
 -- displaced holder learns of it at its next extend or release, which will answer "gone".
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 local live = 0
 for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf')) do
   if not string.find(member, '#%d+$') then live = live + 1 end

@@ -20,11 +20,11 @@
 -- expired, a waiter parked by an older version) is handed off as it stands: its run's claim
 -- parks it there again. One gone from all of them (it took its slots, or was cancelled) is
 -- left alone.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
+--! uses: many
 local waiter, claim_ms = ARGV[1], tonumber(ARGV[2])
 local count = #KEYS / 6
 local function k(i, n) return KEYS[6 * (i - 1) + n] end
-local now = room_now_ms()
+local now = now_ms()
 
 local sems, payload, place, missing = {}, nil, nil, false
 for i = 1, count do

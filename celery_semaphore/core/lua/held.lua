@@ -10,8 +10,8 @@
 -- prunes it, yet every acquire has counted its slot as free since it lapsed, so the score is
 -- compared with the server's clock here, as extend.lua compares it. Nothing is written: an
 -- operator may ask as often as it likes without moving a lease.
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 
 local reply = {}
 for i = 1, #KEYS do

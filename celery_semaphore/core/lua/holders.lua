@@ -8,8 +8,8 @@
 -- (or "" if missing), from the member itself when it carries it ("<token>|<info>", see
 -- acquire.lua), else from the holders hash. Server time is returned so a caller can show
 -- "expires in" without trusting its own clock.
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 
 local reply = {now_ms}
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now_ms, '+inf', 'WITHSCORES')

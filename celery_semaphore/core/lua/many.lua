@@ -1,6 +1,8 @@
 -- many: the steps of a waiter that needs several keys, shared by the two scripts that are
 -- given all of its keys (park_many.lua, its run; gather.lua, anyone a room's hand-off told
--- of it). scripts.py puts it below room.lua at their top. Not a script of its own.
+-- of it). Not a script of its own.
+--
+--! uses: room
 --
 -- Such a waiter is parked in the room of every key it needs at the same place (its arrival:
 -- the same order in every room, ties by id), with the record "!m:<waiter>" of all its keys

@@ -4,11 +4,13 @@
 --
 -- KEYS[9i-8..9i]  slots, holders, limits, room, parked, deadlines, blocked, wake, claims of
 --                 the i-th semaphore (see room.lua); on Redis Cluster all in one hash slot
--- ARGV[1..12]  lease_ms, token, metadata, waiter, arrival_ms ("" for now, -<ms> a wait),
---              payload, claim_ms, room_ttl_ms, max_queued (0: no limit), mode ("park" or
---              "claim"), deadline_ms (0: none, -<ms> a budget), delivery, as for park.lua
---              (no hand-off grace: a reservation here is kept for its waiter)
--- ARGV[11+2i], ARGV[12+2i]  limit and weight of the i-th semaphore
+-- ARGV[1..5]  lease_ms, token, metadata, waiter, payload, as for park.lua
+-- ARGV[6]     how it waits, a JSON object: "arrival_ms" (null for now, -<ms> a wait),
+--             "claim_ms", "ttl_ms", "max_queued" (0: no limit), "claim" (true: claim mode),
+--             "deadline_ms" (0: none, -<ms> a budget), "delivery", as for park.lua and
+--             claim.lua (no hand-off grace: a reservation here is kept for its waiter)
+-- ARGV[7]     the semaphores' limits and weights, a JSON list: limit and weight of the
+--             first, of the second, ...
 --
 -- Returns {1, expires_at_ms, now_ms, 0, hand-offs...}    the waiter holds a slot of each
 --         {0, position, now_ms, i, hand-offs...}         parked: the i-th one is the first
@@ -24,21 +26,22 @@
 -- ahead of it there, or holds a reservation for it. Otherwise it waits in the room of every
 -- one, and many.lua's steps decide, with all of them in view, what it holds meanwhile: it
 -- is handed off (gather.lua) once it holds all of them, and its run's claim takes them.
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local now = room_now_ms()
+--! uses: many
+local now = now_ms()
 local lease_ms, token, metadata, waiter = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
-local payload, claim_ms, room_ttl_ms = ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
-local max_queued, mode, deadline_ms = tonumber(ARGV[9]), ARGV[10], tonumber(ARGV[11])
-local delivery = ARGV[12]
+local payload, how, sizes = ARGV[5], cjson.decode(ARGV[6]), cjson.decode(ARGV[7])
+local claim_ms, room_ttl_ms, max_queued = how.claim_ms, how.ttl_ms, how.max_queued
+local mode, deadline_ms = how.claim and 'claim' or 'park', how.deadline_ms
+local delivery = how.delivery
 local count = #KEYS / 9
 
 local function k(i, n) return KEYS[9 * (i - 1) + n] end
 local sems, given = {}, {}
 for i = 1, count do
-  given[i] = tonumber(ARGV[11 + 2 * i])
+  given[i] = sizes[2 * i - 1]
   sems[i] = {slots = k(i, 1), holders = k(i, 2), room = k(i, 4), parked = k(i, 5),
              deadlines = k(i, 6), limit = live_limit(k(i, 3), given[i]),
-             weight = tonumber(ARGV[12 + 2 * i])}
+             weight = sizes[2 * i]}
   room_prune(k(i, 1), k(i, 2), k(i, 4), k(i, 5), now)
   if redis.call('HEXISTS', k(i, 5), '!limit') == 1 then
     redis.call('HSET', k(i, 5), '!limit', given[i])  -- as park.lua: the latest caller's
@@ -49,7 +52,7 @@ local mine = redis.call('ZSCORE', k(1, 1), token)
 if mine then return {1, tonumber(mine), now, 0} end
 
 -- Where the waiter is parked or reserved now, since when it has asked, and when it gives up.
-local arrival = tonumber(ARGV[5])
+local arrival = tonumber(how.arrival_ms)
 if arrival and arrival < 0 then arrival = now + arrival end  -- a wait (see park.lua)
 local known, reserved, passive = false, {}, {}
 local kept_deadline = 0

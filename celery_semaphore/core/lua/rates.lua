@@ -1,5 +1,5 @@
 -- rates: a key's start rates (GCRA, the generic cell rate algorithm, on the server's clock),
--- which scripts.py puts at the top of the scripts that take slots. Not a script of its own.
+-- for the scripts that take slots under them. Not a script of its own.
 --
 -- A rate is {name, interval_ms, burst}: one unit every interval_ms (a float: "500/m" is 120),
 -- and up to `burst` units at once after an idle spell. Its state is one number, its TAT

@@ -19,12 +19,12 @@
 -- ends quietly; a missing one costs a whole claim lease. A reservation of a waiter that
 -- needs several keys and still waits for some is answered as room.lua's hand-off answers it
 -- ({"!<waiter>", keys}: the caller gathers it); one that gather.lua handed off, as any other.
+--! uses: room
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local deadlines, blocked, wake = KEYS[6], KEYS[7], KEYS[8]
 local token, claim_ms, since_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local now = room_now_ms()
+local now = now_ms()
 local released = 0
 if token ~= '' and redis.call('ZSCORE', slots, token) then
   units_remove(slots, token, nil)

@@ -33,12 +33,11 @@ if ARGV[3] == nil and redis.call('EXISTS', KEYS[5], KEYS[7]) == 0 then
   if not string.find(token, '|', 1, true) then redis.call('HDEL', holders, token) end
   return 1
 end
---[[room.lua]]
-if redis.replicate_commands then pcall(redis.replicate_commands) end
+--! uses: room
 local limits, room, parked = KEYS[3], KEYS[4], KEYS[5]
 local blocked, wake = KEYS[7], KEYS[8]
 local claim_ms, weight = tonumber(ARGV[2]), tonumber(ARGV[3] or 1)
-local now = room_now_ms()
+local now = now_ms()
 
 local score = redis.call('ZSCORE', slots, token)
 local owned = 0

@@ -1,6 +1,7 @@
--- room: the waiting room's shared steps, which scripts.py puts into the scripts that use
--- them (park, release, sweep, cancel, set_limit): in place of a "--[[room.lua]]" line, below
--- a script's fast path, or else at its top. Not a script of its own.
+-- room: the waiting room's shared steps, for the scripts that say "--! uses: room" (park,
+-- claim, release, sweep, cancel, set_limit, ...). Not a script of its own.
+--
+--! uses: clock rates
 --
 -- Keys of one semaphore (one hash tag, so one cluster slot):
 --   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>". A
@@ -52,11 +53,6 @@
 -- decides whether it keeps the units (many.lua) and hands it off once every key holds a
 -- reservation for it. A passive one is out of the room's order (not in `room`), keeping its
 -- place in the parked hash: the steps here pass it by.
-
-local function room_now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
 
 -- The limit that applies: 0 while the key is paused, a live limit if one is set, else
 -- `given` (a number or nil).

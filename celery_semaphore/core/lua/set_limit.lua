@@ -19,12 +19,12 @@
 -- it is paused. The limits hash has no TTL while it holds an operator's setting, which stays
 -- until it is cleared (start rates' state alone expires: rates.lua); a change of the limit
 -- leaves a pause alone, and the other way round.
+--! uses: room
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local blocked, wake = KEYS[7], KEYS[8]
 local claim_ms, pause = tonumber(ARGV[3]), ARGV[4] or ''
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local now = room_now_ms()
+local now = now_ms()
 local before = redis.call('HMGET', limits, 'limit', 'paused_at')
 if ARGV[1] == '' then
   redis.call('HDEL', limits, 'limit', 'set_at', 'by')

@@ -10,10 +10,9 @@
 -- Returns {previous spelling ("" for none), now_ms}. The hash has no TTL while it holds an
 -- operator's setting (rates_keep); the rate's state, its TAT, is kept as it is: a run
 -- already handed an instant keeps it, and the next starts follow the new rate.
+--! uses: clock rates
 local limits, name = KEYS[1], ARGV[1]
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local before = redis.call('HGET', limits, 'rate_spec:' .. name)
 if ARGV[2] == '' then
   redis.call('HDEL', limits, 'rate:' .. name, 'rate_spec:' .. name, 'rate_by:' .. name,

@@ -44,6 +44,7 @@
 -- script's call, and is lost if the caller dies in between: the room is then swept at the
 -- first lease end this sweep saw (at most a lease on, for a holder that renews), or, for a
 -- holder whose lease is long, when its release brought the sweep on before it ran (slot.py).
+--! uses: room
 local slots, holders, limits, room, parked = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local deadlines, blocked, wake = KEYS[6], KEYS[7], KEYS[8]
 local claim_ms, idle_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -51,8 +52,7 @@ idle_ms = math.max(1, math.min(idle_ms,
   math.floor((tonumber(redis.call('HGET', parked, '!ttl')) or idle_ms * 4) / 4)))
 local DUE, PAGE, SCAN_EVERY_MS = 500, 100, 30000
 
-if redis.replicate_commands then pcall(redis.replicate_commands) end
-local now = room_now_ms()
+local now = now_ms()
 local limit = room_limit(limits, parked)
 if not limit then
   redis.call('DEL', deadlines)

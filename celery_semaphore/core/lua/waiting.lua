@@ -11,8 +11,8 @@
 -- fair turns, not always the oldest first). Server time
 -- is returned so a caller can show how long each has waited without trusting its own clock
 -- (and, on a cluster, in the one call that reaches the room's node).
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+--! uses: clock
+local now_ms = now_ms()
 local reply = {now_ms, redis.call('ZCARD', KEYS[1])}
 local first = tonumber(ARGV[2] or 0)
 local rows = redis.call('ZRANGE', KEYS[1], first, tonumber(ARGV[1]), 'WITHSCORES')
