@@ -2,8 +2,8 @@
 which indexed rooms hold a run, where it stands in one, which of some runs a room holds.
 
 With the scripts and their call builders, this is the only code that knows the rooms' Redis
-keys and hash fields (see the Redis layout reference): the callers get typed answers. Each
-read is plain commands, pipelined; none runs a script.
+keys and hash fields (see the Redis layout reference): the callers get typed answers. The
+reads are plain commands, pipelined where there are many; none runs a script.
 """
 
 from __future__ import annotations
