@@ -4,8 +4,8 @@ Nothing here imports Celery. The layers, bottom up: ``validation`` and ``options
 checks), ``clients`` (redis-py clients from URLs), ``names``, ``calls``, ``replies``,
 ``scripts`` and ``lua/`` (one atomic script per operation), ``slot`` (a held lease),
 ``heartbeat`` (renewal), ``guard`` (a slot held for a block), ``admin`` (holders, force
-release and live limits, without a limit), ``handoff`` and ``room`` (the waiting room),
-``wake`` (acquire's wait), ``semaphore`` (acquire, hold, run), ``tracing``.
+release and live limits, without a limit), ``handoff``, ``room`` and ``room_reads`` (the
+waiting room), ``wake`` (acquire's wait), ``semaphore`` (acquire, hold, run), ``tracing``.
 """
 
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin

@@ -12,12 +12,10 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Any
 
 from celery import Celery
-from redis import RedisCluster
 
-from ...core.names import Namespace
+from ...core.room_reads import parked_or_claimed
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
 from ..settings import app_settings, client_for, journal_for
@@ -84,26 +82,16 @@ class JournalKeeper:
         if not entries:
             self._after = 0
             return
-        names = Namespace(prefix, isinstance(client, RedisCluster))
         # A run of several keys waits in one room after another: it is parked if any has it.
         # One the store claimed is served too: a run stamped just before a restart may have
-        # parked in the new store, and been handed off and claimed there.
-        with client.pipeline(transaction=False) as pipe:
-            for entry in entries:
-                for key in entry.keys:
-                    keys = names.keys_of(key)
-                    pipe.hexists(keys.parked, entry.waiter)
-                    pipe.hexists(keys.claims, entry.waiter)
-            # Read again after the lookups: a store that restarted in between answered them
-            # from its new, empty rooms, which must not read as runs served elsewhere.
-            pipe.get(marker_key(prefix))
-            answers: list[Any] = pipe.execute()
-        if incarnation_of(answers.pop()) != current:
+        # parked in the new store, and been handed off and claimed there. The marker is read
+        # again after the lookups: a store that restarted in between answered them from its
+        # new, empty rooms, which must not read as runs served elsewhere.
+        parked, marker = parked_or_claimed(
+            client, prefix, [(e.waiter, e.keys) for e in entries], marker_key(prefix)
+        )
+        if incarnation_of(marker) != current:
             return
-        parked, start = [], 0
-        for entry in entries:
-            parked.append(any(answers[start : start + 2 * len(entry.keys)]))
-            start += 2 * len(entry.keys)
         lost: collections.Counter[str] = collections.Counter()
         settled = time.time() - SETTLE
         for entry, here in zip(entries, parked, strict=True):

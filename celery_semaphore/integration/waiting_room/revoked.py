@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
 
 from celery.worker import state as worker_state
 
 from ...core.admin import SemaphoreAdmin
 from ...core.room import WaitingRoom
-from ...core.scripts import backend_errors
+from ...core.room_reads import found_in_room
 
 FRESH = 60.0
 """Seconds after a worker learns of a revoke during which every room it sweeps is searched
@@ -72,11 +71,8 @@ class RevokedRuns:
     def to_look_for(self, key: str, now_ms: int, interval_ms: int) -> list[str]:
         """The revoked ids to look for in ``key``'s room in a sweep at ``now_ms`` (the
         store's time, epoch ms) by a fleet that sweeps each room every ``interval_ms``."""
-        if not self._old:
-            return self._fresh
-        if now_ms - self._old_looked.get(key, now_ms - OLD_EVERY * interval_ms) < (
-            OLD_EVERY * interval_ms
-        ):
+        every = OLD_EVERY * interval_ms
+        if not self._old or now_ms - self._old_looked.get(key, now_ms - every) < every:
             return self._fresh
         if len(self._old_looked) > 100_000:  # many rooms: forget, and look again soon
             self._old_looked.clear()
@@ -96,17 +92,7 @@ class RevokedRuns:
             admin = SemaphoreAdmin(room.client, room.names.prefix)
             in_room.update(str(h.metadata.get("reserved_for") or "") for h in admin.holders(key))
             return [task_id for task_id in ids if task_id in in_room]
-        keys = room.names.keys_of(key)
-        with backend_errors(key), room.client.pipeline(transaction=False) as pipe:
-            for task_id in ids:
-                pipe.hexists(keys.parked, task_id)
-                pipe.zscore(keys.slots, f"~{task_id}")
-            answers: list[Any] = pipe.execute()
-        return [
-            task_id
-            for n, task_id in enumerate(ids)
-            if answers[2 * n] or answers[2 * n + 1] is not None
-        ]
+        return found_in_room(room.client, room.names, key, ids)
 
 
 def _ids(revoked: Iterable[str]) -> set[str]:
