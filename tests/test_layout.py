@@ -35,6 +35,7 @@ DOCUMENTED_MODULES = [
     "celery_semaphore.signals",
     "celery_semaphore.metrics",
     "celery_semaphore.testing",
+    "celery_semaphore.pytest_plugin",
 ]
 
 
