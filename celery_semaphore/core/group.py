@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import Refusal, SemaphoreLeaseLostError, SemaphoreNotAcquiredError
-from .calls import held_call
+from .calls import acquire_many_call, held_call
 from .lazy_event import LazyEvent
 from .names import Keys
 from .options import ManyPlan, many_args
@@ -217,7 +217,7 @@ def take_group(
                 time.sleep(plan.delay)
             sent_at = time.monotonic()
             with backend_errors(plan.label, plan.limit):
-                reply = scripts.acquire_many(plan.groups, plan.ms, plan.token, plan.info)
+                reply = scripts.run(acquire_many_call(plan.groups, plan.ms, plan.token, plan.info))
             if isinstance(reply, list):
                 group = SlotGroup(
                     [slot(k, key, plan.token, plan.seconds, admitted, sent_at, weight)

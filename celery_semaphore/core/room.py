@@ -17,7 +17,15 @@ from redis import Redis, RedisCluster
 
 from . import validation as check
 from .admin import DEFAULT_PREFIX
-from .calls import Place, claim_call, park_call, park_many_call, room_settings, take_call
+from .calls import (
+    Place,
+    claim_call,
+    park_call,
+    park_many_call,
+    room_settings,
+    take_call,
+    waiting_call,
+)
 from .group import SlotGroup
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .names import Keys, Namespace
@@ -440,7 +448,7 @@ class WaitingRoom:
     def _waiting(self, key: str, last: int) -> tuple[int, list[Waiter]]:
         keys = self.names.keys_of(check.check_key(key))
         with backend_errors(key):
-            now_ms, count, rows = self._scripts.waiting(keys, last)
+            now_ms, count, rows = self._scripts.run(waiting_call(keys, last))
         return count, [Waiter(w, arrival / 1000, (now_ms - arrival) / 1000) for w, arrival in rows]
 
     def _slot(self, ask: _Ask, admitted: Admitted, sent_at: float) -> Slot:

@@ -14,7 +14,7 @@ from typing import Any
 import redis
 
 from .admin import scan_keys
-from .calls import reschedule_call
+from .calls import due_rooms_call, reschedule_call
 from .names import Namespace
 from .replies import DueRooms
 from .scripts import REDIS_ERRORS, Scripts, backend_errors
@@ -120,7 +120,7 @@ class RoomIndex:
             self._scripts = Scripts(self.client)
         interval_ms, ttl_ms = max(1, round(interval * 1000)), max(1, round(ttl * 1000))
         with backend_errors(self.key):
-            due = self._scripts.due_rooms(self.key, interval_ms, max(1, count), ttl_ms)
+            due = self._scripts.run(due_rooms_call(self.key, interval_ms, max(1, count), ttl_ms))
         return dataclasses.replace(due, taken_ms=due.now_ms + interval_ms)
 
     def scores(self, keys: Sequence[str]) -> list[int | None]:

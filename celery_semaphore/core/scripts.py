@@ -31,7 +31,6 @@ from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, Renewal, acquire_argv, release_
 from .names import Keys, keys_named
 from .replies import (
     Admitted,
-    DueRooms,
     Full,
     Handoff,
     parse_acquire,
@@ -271,16 +270,6 @@ class Scripts:
         )
         return parse_acquire(reply, limit, lease_ms)
 
-    def acquire_many(
-        self, groups: Sequence[tuple[Keys, int, int]], lease_ms: int, token: str, metadata: str
-    ) -> list[Admitted] | tuple[int, Full]:
-        """Take a slot of every key or none (one round trip; see :func:`acquire_many_call`)."""
-        return self.run(calls.acquire_many_call(groups, lease_ms, token, metadata))
-
-    def block(self, keys: Keys, token: str, for_ms: int) -> int:
-        """Register ``token`` as blocked on the wake list for ``for_ms``; the server's time."""
-        return self.run(calls.block_call(keys, token, for_ms))
-
     def extend(self, renewals: Sequence[Renewal]) -> list[int | None]:
         """Renew each ``(keys, token, lease_ms, weight)`` in one call (see
         :func:`extend_call`)."""
@@ -292,10 +281,6 @@ class Scripts:
         """Remove ``token`` (see :func:`release_call`)."""
         args = release_argv(token, claim_ms, weight)
         return parse_release(self._send("release", self._encoded(keys).release + args))
-
-    def waiting(self, keys: Keys, rows: int = -1) -> tuple[int, int, list[tuple[str, int]]]:
-        """The room's size and oldest waiters (see :func:`~.calls.waiting_call`)."""
-        return self.run(calls.waiting_call(keys, rows))
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:
         """Take ``waiter`` out of the room (see :func:`~.calls.cancel_call`); a waiter of
@@ -319,10 +304,6 @@ class Scripts:
         """Set or clear the key's live limit (see :func:`set_limit_call`)."""
         return self.run(calls.set_limit_call(keys, limit, by, claim_ms))
 
-    def count(self, keys: Keys) -> int:
-        """How many holders are live by the server's clock."""
-        return self.run(calls.count_call(keys))
-
     def holders(self, keys: Keys) -> tuple[int, list[tuple[str, int, str]]]:
         """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
         return self.run(calls.holders_call(keys))
@@ -330,10 +311,6 @@ class Scripts:
     def force_release_all(self, keys: Keys) -> int:
         """Delete the semaphore; how many live holders it had."""
         return self.run(calls.force_release_all_call(keys))
-
-    def due_rooms(self, index: str, interval_ms: int, count: int, ttl_ms: int) -> DueRooms:
-        """Take the rooms due for a sweep (see :func:`~.calls.due_rooms_call`)."""
-        return self.run(calls.due_rooms_call(index, interval_ms, count, ttl_ms))
 
 
 class AsyncScripts:

@@ -22,6 +22,7 @@ from redis import Redis, RedisCluster
 
 from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
+from .calls import count_call
 from .clients import RedisClient, client_of
 from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
@@ -399,7 +400,7 @@ class Semaphore:
         """
         key = check.check_key(key)
         with backend_errors(key, self.limit):
-            return self._scripts.count(self.names.keys_of(key))
+            return self._scripts.run(count_call(self.names.keys_of(key)))
 
     def available(self, key: str, limit: int | None = None) -> int:
         """The key's limit (its live limit if one is set, else ``limit``, else the

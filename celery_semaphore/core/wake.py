@@ -19,6 +19,7 @@ import redis
 
 from ..errors import SemaphoreBackendError
 from . import validation as check
+from .calls import block_call
 from .names import Keys
 from .replies import Admitted
 from .scripts import Scripts, backend_errors
@@ -57,7 +58,7 @@ def wait_for_slot(
         while (remaining := give_up - time.monotonic()) > 0:
             with backend_errors(key, limit):
                 # Registered before asking again: a release in between pushes a wake.
-                now_ms = scripts.block(keys, token, math.ceil(remaining * 1000))
+                now_ms = scripts.run(block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
                 reply = scripts.acquire(keys, limit, ms, token, weight, rated)
                 if isinstance(reply, Admitted):
