@@ -72,13 +72,13 @@ class _Flight:
 
     @staticmethod
     async def _extend(
-        group: Sequence[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]], timeout: float
+        batch: Sequence[tuple[RenewalPlan[AsyncSlot], AsyncScripts, Keys, str, int]], timeout: float
     ) -> list[int | None]:
-        first = group[0][0].slot
-        call = extend_call([(keys, token, ms, e.slot.weight) for e, _, keys, token, ms in group])
+        first = batch[0][0].slot
+        call = extend_call([(keys, token, ms, e.slot.weight) for e, _, keys, token, ms in batch])
         with backend_errors(first.key, first.limit):
             try:
-                return await asyncio.wait_for(group[0][1].run(call), timeout)
+                return await asyncio.wait_for(batch[0][1].run(call), timeout)
             except asyncio.TimeoutError:
                 raise SemaphoreBackendError(
                     f"Redis did not answer a renewal for semaphore {first.key!r} within "

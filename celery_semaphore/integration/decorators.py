@@ -72,7 +72,7 @@ def bounded(
         weight (int | Callable[..., int] | None): units of the limit each call takes, or a
             callable of the function's arguments returning them; None: 1.
         fair_by (str | Callable[..., str] | None): as for
-            :class:`~celery_semaphore.SemaphoreTask`: the runs' fair-turn group.
+            :class:`~celery_semaphore.SemaphoreTask`: the runs' fair-turn tenant.
         head_start (float | Callable[..., float] | None): as for
             :class:`~celery_semaphore.SemaphoreTask`: each run's priority in the room.
         app (Celery | None): whose ``semaphore_*`` settings a plain call uses; default the

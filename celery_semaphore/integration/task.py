@@ -46,9 +46,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         weight (int | Callable[..., int]): how many units of the limit each run takes (an
             int from 1 to the limit, or a callable of the task's arguments returning one);
             the weights of a key's runs never sum above its limit. Default 1.
-        fair_by (str | Callable[..., str]): a template (or callable) naming each run's group,
-            ``"tenant:{tenant_id}"``: runs waiting in the key's room take turns across
-            groups, so one tenant's burst does not hold back another's runs. Default: none,
+        fair_by (str | Callable[..., str]): a template (or callable) naming each run's
+            tenant, ``"tenant:{tenant_id}"``: runs waiting in the key's room take turns across
+            tenants, so one tenant's burst does not hold back another's runs. Default: none,
             arrival order.
         head_start (float | Callable[..., float]): each run's priority in the key's room:
             seconds (0 to a day; or a callable of the task's arguments returning them) it
