@@ -19,7 +19,7 @@ from ..core.calls import extend_call, held_call, release_call
 from ..core.handoff import GATHER_FAILED, SWEEP_DUE, Gathering, HandoffRoute, sweep_mark
 from ..core.lease import LeaseRecord
 from ..core.names import Keys
-from ..core.recovery import Lost, LostCalls, lost_call
+from ..core.recovery import Lost, lost_call
 from ..core.replies import Admitted, Handoff
 from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_error, backend_errors
 
@@ -71,8 +71,7 @@ def recover_later(
     ``key`` sent at ``sent_at`` (``time.monotonic()``) that failed with ``error``. Never
     raises."""
     if (lost := lost_call(scripts, keys, key, token, route, sent_at, error)) is not None:
-        task = asyncio.ensure_future(_recover(lost))
-        _recovering.add(task)
+        _recovering.add(task := asyncio.ensure_future(_recover(lost)))
         task.add_done_callback(_recovering.discard)
 
 
@@ -81,17 +80,16 @@ _recovering: set[asyncio.Task[None]] = set()
 
 
 async def _recover(lost: Lost[AsyncScripts]) -> None:
-    calls: LostCalls[AsyncScripts] = LostCalls()
-    calls.add(lost, time.monotonic())
-    while calls:
-        await asyncio.sleep(calls.next_due() - time.monotonic())
-        for due, call in calls.due(time.monotonic()):
-            try:
-                reply = await due.scripts.run(call)
-            except Exception as exc:  # a redis-py error, or a client closed under us
-                calls.failed(due, exc, time.monotonic())
+    while True:
+        await asyncio.sleep(lost.due - time.monotonic())
+        try:
+            reply = await lost.scripts.run(lost.call(time.monotonic()))
+        except Exception as exc:  # a redis-py error, or a client closed under us
+            if lost.retry(exc, time.monotonic()):
                 continue
-            await deliver(due.route, due.key, due.answered(reply), due.scripts)
+        else:
+            await deliver(lost.route, lost.key, lost.answered(reply), lost.scripts)
+        return
 
 
 def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:

@@ -10,8 +10,8 @@ store again, with a backoff, until it answers, and then runs ``recover.lua``: th
 call's token may hold goes back, and every reservation made since the call was sent is
 published again through the call's hand-off route (a duplicate copy of a run's hand-off ends
 quietly when it starts; see the waiting-room how-to). What to remember, what to send when,
-and what an answer or a failure means are decided here, without I/O (:class:`LostCalls`),
-for both twins: a sync client's calls are put right by this process's daemon thread, an
+and what an answer or a failure means are decided here, without I/O (:class:`Lost`), for
+both twins: a sync client's calls are put right by this process's daemon thread, an
 asyncio client's by a task of its event loop
 (:func:`celery_semaphore.asyncio.slot.recover_later`).
 """
@@ -37,7 +37,6 @@ from .scripts import REDIS_ERRORS, Scripts
 logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
-"""The scripts a lost call went through: :class:`~.scripts.Scripts` or ``AsyncScripts``."""
 
 FIRST_TRY = 0.5
 """Seconds before the first try: a dropped connection is often back at once."""
@@ -47,12 +46,15 @@ GIVE_UP_AFTER = 600.0
 """Seconds after which a call is left to its leases (every one has lapsed by then)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Lost(Generic[S]):
-    """A call whose answer was lost, to put right through the ``scripts`` it went through:
-    ``token`` ("" for none) on ``key`` (whose Redis keys are ``keys``), sent at ``sent_at``
-    (``time.monotonic()``), its hand-offs going through ``route``. :class:`LostCalls` sets
-    ``due`` (``time.monotonic()``) and ``backoff`` (seconds)."""
+    """A call whose answer was lost, to put right through the ``scripts`` (sync or asyncio)
+    it went through: ``token`` ("" for none) on ``key`` (whose Redis keys are ``keys``),
+    sent at ``sent_at`` (``time.monotonic()``), its hand-offs going through ``route``; the
+    next try is ``due`` then (``time.monotonic()``), ``backoff`` seconds after the last.
+    The decisions of both twins' recoverers, with no I/O: a recoverer sends :meth:`call`
+    when it is due, and delivers what :meth:`answered` makes of the reply, or asks
+    :meth:`retry` after an error."""
 
     scripts: S
     keys: Keys
@@ -60,12 +62,17 @@ class Lost(Generic[S]):
     token: str
     route: HandoffRoute
     sent_at: float
-    due: float = 0.0
-    backoff: float = 0.0
+    due: float
+    backoff: float = FIRST_TRY
+
+    def call(self, now: float) -> Call[tuple[bool, list[Handoff]]]:
+        """The recover.lua call to send at ``now`` (``time.monotonic()``)."""
+        claim_ms, since_ms = self.route.release_claim_ms, round((now - self.sent_at) * 1000)
+        return recover_call(self.keys, self.token, claim_ms, since_ms)
 
     def answered(self, reply: tuple[bool, list[Handoff]]) -> list[Handoff]:
-        """What the driver delivers through :attr:`route` (with :attr:`scripts`) once the
-        recover call of :meth:`LostCalls.due` answered ``reply``."""
+        """The hand-offs to deliver through :attr:`route` (with :attr:`scripts`) after the
+        :meth:`call` answered ``reply``."""
         released, handed = reply
         if released or handed:
             logger.info(
@@ -75,63 +82,29 @@ class Lost(Generic[S]):
             )  # fmt: skip
         return handed
 
+    def retry(self, error: Exception, now: float) -> bool:
+        """Whether to send :meth:`call` again, at :attr:`due` (set here), after it failed
+        with ``error`` at ``now``: False (logged) for an error that is not the store's (a
+        client closed under it, say), or after :data:`GIVE_UP_AFTER`."""
+        if now - self.sent_at > GIVE_UP_AFTER or not isinstance(error, REDIS_ERRORS):
+            logger.warning("semaphore %r: gave up putting right a lost call: %s", self.key, error)
+            return False
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+        self.due = now + self.backoff
+        return True
+
 
 def lost_call(
     scripts: S, keys: Keys, key: str, token: str, route: HandoffRoute, sent_at: float,
     error: BaseException,
 ) -> Lost[S] | None:  # fmt: skip
-    """The :class:`Lost` to put right after a call that failed with ``error`` (see
-    :class:`Lost` for the rest); None when there is nothing to do: the store answered
-    ``error`` (the call did not run), or there is neither a token nor a publisher."""
+    """What to put right after a call that failed with ``error`` (see :class:`Lost` for the
+    rest), due :data:`FIRST_TRY` seconds from now; None when there is nothing to do: the
+    store answered ``error`` (the call did not run), or there is neither a token nor a
+    publisher."""
     if isinstance(error, ResponseError) or not (token or route.publisher):
         return None
-    return Lost(scripts, keys, key, token, route, sent_at)
-
-
-class LostCalls(Generic[S]):
-    """The lost calls one driver puts right, sans I/O: when to ask the store, with which
-    call, and what a failure means. The sync side's driver is this process's thread; the
-    asyncio side's, its event loop's renewer. A driver sends the call of each lost call
-    :meth:`due` hands it, and delivers what :meth:`Lost.answered` makes of the reply, or
-    hands the error to :meth:`failed`; it waits until :meth:`next_due` meanwhile."""
-
-    def __init__(self) -> None:
-        self._waiting: list[Lost[S]] = []
-
-    def __bool__(self) -> bool:
-        """Whether a call waits to be sent (one that :meth:`due` handed out does not)."""
-        return bool(self._waiting)
-
-    def add(self, lost: Lost[S], now: float) -> None:
-        """Put ``lost`` right from :data:`FIRST_TRY` seconds after ``now`` on."""
-        lost.due, lost.backoff = now + FIRST_TRY, FIRST_TRY
-        self._waiting.append(lost)
-
-    def next_due(self) -> float:
-        """When the next call is due (``time.monotonic()``); infinity when none waits."""
-        return min((lost.due for lost in self._waiting), default=math.inf)
-
-    def due(self, now: float) -> list[tuple[Lost[S], Call[tuple[bool, list[Handoff]]]]]:
-        """The calls due at ``now``, handed out (:meth:`failed` takes one back), each with
-        the recover.lua call to send for it."""
-        due = [lost for lost in self._waiting if lost.due <= now]
-        self._waiting = [lost for lost in self._waiting if lost.due > now]
-        return [
-            (lost, recover_call(lost.keys, lost.token, lost.route.release_claim_ms,
-                                round((now - lost.sent_at) * 1000)))
-            for lost in due
-        ]  # fmt: skip
-
-    def failed(self, lost: Lost[S], error: Exception, now: float) -> None:
-        """``lost``'s recover call failed with ``error`` at ``now``: it is due again after a
-        longer wait, or given up (logged) when ``error`` is not the store's (a client closed
-        under it, say) or :data:`GIVE_UP_AFTER` has passed."""
-        if now - lost.sent_at > GIVE_UP_AFTER or not isinstance(error, REDIS_ERRORS):
-            logger.warning("semaphore %r: gave up putting right a lost call: %s", lost.key, error)
-            return
-        lost.backoff = min(lost.backoff * 2, MAX_BACKOFF)
-        lost.due = now + lost.backoff
-        self._waiting.append(lost)
+    return Lost(scripts, keys, key, token, route, sent_at, time.monotonic() + FIRST_TRY)
 
 
 class _Recoverer:
@@ -140,41 +113,42 @@ class _Recoverer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._calls: LostCalls[Scripts] = LostCalls()
-        self._busy = False
+        self._pending: list[Lost[Scripts]] = []
         self._pid = 0
 
     def idle(self) -> bool:
-        """Whether no call waits to be put right, nor is being put right now."""
+        """Whether no call waits to be put right, nor is being put right now (each one
+        leaves :attr:`_pending` once it is done with)."""
         with self._lock:
-            return not self._calls and not self._busy
+            return not self._pending
 
     def add(self, lost: Lost[Scripts]) -> None:
         with self._lock:
             if self._pid != process.pid():  # none yet, or one of the parent's before a fork
-                self._pid, self._calls = process.pid(), LostCalls()
+                self._pid, self._pending = process.pid(), []
                 threading.Thread(target=self._run, name="semaphore-recovery", daemon=True).start()
-            self._calls.add(lost, time.monotonic())
+            self._pending.append(lost)
         self._wake.set()
 
     def _run(self) -> None:
         while True:
             with self._lock:
                 self._wake.clear()  # set again by a call added from here on
-                due = self._calls.due(time.monotonic())
-                self._busy = bool(due)
-            for lost, call in due:
+                now = time.monotonic()
+                due = [lost for lost in self._pending if lost.due <= now]
+            for lost in due:
                 try:
-                    reply = lost.scripts.run(call)
+                    reply = lost.scripts.run(lost.call(time.monotonic()))
                 except Exception as exc:  # a redis-py error, or a client closed under us
-                    with self._lock:
-                        self._calls.failed(lost, exc, time.monotonic())
-                    continue
-                lost.route.deliver(lost.key, lost.answered(reply), lost.scripts)
+                    if lost.retry(exc, time.monotonic()):
+                        continue
+                else:
+                    lost.route.deliver(lost.key, lost.answered(reply), lost.scripts)
+                with self._lock:
+                    self._pending.remove(lost)
             with self._lock:
-                self._busy = False
-                wait = self._calls.next_due() - time.monotonic()
-            self._wake.wait(None if wait == math.inf else max(0.0, wait))
+                wait = min((lost.due for lost in self._pending), default=math.inf)
+            self._wake.wait(None if wait == math.inf else max(0.0, wait - time.monotonic()))
 
 
 _RECOVERER = _Recoverer()
