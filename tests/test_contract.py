@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -27,8 +28,11 @@ from celery_semaphore import (
 from celery_semaphore.asyncio import AsyncSemaphore, AsyncSemaphoreAdmin, AsyncSlot
 from celery_semaphore.asyncio.group import AsyncSlotGroup
 from celery_semaphore.core.group import SlotGroup
+from celery_semaphore.core.replies import Parked
 from celery_semaphore.core.slot import Slot
 from celery_semaphore.testing import RedisServer
+
+from .helpers import Published
 
 SYNC_ONLY = {
     Semaphore: {"room": "the waiting room parks Celery runs; a coroutine waits in acquire"},
@@ -313,3 +317,38 @@ def test_is_held_with_the_store_down_is_a_backend_error(own_redis: RedisServer, 
             await sem.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_hand_off_whose_release_answer_was_lost_is_published_once_the_store_answers(
+    own_redis: RedisServer, published: Published, kind: str
+) -> None:
+    # A client made from a URL gives up on an answer after 5 s; a frozen server runs the
+    # call when it wakes. The hand-off that release makes must not wait for its claim lease.
+    worker = Semaphore(own_redis.url, limit=1)  # parks a run, as a Celery worker's room does
+
+    async def main() -> None:
+        sem: Any = (Semaphore if kind == "sync" else AsyncSemaphore)(
+            own_redis.url, limit=1, claim_timeout=120.0, on_handoff=published
+        )
+        # The release script loaded: the call sent to the frozen server is an EVALSHA it
+        # runs when it wakes (on a fresh server it would answer NOSCRIPT, and do nothing).
+        assert await settle((await settle(sem.acquire("warm-up"))).release())
+        holder = await settle(sem.acquire("k"))
+        assert isinstance(worker.room.park("k", "w1", b"p1"), Parked)
+        own_redis.pause()
+        try:
+            with pytest.raises(SemaphoreBackendError):
+                await settle(holder.release())
+        finally:
+            own_redis.resume()
+        woke = time.monotonic()
+        while published.waiters != ["w1"] and time.monotonic() - woke < 60:
+            await asyncio.sleep(0.05)  # the loop runs on: the asyncio side recovers in it
+        assert published.waiters == ["w1"]
+        assert time.monotonic() - woke < 30, "the hand-off waited for its claim lease"
+        if kind == "asyncio":
+            await sem.aclose()
+
+    asyncio.run(main())
+    assert isinstance(worker.room.claim("k", "w1"), Slot)

@@ -422,28 +422,6 @@ def test_a_wait_and_a_budget_are_counted_on_the_servers_clock(
     assert running.release()
 
 
-def test_a_hand_off_whose_release_answer_was_lost_is_published_once_the_store_answers(
-    own_redis: RedisServer, published: Published
-) -> None:
-    # A client made from a URL gives up on an answer after 5 s; a frozen server runs the
-    # call when it wakes. The hand-off that release makes must not wait for its claim lease.
-    sem = Semaphore(own_redis.url, limit=1, claim_timeout=120.0, on_handoff=published)
-    _load_scripts(sem)
-    holder = sem.acquire("k")
-    assert holder is not None
-    assert isinstance(sem.room.park("k", "w1", b"p1"), Parked)
-    own_redis.pause()
-    try:
-        with pytest.raises(SemaphoreBackendError):
-            holder.release()
-    finally:
-        own_redis.resume()
-    woke = time.monotonic()
-    assert wait_for(lambda: published.waiters == ["w1"], timeout=60)
-    assert time.monotonic() - woke < 30, "the hand-off waited for its claim lease"
-    assert isinstance(sem.room.claim("k", "w1"), Slot)
-
-
 def test_a_slot_whose_park_answer_was_lost_is_given_back_once_the_store_answers(
     own_redis: RedisServer, published: Published
 ) -> None:

@@ -19,8 +19,9 @@ from ..core.calls import extend_call, held_call, release_call
 from ..core.handoff import GATHER_FAILED, SWEEP_DUE, Gathering, HandoffRoute, sweep_mark
 from ..core.lease import LeaseRecord
 from ..core.names import Keys
+from ..core.recovery import Lost, lost_call
 from ..core.replies import Admitted, Handoff
-from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_errors
+from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,36 @@ async def _sweep_soon(key: str, handed: Sequence[Handoff], scripts: AsyncScripts
         except REDIS_ERRORS as exc:
             logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
     return [h for h in handed if h.waiter != SWEEP_DUE]
+
+
+def recover_later(
+    scripts: AsyncScripts, keys: Keys, key: str, token: str, route: HandoffRoute,
+    sent_at: float, error: BaseException,
+) -> None:  # fmt: skip
+    """The asyncio twin of :func:`celery_semaphore.core.recovery.recover_later`: put right,
+    from a task of the running loop that lives until it is done, a call of ``token`` on
+    ``key`` sent at ``sent_at`` (``time.monotonic()``) that failed with ``error``. Never
+    raises."""
+    if (lost := lost_call(scripts, keys, key, token, route, sent_at, error)) is not None:
+        _recovering.add(task := asyncio.ensure_future(_recover(lost)))
+        task.add_done_callback(_recovering.discard)
+
+
+_recovering: set[asyncio.Task[None]] = set()
+"""The tasks of :func:`recover_later` still at work (the event loop holds tasks weakly)."""
+
+
+async def _recover(lost: Lost[AsyncScripts]) -> None:
+    while True:
+        await asyncio.sleep(lost.due - time.monotonic())
+        try:
+            reply = await lost.scripts.run(lost.call(time.monotonic()))
+        except Exception as exc:  # a redis-py error, or a client closed under us
+            if lost.retry(exc, time.monotonic()):
+                continue
+        else:
+            await deliver(lost.route, lost.key, lost.answered(reply), lost.scripts)
+        return
 
 
 def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
@@ -235,13 +266,19 @@ class AsyncSlot(LeaseRecord):
         return await asyncio.shield(self._release)
 
     async def _give_back(self) -> bool:
-        with backend_errors(self.key, self.limit):
+        sent_at = time.monotonic()
+        try:
             index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
             if mark:
                 await self._scripts.client.zadd(index, mark, xx=True, lt=True)
             owned, handed = await self._scripts.run(
                 release_call(self._keys, self._member, self._handoffs.release_claim_ms, self.weight)
             )
+        except REDIS_ERRORS as exc:
+            # It may have run: its hand-off, or the slot, must not wait for a lease.
+            recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
+                          sent_at, exc)  # fmt: skip
+            raise backend_error(exc, self.key, self.limit) from exc
         self._on_release(self)
         owned = owned and time.monotonic() < self.deadline  # as Slot.release judges it
         if not owned:

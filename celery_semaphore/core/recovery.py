@@ -5,29 +5,38 @@ A release, park, claim, sweep, cancel or live-limit change sent to a store that 
 (or whose connection dropped) may still run when the store wakes: it can reserve a freed
 slot for the oldest parked run, or take a slot, and nobody learns of it. The reservation
 would stand idle until its claim lease ends (``claim_timeout``, 30 s), and the slot until
-its lease does. So a caller that gets no answer hands the call to this process's recoverer,
-a daemon thread that asks the store again, with a backoff, until it answers, and then runs
-``recover.lua``: the slot the call's token may hold goes back, and every reservation made
-since the call was sent is published again through the call's hand-off route (a duplicate
-copy of a run's hand-off ends quietly when it starts; see the waiting-room how-to).
+its lease does. So a caller that gets no answer hands the call to a recoverer that asks the
+store again, with a backoff, until it answers, and then runs ``recover.lua``: the slot the
+call's token may hold goes back, and every reservation made since the call was sent is
+published again through the call's hand-off route (a duplicate copy of a run's hand-off ends
+quietly when it starts; see the waiting-room how-to). What to remember, what to send when,
+and what an answer or a failure means are decided here, without I/O (:class:`Lost`), for
+both twins: a sync client's calls are put right by this process's daemon thread, an
+asyncio client's by a task of its event loop
+(:func:`celery_semaphore.asyncio.slot.recover_later`).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from redis.exceptions import ResponseError
 
 from . import process
+from .calls import Call, recover_call
 from .handoff import HandoffRoute
 from .names import Keys
+from .replies import Handoff
 from .scripts import REDIS_ERRORS, Scripts
 
 logger = logging.getLogger(__name__)
+
+S = TypeVar("S")
 
 FIRST_TRY = 0.5
 """Seconds before the first try: a dropped connection is often back at once."""
@@ -37,9 +46,17 @@ GIVE_UP_AFTER = 600.0
 """Seconds after which a call is left to its leases (every one has lapsed by then)."""
 
 
-@dataclass
-class _Lost:
-    scripts: Scripts
+@dataclass(eq=False)
+class Lost(Generic[S]):
+    """A call whose answer was lost, to put right through the ``scripts`` (sync or asyncio)
+    it went through: ``token`` ("" for none) on ``key`` (whose Redis keys are ``keys``),
+    sent at ``sent_at`` (``time.monotonic()``), its hand-offs going through ``route``; the
+    next try is ``due`` then (``time.monotonic()``), ``backoff`` seconds after the last.
+    The decisions of both twins' recoverers, with no I/O: a recoverer sends :meth:`call`
+    when it is due, and delivers what :meth:`answered` makes of the reply, or asks
+    :meth:`retry` after an error."""
+
+    scripts: S
     keys: Keys
     key: str
     token: str
@@ -48,71 +65,90 @@ class _Lost:
     due: float
     backoff: float = FIRST_TRY
 
+    def call(self, now: float) -> Call[tuple[bool, list[Handoff]]]:
+        """The recover.lua call to send at ``now`` (``time.monotonic()``)."""
+        claim_ms, since_ms = self.route.release_claim_ms, round((now - self.sent_at) * 1000)
+        return recover_call(self.keys, self.token, claim_ms, since_ms)
+
+    def answered(self, reply: tuple[bool, list[Handoff]]) -> list[Handoff]:
+        """The hand-offs to deliver through :attr:`route` (with :attr:`scripts`) after the
+        :meth:`call` answered ``reply``."""
+        released, handed = reply
+        if released or handed:
+            logger.info(
+                "semaphore %r: put right a call whose answer was lost: %s, %d hand-off(s) "
+                "published again", self.key, "its slot given back" if released else "no slot",
+                len(handed),
+            )  # fmt: skip
+        return handed
+
+    def retry(self, error: Exception, now: float) -> bool:
+        """Whether to send :meth:`call` again, at :attr:`due` (set here), after it failed
+        with ``error`` at ``now``: False (logged) for an error that is not the store's (a
+        client closed under it, say), or after :data:`GIVE_UP_AFTER`."""
+        if now - self.sent_at > GIVE_UP_AFTER or not isinstance(error, REDIS_ERRORS):
+            logger.warning("semaphore %r: gave up putting right a lost call: %s", self.key, error)
+            return False
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+        self.due = now + self.backoff
+        return True
+
+
+def lost_call(
+    scripts: S, keys: Keys, key: str, token: str, route: HandoffRoute, sent_at: float,
+    error: BaseException,
+) -> Lost[S] | None:  # fmt: skip
+    """What to put right after a call that failed with ``error`` (see :class:`Lost` for the
+    rest), due :data:`FIRST_TRY` seconds from now; None when there is nothing to do: the
+    store answered ``error`` (the call did not run), or there is neither a token nor a
+    publisher."""
+    if isinstance(error, ResponseError) or not (token or route.publisher):
+        return None
+    return Lost(scripts, keys, key, token, route, sent_at, time.monotonic() + FIRST_TRY)
+
 
 class _Recoverer:
-    """The calls of this process waiting to be put right, and the thread that does it."""
+    """This process's lost calls of sync clients, and the thread that puts them right."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._pending: collections.deque[_Lost] = collections.deque()
+        self._pending: list[Lost[Scripts]] = []
         self._pid = 0
 
     def idle(self) -> bool:
-        """Whether no call waits to be put right, nor is being put right now (the thread
-        clears its wake only once it has nothing left)."""
+        """Whether no call waits to be put right, nor is being put right now (each one
+        leaves :attr:`_pending` once it is done with)."""
         with self._lock:
-            return not self._pending and not self._wake.is_set()
+            return not self._pending
 
-    def add(self, lost: _Lost) -> None:
+    def add(self, lost: Lost[Scripts]) -> None:
         with self._lock:
-            self._pending.append(lost)
             if self._pid != process.pid():  # none yet, or one of the parent's before a fork
-                self._pid = process.pid()
-                self._pending = collections.deque([lost])
+                self._pid, self._pending = process.pid(), []
                 threading.Thread(target=self._run, name="semaphore-recovery", daemon=True).start()
+            self._pending.append(lost)
         self._wake.set()
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                jobs, self._pending = list(self._pending), collections.deque()
-            now = time.monotonic()
-            later = [job for job in jobs if not self._try(job, now)]
-            with self._lock:
-                self._pending.extendleft(reversed(later))
-                if not self._pending:
-                    self._wake.clear()
-                    wait: float | None = None
+                self._wake.clear()  # set again by a call added from here on
+                now = time.monotonic()
+                due = [lost for lost in self._pending if lost.due <= now]
+            for lost in due:
+                try:
+                    reply = lost.scripts.run(lost.call(time.monotonic()))
+                except Exception as exc:  # a redis-py error, or a client closed under us
+                    if lost.retry(exc, time.monotonic()):
+                        continue
                 else:
-                    wait = max(0.0, min(job.due for job in self._pending) - time.monotonic())
-            self._wake.wait(wait)
-
-    @staticmethod
-    def _try(job: _Lost, now: float) -> bool:
-        """Run ``job`` if it is due; True when it is done with (run, or given up)."""
-        if now < job.due:
-            return False
-        since_ms = round((now - job.sent_at) * 1000)
-        try:
-            released, handed = job.scripts.recover(
-                job.keys, job.token, job.route.release_claim_ms, since_ms
-            )
-        except Exception as exc:  # a redis-py error, or a client closed under us
-            if now - job.sent_at > GIVE_UP_AFTER or not isinstance(exc, REDIS_ERRORS):
-                logger.warning("semaphore %r: gave up putting right a lost call: %s", job.key, exc)
-                return True
-            job.backoff = min(job.backoff * 2, MAX_BACKOFF)
-            job.due = now + job.backoff
-            return False
-        if released or handed:
-            logger.info(
-                "semaphore %r: put right a call whose answer was lost: %s, %d hand-off(s) "
-                "published again", job.key, "its slot given back" if released else "no slot",
-                len(handed),
-            )  # fmt: skip
-        job.route.deliver(job.key, handed, job.scripts)
-        return True
+                    lost.route.deliver(lost.key, lost.answered(reply), lost.scripts)
+                with self._lock:
+                    self._pending.remove(lost)
+            with self._lock:
+                wait = min((lost.due for lost in self._pending), default=math.inf)
+            self._wake.wait(None if wait == math.inf else max(0.0, wait - time.monotonic()))
 
 
 _RECOVERER = _Recoverer()
@@ -129,12 +165,10 @@ def recover_later(
     error: BaseException,
 ) -> None:  # fmt: skip
     """Put right, once the store answers again, a call of ``token`` ("" for none) on ``key``
-    sent at ``sent_at`` (``time.monotonic()``) that failed with ``error``; see the module.
-    Nothing to do for an error the store answered with (the call did not run), or when
-    there is neither a token nor a publisher. Never raises."""
-    if isinstance(error, ResponseError) or not (token or route.publisher):
-        return
-    _RECOVERER.add(_Lost(scripts, keys, key, token, route, sent_at, time.monotonic() + FIRST_TRY))
+    sent at ``sent_at`` (``time.monotonic()``) that failed with ``error``; see the module
+    and :func:`lost_call`. Never raises."""
+    if (lost := lost_call(scripts, keys, key, token, route, sent_at, error)) is not None:
+        _RECOVERER.add(lost)
 
 
 class recovering:

@@ -292,12 +292,6 @@ class Scripts:
             )
         return found, handed
 
-    def recover(
-        self, keys: Keys, token: str, claim_ms: int, since_ms: int
-    ) -> tuple[bool, list[Handoff]]:
-        """Put right a call whose answer was lost (see :func:`~.calls.recover_call`)."""
-        return self.run(calls.recover_call(keys, token, claim_ms, since_ms))
-
     def set_limit(
         self, keys: Keys, limit: int | None, by: str, claim_ms: int
     ) -> tuple[int | None, int, list[Handoff]]:
