@@ -16,11 +16,11 @@ from typing import TypeVar
 
 from ..core import validation as check
 from ..core.calls import extend_call, held_call, release_call
-from ..core.handoff import GATHER_FAILED, SWEEP_DUE, Gathering, HandoffRoute, sweep_mark
+from ..core.handoff import HandoffRoute, delivery
 from ..core.lease import LeaseRecord
 from ..core.names import Keys
 from ..core.recovery import Lost, lost_call
-from ..core.replies import Admitted, Handoff
+from ..core.replies import Admitted, Handoff, SweepDue
 from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
@@ -31,35 +31,28 @@ T = TypeVar("T")
 async def deliver(
     handoffs: HandoffRoute, key: str, handed: Sequence[Handoff], scripts: AsyncScripts
 ) -> None:
-    """Pass ``handed`` to the semaphore's ``on_handoff`` in a worker thread: a publisher
-    (Celery's, say) does blocking I/O, which must not stall the event loop. Waiters of
-    several keys are gathered first, through ``scripts`` (see
-    :class:`~celery_semaphore.core.handoff.Gathering`), and a room left to a sweep is made
-    due sooner (see :func:`~celery_semaphore.core.handoff.sweep_soon`). Never raises."""
-    handed = await _sweep_soon(key, handed, scripts)
-    if any(handoff.gather for handoff in handed) and handoffs.publisher is not None:
-        found = Gathering(handed, handoffs.claim_ms)
-        while (call := found.next_call()) is not None:
-            try:
-                more: list[Handoff] = await scripts.run(call)
-            except REDIS_ERRORS as exc:
-                logger.warning(GATHER_FAILED, key, exc)
-                continue
-            found.add(await _sweep_soon(key, more, scripts))
-        handed = found.ready
-    if handed:
-        await asyncio.to_thread(handoffs.deliver, key, handed)
-
-
-async def _sweep_soon(key: str, handed: Sequence[Handoff], scripts: AsyncScripts) -> list[Handoff]:
-    """:func:`~celery_semaphore.core.handoff.sweep_soon` on the asyncio client."""
-    for mark in [h for h in handed if h.waiter == SWEEP_DUE]:
+    """:meth:`HandoffRoute.deliver` from asyncio code: the same steps
+    (:func:`~celery_semaphore.core.handoff.delivery`) on the asyncio client, and the
+    publisher (Celery's, say, which does blocking I/O) called in a worker thread, so that it
+    does not stall the event loop. Never raises."""
+    steps = delivery(key, handed, handoffs.claim_ms, handoffs.publisher is not None)
+    answer: list[Handoff] | Exception | None = None
+    while True:
         try:
-            index, due, room = sweep_mark(mark.payload)
-            await scripts.client.zadd(index, {room: due}, xx=True, lt=True)
+            step = steps.send(answer)
+        except StopIteration as done:
+            ready: list[Handoff] = done.value
+            break
+        try:
+            if isinstance(step, SweepDue):
+                await scripts.client.zadd(step.index, {step.key: step.due_ms}, xx=True, lt=True)
+                answer = None
+            else:
+                answer = await scripts.run(step)
         except REDIS_ERRORS as exc:
-            logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
-    return [h for h in handed if h.waiter != SWEEP_DUE]
+            answer = exc
+    if ready:
+        await asyncio.to_thread(handoffs.publish, key, ready)
 
 
 def recover_later(

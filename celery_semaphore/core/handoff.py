@@ -11,7 +11,7 @@ A waiter that needs several keys waits in the room of each, and a room that rese
 units for it answers a :class:`Handoff` with ``gather`` instead of its payload: the route
 first runs gather.lua with all of its keys (one more round trip, by the caller that got the
 answer), which hands it off once each key holds a reservation for it (see
-:class:`Gathering`). If that round trip fails, the reservation lapses after its claim lease
+:func:`delivery`). If that round trip fails, the reservation lapses after its claim lease
 and its room reserves it again (the waiter is first there), and whoever made that call
 gathers it: so a lost gather costs at most one claim lease, as a lost publish does.
 """
@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 from . import validation as check
 from .calls import Call, gather_call
 from .names import Keys, room_index_of
-from .replies import Handoff
+from .replies import Handoff, SweepDue
 from .scripts import REDIS_ERRORS, Scripts
 
 logger = logging.getLogger(__name__)
@@ -44,22 +44,6 @@ GATHER_FAILED = (
     "semaphore %r: could not gather a waiter of several keys: %s; its reservation lapses "
     "and is gathered again"
 )
-SWEEP_DUE = "~sweep"
-"""The waiter of the mark a script answers beside its hand-offs when the room's next sweep
-must come sooner than its last sweep scored it for: a release that left a freed slot to the
-sweep (its caller cannot publish), a raised limit, or a reservation that lapses before the
-room's next sweep (room.lua's ``room_bring_on``). Its payload is the room index's key, when
-the sweep is due (epoch ms; 0: now) and the semaphore key, space-separated: see
-:func:`sweep_soon`."""
-
-
-def sweep_mark(payload: bytes) -> tuple[str, int, str]:
-    """The room index's key, the due time (epoch ms, 0: now) and the semaphore key a
-    :data:`SWEEP_DUE` mark carries (the key last: it may hold spaces)."""
-    index, due, key = payload.decode().split(" ", 2)
-    return index, int(due), key
-
-
 SWEPT_WITHIN = 60.0
 """Seconds: a hand-off whose publish is lost with the process that released the slot is
 handed out again within this, or the claim timeout when longer, after the release. The room
@@ -71,52 +55,37 @@ MAX_GATHERS = 32
 the rest lapse, and are reserved and gathered again after their claim lease."""
 
 
-def sweep_soon(key: str, handoffs: Sequence[Handoff], scripts: Scripts | None) -> list[Handoff]:
-    """``handoffs`` less the :data:`SWEEP_DUE` marks, whose room is made due for a sweep no
-    later than they say (one ``ZADD XX LT`` on the room index each, through ``scripts``'
-    client). Never raises: a room left as it was is swept when its score comes (see
-    sweep.lua for how late that may be)."""
-    marks = [h for h in handoffs if h.waiter == SWEEP_DUE]
-    if not marks:
-        return list(handoffs)
-    if scripts is not None:
-        try:
-            for mark in marks:
-                index, due, room = sweep_mark(mark.payload)
-                scripts.client.zadd(index, {room: due}, xx=True, lt=True)
-        except REDIS_ERRORS as exc:
-            logger.warning("semaphore %r: could not bring its room's sweep on: %s", key, exc)
-    return [h for h in handoffs if h.waiter != SWEEP_DUE]
+Step = Call[list[Handoff]] | SweepDue
+"""What delivering hand-offs asks its caller to do with Redis: run a gather.lua call, or
+score a room in the room index (``ZADD XX LT``)."""
+Delivery = Generator[Step, "list[Handoff] | Exception | None", list[Handoff]]
 
 
-class Gathering:
-    """The hand-offs of one call, its waiters of several keys gathered first: each one's
-    gather.lua call (:meth:`next_call`) answers hand-offs to publish, and maybe more waiters
-    to gather (:meth:`add`). The sync route and the asyncio one run the calls.
-
-    Args:
-        handoffs (Sequence[Handoff]): what the call answered.
-        claim_ms (int): the claim lease of a waiter handed off now.
-    """
-
-    def __init__(self, handoffs: Sequence[Handoff], claim_ms: int) -> None:
-        self.claim_ms = claim_ms
-        self.ready: list[Handoff] = []
-        self._pending: list[Handoff] = []
-        self._calls = 0
-        self.add(handoffs)
-
-    def add(self, handoffs: Sequence[Handoff]) -> None:
-        """Hand-offs to publish, and waiters to gather."""
-        for handoff in handoffs:
-            (self._pending if handoff.gather else self.ready).append(handoff)
-
-    def next_call(self) -> Call[list[Handoff]] | None:
-        """The next gather.lua call to run, or None when none is left (or enough were run)."""
-        if not self._pending or self._calls >= MAX_GATHERS:
-            return None
-        self._calls += 1
-        return gather_call(self._pending.pop(0), self.claim_ms)
+def delivery(key: str, handoffs: Sequence[Handoff], claim_ms: int, gather: bool) -> Delivery:
+    """How to deliver ``handoffs`` of ``key``, sans I/O, for the sync route and the asyncio
+    one alike: yields each :data:`Step`, to be sent back its answer (a gather call's
+    hand-offs; None for a room scored) or the redis-py error it met, and returns the
+    hand-offs to publish. Rooms due sooner are scored first; waiters of several keys are
+    gathered (when ``gather``: else they lapse, and are gathered again), at most
+    :data:`MAX_GATHERS` calls. A failed step is logged: a room left as it was is swept when
+    its score comes, and a reservation not gathered lapses and is gathered again."""
+    ready: list[Handoff] = []
+    pending = list(handoffs)
+    gathers = 0
+    while pending:
+        for sweep in [h.sweep for h in pending if h.sweep is not None]:
+            if isinstance((yield sweep), Exception):
+                logger.warning("semaphore %r: could not bring its room's sweep on", key)
+        ready += [h for h in pending if h.sweep is None and not h.gather]
+        waiting = [h for h in pending if h.gather]
+        if not gather or not waiting or gathers >= MAX_GATHERS:
+            break
+        gathers += 1
+        answer = yield gather_call(waiting[0], claim_ms)
+        if isinstance(answer, Exception):
+            logger.warning(GATHER_FAILED, key, answer)
+        pending = waiting[1:] + ([] if isinstance(answer, Exception) else answer or [])
+    return ready
 
 
 class HandoffRoute:
@@ -167,13 +136,29 @@ class HandoffRoute:
         return room_index_of(keys.slots), {key: int(time.time() * 1000) + self.claim_ms}
 
     def deliver(self, key: str, handoffs: Sequence[Handoff], scripts: Scripts | None = None) -> int:
-        """Hand ``handoffs`` to the publisher, those of waiters of several keys gathered first
-        through ``scripts`` (None: they lapse and are gathered again): how many it passed on.
-        Never raises: a failure is logged, and the reservations lapse and are handed out
-        again."""
-        handoffs = sweep_soon(key, handoffs, scripts)
-        if any(handoff.gather for handoff in handoffs):
-            handoffs = self.gather(key, handoffs, scripts)
+        """Hand ``handoffs`` to the publisher (see :func:`delivery`), those of waiters of
+        several keys gathered first through ``scripts`` (None: they lapse and are gathered
+        again): how many it passed on. Never raises: a failure is logged, and the
+        reservations lapse and are handed out again."""
+        steps = delivery(key, handoffs, self.claim_ms, None not in (scripts, self.publisher))
+        answer: list[Handoff] | Exception | None = None
+        while True:
+            try:
+                step = steps.send(answer)
+            except StopIteration as done:
+                return self.publish(key, done.value)
+            try:
+                if isinstance(step, SweepDue):
+                    answer = None
+                    if scripts is not None:
+                        scripts.client.zadd(step.index, {step.key: step.due_ms}, xx=True, lt=True)
+                else:
+                    answer = scripts.run(step) if scripts is not None else []
+            except REDIS_ERRORS as exc:
+                answer = exc
+
+    def publish(self, key: str, handoffs: Sequence[Handoff]) -> int:
+        """Hand ``handoffs`` (gathered) to the publisher: how many. Never raises."""
         if not handoffs:
             return 0
         if self.publisher is None:
@@ -189,20 +174,3 @@ class HandoffRoute:
         except Exception:
             logger.exception("semaphore %r: could not publish %d hand-off(s)", key, len(handoffs))
         return len(handoffs)
-
-    def gather(
-        self, key: str, handoffs: Sequence[Handoff], scripts: Scripts | None
-    ) -> list[Handoff]:
-        """``handoffs`` with their waiters of several keys gathered (see :class:`Gathering`)
-        through ``scripts``: what to publish. Never raises."""
-        found = Gathering(handoffs, self.claim_ms)
-        if scripts is None or self.publisher is None:
-            return found.ready
-        while (call := found.next_call()) is not None:
-            try:
-                handed: list[Handoff] = scripts.run(call)
-            except REDIS_ERRORS as exc:
-                logger.warning(GATHER_FAILED, key, exc)
-                continue
-            found.add(sweep_soon(key, handed, scripts))
-        return found.ready

@@ -16,6 +16,20 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class SweepDue:
+    """A room whose next sweep must come by ``due_ms`` (epoch ms; 0: now), sooner than its
+    last sweep scored it for: a release that left a freed slot to the sweep (its caller
+    cannot publish), a raised limit, or a reservation that lapses before the room's next
+    sweep (room.lua's ``room_bring_on``). The room index lives apart from the room (on a
+    cluster, on another node), so no script can write it: the caller scores ``key`` in
+    ``index`` with ``ZADD XX LT`` (see :func:`.handoff.delivery`)."""
+
+    index: str
+    due_ms: int
+    key: str
+
+
+@dataclass(frozen=True)
 class Handoff:
     """A slot reserved for a parked waiter, whose payload the caller must now publish; or,
     with ``give_up``, a waiter past its deadline, whose run must now cancel itself and fail.
@@ -31,6 +45,8 @@ class Handoff:
     start_ms: int = 0
     """When the run may start, epoch ms by the store's clock (a start rate's instant; 0:
     now): publish it to start then."""
+    sweep: SweepDue | None = None
+    """Not a run to start: its room's next sweep is due sooner (``waiter`` is empty)."""
 
 
 @dataclass(frozen=True)
@@ -114,21 +130,24 @@ class Full:
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:
-    """The {waiter, payload} pairs at ``reply[start:]``; a waiter written ``!<waiter>`` has
-    its keys (a JSON list) in place of a payload, to be gathered (see room.lua), one written
-    ``><start_ms>|<waiter>`` may start only then (a start rate's instant), and one written
-    ``~sweep`` is a room left to a sweep (see :data:`.handoff.SWEEP_DUE`)."""
+    """The {waiter, payload} pairs at ``reply[start:]``, the one reading of what room.lua's
+    steps hand out: a waiter written ``!<waiter>`` has its keys (a JSON list) in place of a
+    payload, to be gathered (see room.lua), one written ``><start_ms>|<waiter>`` may start
+    only then (a start rate's instant), and ``~sweep`` is a room whose sweep is due sooner
+    (its payload: the room index's key, the due time and the semaphore key)."""
     found = []
     for i in range(start, len(reply) - 1, 2):
         waiter, payload = _text(reply[i]), reply[i + 1]
-        if waiter.startswith("!"):
+        payload = payload if isinstance(payload, bytes) else str(payload).encode()
+        if waiter == "~sweep":
+            index, due, key = payload.decode().split(" ", 2)  # the key last: it may hold spaces
+            found.append(Handoff("", b"", sweep=SweepDue(index, int(due), key)))
+        elif waiter.startswith("!"):
             found.append(Handoff(waiter[1:], b"", gather=tuple(json.loads(payload))))
         elif waiter.startswith(">"):  # ">" <epoch ms> "|" <waiter>: a start rate's instant
             at, _, waiter = waiter[1:].partition("|")
-            payload = payload if isinstance(payload, bytes) else str(payload).encode()
             found.append(Handoff(waiter, payload, give_up, start_ms=int(at)))
         else:
-            payload = payload if isinstance(payload, bytes) else str(payload).encode()
             found.append(Handoff(waiter, payload, give_up))
     return found
 

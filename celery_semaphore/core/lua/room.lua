@@ -137,7 +137,7 @@ local function room_keep(room, parked, deadlines, ttl)
 end
 
 -- The "~sweep" mark's payload for the room of `slots`: the room index's key, when its
--- sweep is due (epoch ms; 0: now), and the semaphore key (see handoff.py's SWEEP_DUE).
+-- sweep is due (epoch ms; 0: now), and the semaphore key (replies.py's SweepDue).
 local function room_sweep_mark(slots, due)
   local prefix, key = string.match(slots, '^(.-):{(.*)}$')
   return prefix .. ':rooms ' .. due .. ' ' .. key
@@ -145,7 +145,7 @@ end
 
 -- Make sure the room is swept by `at` (epoch ms): when its next sweep may come later (by
 -- "!due"), note `at` there and append the "~sweep" mark to `out`, which asks the caller to
--- bring the room's score in the room index down to `at` (handoff.py's sweep_soon). The room
+-- bring the room's score in the room index down to `at` (handoff.py's delivery). The room
 -- index lives apart from the room (on a cluster, on another node), so no script can write
 -- it; "!due" spares the caller that write whenever a sweep is due soon enough already.
 local function room_bring_on(slots, parked, at, out)
