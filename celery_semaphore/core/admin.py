@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -37,6 +38,9 @@ from .process import holder_member, member_pattern, token_of
 from .rates import Rate
 from .recovery import recovering
 from .scripts import Scripts, backend_errors
+
+if TYPE_CHECKING:
+    from .room import WaitingRoom
 
 logger = logging.getLogger(__name__)
 
@@ -91,35 +95,100 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
     )
 
 
+class KeyScan:
+    """One SCAN for the keys of every semaphore under ``prefix``, without I/O: what to ask
+    for (:attr:`match`, :attr:`kind`) and, in :attr:`found`, the keys the replies name. The
+    sync and asyncio admins' ``scan_keys`` send it (SCAN, never KEYS).
+
+    Args:
+        prefix (str): the semaphores' namespace.
+        limit (int): how many keys are enough, so a huge keyspace cannot stall a caller.
+        rooms (bool): only the keys with a waiting room.
+        limits (bool): only the keys with a live limit (which outlives their slots).
+    """
+
+    def __init__(self, prefix: str, limit: int, rooms: bool, limits: bool) -> None:
+        self.head, self.tail = f"{prefix}:{{", "}:room" if rooms else "}:limits" if limits else "}"
+        self.match = _GLOB.sub(r"\\\1", self.head) + "*" + self.tail
+        self.kind = "hash" if limits else "zset"
+        self.limit, self.found = limit, list[str]()
+
+    def enough(self, raw: bytes | str) -> bool:
+        """Keep the key that the Redis key ``raw`` names, if it names one; True once
+        ``limit`` keys are kept."""
+        name = text_of(raw)
+        if name.startswith(self.head) and name.endswith(self.tail):
+            self.found.append(name[len(self.head) : -len(self.tail)])
+        return len(self.found) >= self.limit
+
+
 def scan_keys(
     client: redis.Redis, prefix: str, limit: int = 10_000, rooms: bool = False,
     limits: bool = False,
 ) -> list[str]:  # fmt: skip
-    """The keys of every semaphore under ``prefix`` (SCAN, never KEYS), sorted.
-
-    Args:
-        client (redis.Redis): where they live.
-        prefix (str): their namespace.
-        limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
-        rooms (bool): only the keys with a waiting room.
-        limits (bool): only the keys with a live limit (which outlives their slots).
+    """The keys of every semaphore under ``prefix``, sorted; the arguments are
+    :class:`KeyScan`'s.
 
     Raises:
         SemaphoreBackendError: Redis failed.
     """
-    head = f"{prefix}:{{"
-    tail = "}:room" if rooms else "}:limits" if limits else "}"
-    found: list[str] = []
-    pattern = _GLOB.sub(r"\\\1", head) + "*" + tail
-    kind = "hash" if limits else "zset"
+    scan = KeyScan(prefix, limit, rooms, limits)
     with backend_errors(f"{prefix}:*"):
-        for raw in client.scan_iter(match=pattern, count=500, _type=kind):
-            name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-            if name.startswith(head) and name.endswith(tail):
-                found.append(name[len(head) : -len(tail)])
-                if len(found) >= limit:
-                    break
-    return sorted(found)
+        for raw in client.scan_iter(match=scan.match, count=500, _type=scan.kind):
+            if scan.enough(raw):
+                break
+    return sorted(scan.found)
+
+
+def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
+    """What about the server could break the semaphore's promise, from its ``CONFIG GET
+    maxmemory-policy`` reply: the sync and asyncio admins' ``server_warnings``.
+
+    An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so
+    even the ``volatile-*`` policies pick them), which silently resets the count to zero
+    and lets up to ``limit`` more holders in. Only ``noeviction`` is safe.
+
+    Returns:
+        list[str]: one sentence a problem; empty when none is found.
+    """
+    policy = text_of(config.get("maxmemory-policy") or "")
+    if policy in ("", "noeviction"):
+        return []
+    return [
+        f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
+        "semaphore's key, resetting its count and admitting more than its limit; "
+        "use 'noeviction' for the semaphore store"
+    ]
+
+
+def moved(old: str, new: str, target: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
+    """A deprecated alias for a class body: it warns (:class:`DeprecationWarning`, naming
+    ``new``) and calls ``target(self)`` with its arguments, whose answer (a coroutine, for
+    an asyncio method) it returns. Deprecated in 0.2.0; the aliases go in 0.3.0.
+
+    Args:
+        old (str): the deprecated spelling, ``Class.method``.
+        new (str): the spelling to use instead.
+        target (Callable[[Any], Callable[..., Any]]): the new method, from the instance.
+
+    Returns:
+        Callable[..., Any]: the alias, whose ``__deprecated__`` names ``new``.
+    """
+
+    def alias(self: Any, /, *args: Any, **kwargs: Any) -> Any:
+        warnings.warn(f"{old} is deprecated and will be removed in 0.3.0; use {new}",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return target(self)(*args, **kwargs)
+
+    alias.__doc__ = f"Deprecated since 0.2.0, removed in 0.3.0: use ``{new}``."
+    alias.__deprecated__ = new  # type: ignore[attr-defined]
+    return alias
+
+
+def _room_of(admin: SemaphoreAdmin) -> WaitingRoom:
+    from .room import WaitingRoom  # room.py imports this module
+
+    return WaitingRoom(admin.client, admin.prefix, admin.handoffs)
 
 
 class SemaphoreAdmin:
@@ -376,27 +445,19 @@ class SemaphoreAdmin:
         return previous
 
     def server_warnings(self) -> list[str]:
-        """What about the server could break the semaphore's promise, for a start-up log.
-
-        An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so
-        even the ``volatile-*`` policies pick them), which silently resets the count to zero
-        and lets up to ``limit`` more holders in. Only ``noeviction`` is safe. Servers that
-        refuse ``CONFIG GET`` (some managed services) yield no warning.
+        """What about the server could break the semaphore's promise, for a start-up log
+        (see :func:`eviction_warnings`). Servers that refuse ``CONFIG GET`` (some managed
+        services) yield no warning.
 
         Returns:
             list[str]: one sentence a problem; empty when none is found.
         """
         try:
-            reply = self.client.config_get("maxmemory-policy")
+            return eviction_warnings(self.client.config_get("maxmemory-policy"))
         except redis.RedisError:
             return []
-        policy: Any = reply.get("maxmemory-policy")
-        if isinstance(policy, bytes):
-            policy = policy.decode()
-        if policy and policy != "noeviction":
-            return [
-                f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
-                "semaphore's key, resetting its count and admitting more than its limit; "
-                "use 'noeviction' for the semaphore store"
-            ]
-        return []
+
+    room = moved("SemaphoreAdmin.room", "sem.room.waiters", lambda a: _room_of(a).waiters)
+    room_head = moved("SemaphoreAdmin.room_head", "sem.room.head", lambda a: _room_of(a).head)
+    sweep = moved("SemaphoreAdmin.sweep", "sem.room.sweep", lambda a: _room_of(a).sweep)
+    cancel = moved("SemaphoreAdmin.cancel", "sem.room.cancel", lambda a: _room_of(a).cancel)
