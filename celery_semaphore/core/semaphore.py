@@ -21,7 +21,7 @@ from typing import Any, TypeVar, cast
 from redis import Redis, RedisCluster
 
 from . import validation as check
-from .admin import DEFAULT_PREFIX, SemaphoreAdmin
+from .admin import DEFAULT_PREFIX, SemaphoreAdmin, moved
 from .clients import RedisClient, client_of
 from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
@@ -116,6 +116,7 @@ class Semaphore:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         self.rates = rates_of(rate)
         self.client = client = client_of(redis)
+        self._owns_client = isinstance(redis, str)
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = Scripts(cast(Redis, client))
         self.names = Namespace(self.prefix, isinstance(client, RedisCluster))
@@ -208,7 +209,7 @@ class Semaphore:
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
-                    late.give_back_late()
+                    late._give_back_late()
             if wait and isinstance(reply, Full):
                 slot = wait_for_slot(
                     self._scripts, cast(Redis, self.client), keys, key, token, seconds, wait,
@@ -408,6 +409,27 @@ class Semaphore:
         live = self.admin.live_limit(key)
         effective = live.limit if live is not None else self._limit(limit)
         return max(0, effective - self.count(key))
+
+    def close(self) -> None:
+        """Close the client this semaphore made from a URL (its connections); a client passed
+        in is its caller's, left open. Slots still held are not given back: their holders
+        release them, or they lapse. The semaphore can be used again afterwards (redis-py
+        connects anew); the sync twin of :meth:`AsyncSemaphore.aclose
+        <celery_semaphore.asyncio.AsyncSemaphore.aclose>`."""
+        if self._owns_client:
+            self.client.close()
+
+    force_release = moved("Semaphore.force_release", "sem.admin.force_release",
+                          lambda sem: sem.admin.force_release)  # fmt: skip
+    force_release_all = moved("Semaphore.force_release_all", "sem.admin.force_release_all",
+                              lambda sem: sem.admin.force_release_all)  # fmt: skip
+    holders = moved("Semaphore.holders", "sem.admin.holders", lambda sem: sem.admin.holders)
+    set_limit = moved("Semaphore.set_limit", "sem.admin.set_limit", lambda sem: sem.admin.set_limit)
+    park = moved("Semaphore.park", "sem.room.park", lambda sem: sem.room.park)
+    claim = moved("Semaphore.claim", "sem.room.claim", lambda sem: sem.room.claim)
+    park_many = moved("Semaphore.park_many", "sem.room.park_many", lambda sem: sem.room.park_many)
+    claim_many = moved("Semaphore.claim_many", "sem.room.claim_many",
+                       lambda sem: sem.room.claim_many)  # fmt: skip
 
 
 def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:
