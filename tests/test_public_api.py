@@ -15,10 +15,12 @@ import inspect
 import re
 import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import celery_semaphore
 from celery_semaphore import Semaphore, SemaphoreAdmin, Slot
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core.group import SlotGroup
@@ -364,6 +366,16 @@ def test_every_deprecated_spelling_is_listed_and_marked() -> None:
         if hasattr(getattr(cls, member), "__deprecated__")
     }
     assert marked == {(name, old) for name, aliases in DEPRECATED.items() for old in aliases}
+
+
+def test_the_version_is_the_distribution_s_and_the_changelog_names_it() -> None:
+    root = Path(__file__).parent.parent
+    declared = re.search(r'^version = "(.+)"$', (root / "pyproject.toml").read_text(), re.M)
+    assert declared is not None
+    assert celery_semaphore.__version__ == declared[1]
+    changelog = (root / "CHANGELOG.md").read_text()
+    assert "## [Unreleased]" in changelog
+    assert re.search(rf"^## \[{re.escape(declared[1])}\] - \d{{4}}-\d\d-\d\d$", changelog, re.M)
 
 
 def old(call: Callable[[], Any], new: str) -> Any:

@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
-from ..core.admin import DEFAULT_PREFIX, moved
+from ..core.admin import DEFAULT_PREFIX
 from ..core.calls import count_call
+from ..core.deprecated import AsyncSemaphoreMoved
 from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
@@ -47,7 +48,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore:
+class AsyncSemaphore(AsyncSemaphoreMoved):
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -410,14 +411,6 @@ class AsyncSemaphore:
         if self._owns_client:
             await _close(self.client)
         return held
-
-    force_release_all = moved("AsyncSemaphore.force_release_all", "sem.admin.force_release_all",
-                              lambda sem: sem.admin.force_release_all)  # fmt: skip
-    holders = moved("AsyncSemaphore.holders", "sem.admin.holders", lambda sem: sem.admin.holders)
-    set_limit = moved("AsyncSemaphore.set_limit", "sem.admin.set_limit",
-                      lambda sem: sem.admin.set_limit)  # fmt: skip
-    live_limit = moved("AsyncSemaphore.live_limit", "sem.admin.live_limit",
-                       lambda sem: sem.admin.live_limit)  # fmt: skip
 
 
 async def _close(client: AsyncClient) -> None:

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import re
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from . import validation as check
 from .calls import pause_call
+from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
@@ -38,9 +38,6 @@ from .process import holder_member, member_pattern, token_of
 from .rates import Rate
 from .recovery import recovering
 from .scripts import Scripts, backend_errors
-
-if TYPE_CHECKING:
-    from .room import WaitingRoom
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +93,8 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
 
 
 class KeyScan:
-    """One SCAN for the keys of every semaphore under ``prefix``, without I/O: what to ask
-    for (:attr:`match`, :attr:`kind`) and, in :attr:`found`, the keys the replies name. The
-    sync and asyncio admins' ``scan_keys`` send it (SCAN, never KEYS).
+    """One SCAN (never KEYS) for the keys of every semaphore under ``prefix``, without I/O:
+    what to ask (:attr:`match`, :attr:`kind`), and the keys its replies name (:attr:`found`).
 
     Args:
         prefix (str): the semaphores' namespace.
@@ -161,37 +157,7 @@ def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
     ]
 
 
-def moved(old: str, new: str, target: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
-    """A deprecated alias for a class body: it warns (:class:`DeprecationWarning`, naming
-    ``new``) and calls ``target(self)`` with its arguments, whose answer (a coroutine, for
-    an asyncio method) it returns. Deprecated in 0.2.0; the aliases go in 0.3.0.
-
-    Args:
-        old (str): the deprecated spelling, ``Class.method``.
-        new (str): the spelling to use instead.
-        target (Callable[[Any], Callable[..., Any]]): the new method, from the instance.
-
-    Returns:
-        Callable[..., Any]: the alias, whose ``__deprecated__`` names ``new``.
-    """
-
-    def alias(self: Any, /, *args: Any, **kwargs: Any) -> Any:
-        warnings.warn(f"{old} is deprecated and will be removed in 0.3.0; use {new}",
-                      DeprecationWarning, stacklevel=2)  # fmt: skip
-        return target(self)(*args, **kwargs)
-
-    alias.__doc__ = f"Deprecated since 0.2.0, removed in 0.3.0: use ``{new}``."
-    alias.__deprecated__ = new  # type: ignore[attr-defined]
-    return alias
-
-
-def _room_of(admin: SemaphoreAdmin) -> WaitingRoom:
-    from .room import WaitingRoom  # room.py imports this module
-
-    return WaitingRoom(admin.client, admin.prefix, admin.handoffs)
-
-
-class SemaphoreAdmin:
+class SemaphoreAdmin(AdminMoved):
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
     Args:
@@ -445,19 +411,10 @@ class SemaphoreAdmin:
         return previous
 
     def server_warnings(self) -> list[str]:
-        """What about the server could break the semaphore's promise, for a start-up log
-        (see :func:`eviction_warnings`). Servers that refuse ``CONFIG GET`` (some managed
-        services) yield no warning.
-
-        Returns:
-            list[str]: one sentence a problem; empty when none is found.
-        """
+        """What about the server could break the semaphore's promise, for a start-up log:
+        :func:`eviction_warnings`, one sentence a problem (none from a server that refuses
+        ``CONFIG GET``, as some managed services do)."""
         try:
             return eviction_warnings(self.client.config_get("maxmemory-policy"))
         except redis.RedisError:
             return []
-
-    room = moved("SemaphoreAdmin.room", "sem.room.waiters", lambda a: _room_of(a).waiters)
-    room_head = moved("SemaphoreAdmin.room_head", "sem.room.head", lambda a: _room_of(a).head)
-    sweep = moved("SemaphoreAdmin.sweep", "sem.room.sweep", lambda a: _room_of(a).sweep)
-    cancel = moved("SemaphoreAdmin.cancel", "sem.room.cancel", lambda a: _room_of(a).cancel)

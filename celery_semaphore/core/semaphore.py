@@ -21,8 +21,9 @@ from typing import Any, TypeVar, cast
 from redis import Redis, RedisCluster
 
 from . import validation as check
-from .admin import DEFAULT_PREFIX, SemaphoreAdmin, moved
+from .admin import DEFAULT_PREFIX, SemaphoreAdmin
 from .clients import RedisClient, client_of
+from .deprecated import SemaphoreMoved
 from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
@@ -54,7 +55,7 @@ T = TypeVar("T")
 __all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
 
 
-class Semaphore:
+class Semaphore(SemaphoreMoved):
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -250,25 +251,18 @@ class Semaphore:
         """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
 
         Args:
-            key (str): as for :meth:`acquire`.
-            limit (int | None): as for :meth:`acquire`.
-            weight (int): as for :meth:`acquire`.
-            retries (int): as for :meth:`acquire`.
-            retry_delay (float): as for :meth:`acquire`.
-            lease (float | None): as for :meth:`acquire`.
+            key (str): as for :meth:`acquire`, as are ``limit``, ``weight``, ``retries``,
+                ``retry_delay``, ``lease``, ``metadata``, ``wait`` and ``units``.
             heartbeat (float | bool | None): seconds between renewals. None (default): a
                 quarter of the lease, at least 0.001. False: no renewal; the slot lapses a
                 lease after it was taken. An explicit value must be at most half the lease.
             on_renew_error (Callable[[BaseException], object] | None): called with each
                 renewal round trip that failed (a dropped connection, a timeout). That is not
                 a loss: the next tick retries. Without it such errors are dropped.
-            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
-            wait (float): as for :meth:`acquire`.
             interrupt (bool): raise :class:`~celery_semaphore.errors.LeaseInterrupted` in
                 the thread running the block the moment the slot is lost (see
                 :mod:`~celery_semaphore.core.interrupt`). Default False: the block runs on,
                 and can watch ``slot.lost``.
-            units (Mapping[str, int] | None): as for :meth:`acquire`.
 
         Yields:
             Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
@@ -411,25 +405,10 @@ class Semaphore:
         return max(0, effective - self.count(key))
 
     def close(self) -> None:
-        """Close the client this semaphore made from a URL (its connections); a client passed
-        in is its caller's, left open. Slots still held are not given back: their holders
-        release them, or they lapse. The semaphore can be used again afterwards (redis-py
-        connects anew); the sync twin of :meth:`AsyncSemaphore.aclose
-        <celery_semaphore.asyncio.AsyncSemaphore.aclose>`."""
+        """Close the client it made from a URL (one passed in is left open); held slots stay
+        their holders' to release, and it can be used again. ``AsyncSemaphore.aclose``'s twin."""
         if self._owns_client:
             self.client.close()
-
-    force_release = moved("Semaphore.force_release", "sem.admin.force_release",
-                          lambda sem: sem.admin.force_release)  # fmt: skip
-    force_release_all = moved("Semaphore.force_release_all", "sem.admin.force_release_all",
-                              lambda sem: sem.admin.force_release_all)  # fmt: skip
-    holders = moved("Semaphore.holders", "sem.admin.holders", lambda sem: sem.admin.holders)
-    set_limit = moved("Semaphore.set_limit", "sem.admin.set_limit", lambda sem: sem.admin.set_limit)
-    park = moved("Semaphore.park", "sem.room.park", lambda sem: sem.room.park)
-    claim = moved("Semaphore.claim", "sem.room.claim", lambda sem: sem.room.claim)
-    park_many = moved("Semaphore.park_many", "sem.room.park_many", lambda sem: sem.room.park_many)
-    claim_many = moved("Semaphore.claim_many", "sem.room.claim_many",
-                       lambda sem: sem.room.claim_many)  # fmt: skip
 
 
 def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:
