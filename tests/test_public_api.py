@@ -362,7 +362,7 @@ def test_every_deprecated_spelling_is_listed_and_marked() -> None:
     marked = {
         (name, member)
         for name, cls in classes.items()
-        for member in vars(cls)
+        for member in dir(cls)
         if hasattr(getattr(cls, member), "__deprecated__")
     }
     assert marked == {(name, old) for name, aliases in DEPRECATED.items() for old in aliases}
