@@ -11,6 +11,7 @@ imports neither Celery nor the glue's worker hooks.
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
 from .core import Holder, Rate, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
@@ -27,6 +28,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .integration import SemaphoreTask, bounded, current_slot
+
+__version__ = version("celery-semaphore")  # CHANGELOG.md says what each version changed
 
 _GLUE = frozenset({"SemaphoreTask", "bounded", "current_slot"})
 

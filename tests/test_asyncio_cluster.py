@@ -38,6 +38,9 @@ def test_cluster_url_makes_a_cluster_client_and_shares_slots_with_sync(
             results = await asyncio.gather(*(sem.acquire("openai") for _ in range(25)))
             assert results.count(None) == 5
             assert await asyncio.to_thread(sync.count, "openai") == 20
+            await sem.acquire("tenant:acme")  # on another primary: SCAN visits every one
+            assert await sem.admin.scan_keys() == ["openai", "tenant:acme"]
+            assert await sem.admin.force_release_all("tenant:acme") == 1
             with pytest.raises(SemaphoreValidationError):
                 await sem.acquire("}lead")  # its two keys would land in different slots
             for slot in results:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import TypeVar
 
+import redis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from ..core import validation as check
-from ..core.admin import DEFAULT_PREFIX, Holder, holder_from_reply
+from ..core.admin import DEFAULT_PREFIX, Holder, KeyScan, eviction_warnings, holder_from_reply
 from ..core.calls import (
     Call,
     force_release_all_call,
@@ -242,3 +243,28 @@ class AsyncSemaphoreAdmin:
         keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
             return live_limit_of(await self.client.hgetall(keys.limits))
+
+    async def scan_keys(
+        self, limit: int = 10_000, rooms: bool = False, limits: bool = False
+    ) -> list[str]:
+        """The keys of every semaphore under the prefix, sorted: the asyncio twin of
+        :meth:`SemaphoreAdmin.scan_keys`, with the arguments of
+        :class:`~celery_semaphore.core.admin.KeyScan`.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        scan = KeyScan(self.prefix, limit, rooms, limits)
+        with backend_errors(f"{self.prefix}:*"):
+            async for raw in self.client.scan_iter(match=scan.match, count=500, _type=scan.kind):
+                if scan.enough(raw):
+                    break
+        return sorted(scan.found)
+
+    async def server_warnings(self) -> list[str]:
+        """What about the server could break the semaphore's promise: the asyncio twin of
+        :meth:`SemaphoreAdmin.server_warnings`, with its answer."""
+        try:
+            return eviction_warnings(await self.client.config_get("maxmemory-policy"))
+        except redis.RedisError:
+            return []

@@ -19,6 +19,7 @@ import redis
 
 from . import validation as check
 from .calls import pause_call
+from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
@@ -91,38 +92,72 @@ def holder_from_reply(token: str, expires_at_ms: int, info: str, now_ms: int) ->
     )
 
 
+class KeyScan:
+    """One SCAN (never KEYS) for the keys of every semaphore under ``prefix``, without I/O:
+    what to ask (:attr:`match`, :attr:`kind`), and the keys its replies name (:attr:`found`).
+
+    Args:
+        prefix (str): the semaphores' namespace.
+        limit (int): how many keys are enough, so a huge keyspace cannot stall a caller.
+        rooms (bool): only the keys with a waiting room.
+        limits (bool): only the keys with a live limit (which outlives their slots).
+    """
+
+    def __init__(self, prefix: str, limit: int, rooms: bool, limits: bool) -> None:
+        self.head, self.tail = f"{prefix}:{{", "}:room" if rooms else "}:limits" if limits else "}"
+        self.match = _GLOB.sub(r"\\\1", self.head) + "*" + self.tail
+        self.kind = "hash" if limits else "zset"
+        self.limit, self.found = limit, list[str]()
+
+    def enough(self, raw: bytes | str) -> bool:
+        """Keep the key that the Redis key ``raw`` names, if it names one; True once
+        ``limit`` keys are kept."""
+        name = text_of(raw)
+        if name.startswith(self.head) and name.endswith(self.tail):
+            self.found.append(name[len(self.head) : -len(self.tail)])
+        return len(self.found) >= self.limit
+
+
 def scan_keys(
     client: redis.Redis, prefix: str, limit: int = 10_000, rooms: bool = False,
     limits: bool = False,
 ) -> list[str]:  # fmt: skip
-    """The keys of every semaphore under ``prefix`` (SCAN, never KEYS), sorted.
-
-    Args:
-        client (redis.Redis): where they live.
-        prefix (str): their namespace.
-        limit (int): stop after this many keys, so a huge keyspace cannot stall a caller.
-        rooms (bool): only the keys with a waiting room.
-        limits (bool): only the keys with a live limit (which outlives their slots).
+    """The keys of every semaphore under ``prefix``, sorted; the arguments are
+    :class:`KeyScan`'s.
 
     Raises:
         SemaphoreBackendError: Redis failed.
     """
-    head = f"{prefix}:{{"
-    tail = "}:room" if rooms else "}:limits" if limits else "}"
-    found: list[str] = []
-    pattern = _GLOB.sub(r"\\\1", head) + "*" + tail
-    kind = "hash" if limits else "zset"
+    scan = KeyScan(prefix, limit, rooms, limits)
     with backend_errors(f"{prefix}:*"):
-        for raw in client.scan_iter(match=pattern, count=500, _type=kind):
-            name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-            if name.startswith(head) and name.endswith(tail):
-                found.append(name[len(head) : -len(tail)])
-                if len(found) >= limit:
-                    break
-    return sorted(found)
+        for raw in client.scan_iter(match=scan.match, count=500, _type=scan.kind):
+            if scan.enough(raw):
+                break
+    return sorted(scan.found)
 
 
-class SemaphoreAdmin:
+def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
+    """What about the server could break the semaphore's promise, from its ``CONFIG GET
+    maxmemory-policy`` reply: the sync and asyncio admins' ``server_warnings``.
+
+    An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so
+    even the ``volatile-*`` policies pick them), which silently resets the count to zero
+    and lets up to ``limit`` more holders in. Only ``noeviction`` is safe.
+
+    Returns:
+        list[str]: one sentence a problem; empty when none is found.
+    """
+    policy = text_of(config.get("maxmemory-policy") or "")
+    if policy in ("", "noeviction"):
+        return []
+    return [
+        f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
+        "semaphore's key, resetting its count and admitting more than its limit; "
+        "use 'noeviction' for the semaphore store"
+    ]
+
+
+class SemaphoreAdmin(AdminMoved):
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
     Args:
@@ -376,27 +411,10 @@ class SemaphoreAdmin:
         return previous
 
     def server_warnings(self) -> list[str]:
-        """What about the server could break the semaphore's promise, for a start-up log.
-
-        An evicting ``maxmemory-policy`` may delete a semaphore's key (they carry a TTL, so
-        even the ``volatile-*`` policies pick them), which silently resets the count to zero
-        and lets up to ``limit`` more holders in. Only ``noeviction`` is safe. Servers that
-        refuse ``CONFIG GET`` (some managed services) yield no warning.
-
-        Returns:
-            list[str]: one sentence a problem; empty when none is found.
-        """
+        """What about the server could break the semaphore's promise, for a start-up log:
+        :func:`eviction_warnings`, one sentence a problem (none from a server that refuses
+        ``CONFIG GET``, as some managed services do)."""
         try:
-            reply = self.client.config_get("maxmemory-policy")
+            return eviction_warnings(self.client.config_get("maxmemory-policy"))
         except redis.RedisError:
             return []
-        policy: Any = reply.get("maxmemory-policy")
-        if isinstance(policy, bytes):
-            policy = policy.decode()
-        if policy and policy != "noeviction":
-            return [
-                f"Redis maxmemory-policy is {policy!r}: under memory pressure it may evict a "
-                "semaphore's key, resetting its count and admitting more than its limit; "
-                "use 'noeviction' for the semaphore store"
-            ]
-        return []

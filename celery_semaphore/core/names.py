@@ -62,12 +62,6 @@ def keys_named(slots: str) -> Keys:
     return Keys(slots, *(f"{slots}:{name}" for name in _SUFFIXES))
 
 
-def key_named(slots: str) -> str:
-    """The semaphore key of the slots key ``slots`` (``<prefix>:{<key>}``; a prefix has no
-    braces), for errors and logs."""
-    return slots[slots.index("{") + 1 : -1]
-
-
 def room_index_of(slots: str) -> str:
     """The room index of the semaphore whose slots key is ``slots`` (see
     :attr:`Namespace.room_index`)."""

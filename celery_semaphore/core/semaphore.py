@@ -24,6 +24,7 @@ from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
 from .calls import count_call
 from .clients import RedisClient, client_of
+from .deprecated import SemaphoreMoved
 from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
@@ -55,7 +56,7 @@ T = TypeVar("T")
 __all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
 
 
-class Semaphore:
+class Semaphore(SemaphoreMoved):
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
@@ -117,6 +118,7 @@ class Semaphore:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         self.rates = rates_of(rate)
         self.client = client = client_of(redis)
+        self._owns_client = isinstance(redis, str)
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = Scripts(cast(Redis, client))
         self.names = Namespace(self.prefix, isinstance(client, RedisCluster))
@@ -209,7 +211,7 @@ class Semaphore:
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back.
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
-                    late.give_back_late()
+                    late._give_back_late()
             if wait and isinstance(reply, Full):
                 slot = wait_for_slot(
                     self._scripts, cast(Redis, self.client), keys, key, token, seconds, wait,
@@ -250,25 +252,18 @@ class Semaphore:
         """Hold a slot of ``key`` for the ``with`` block, renewing it in the background.
 
         Args:
-            key (str): as for :meth:`acquire`.
-            limit (int | None): as for :meth:`acquire`.
-            weight (int): as for :meth:`acquire`.
-            retries (int): as for :meth:`acquire`.
-            retry_delay (float): as for :meth:`acquire`.
-            lease (float | None): as for :meth:`acquire`.
+            key (str): as for :meth:`acquire`, as are ``limit``, ``weight``, ``retries``,
+                ``retry_delay``, ``lease``, ``metadata``, ``wait`` and ``units``.
             heartbeat (float | bool | None): seconds between renewals. None (default): a
                 quarter of the lease, at least 0.001. False: no renewal; the slot lapses a
                 lease after it was taken. An explicit value must be at most half the lease.
             on_renew_error (Callable[[BaseException], object] | None): called with each
                 renewal round trip that failed (a dropped connection, a timeout). That is not
                 a loss: the next tick retries. Without it such errors are dropped.
-            metadata (Mapping[str, Any] | None): as for :meth:`acquire`.
-            wait (float): as for :meth:`acquire`.
             interrupt (bool): raise :class:`~celery_semaphore.errors.LeaseInterrupted` in
                 the thread running the block the moment the slot is lost (see
                 :mod:`~celery_semaphore.core.interrupt`). Default False: the block runs on,
                 and can watch ``slot.lost``.
-            units (Mapping[str, int] | None): as for :meth:`acquire`.
 
         Yields:
             Slot: the held slot. ``slot.lost`` is set the moment the slot is known gone.
@@ -409,6 +404,12 @@ class Semaphore:
         live = self.admin.live_limit(key)
         effective = live.limit if live is not None else self._limit(limit)
         return max(0, effective - self.count(key))
+
+    def close(self) -> None:
+        """Close the client it made from a URL (one passed in is left open); held slots stay
+        their holders' to release, and it can be used again. ``AsyncSemaphore.aclose``'s twin."""
+        if self._owns_client:
+            self.client.close()
 
 
 def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:

@@ -218,7 +218,7 @@ class Slot(LeaseRecord):
                 self._mark_lost("release found the slot already gone")
         return self._released
 
-    def give_back_late(self) -> None:
+    def _give_back_late(self) -> None:
         """Release a slot whose acquire was answered only after a whole lease (a paused
         server, a stalled network): it cannot be trusted to be ours. Never raises: a slot
         that cannot be given back lapses with its lease."""

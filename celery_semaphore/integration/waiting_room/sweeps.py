@@ -49,7 +49,7 @@ from ...core.replies import DueRooms, Handoff
 from ...core.room import WaitingRoom
 from ...errors import SemaphoreBackendError
 from .. import stats
-from ..settings import DEFAULT_SWEEP_INTERVAL, app_settings, client_for, forget, journal_for
+from ..settings import app_settings, client_for, forget, journal_for
 from .endings import context_of, end_as_revoked, expires_at, message_of
 from .handoffs import publisher_for
 from .keeper import JournalKeeper
@@ -57,9 +57,6 @@ from .revoked import RevokedRuns
 
 logger = logging.getLogger(__name__)
 
-SWEEP_INTERVAL = DEFAULT_SWEEP_INTERVAL
-"""Seconds between two sweeps of one room by the fleet, by default
-(``semaphore_sweep_interval``)."""
 FULL_SCAN_INTERVAL = 60.0
 """Seconds between two SCANs of the keyspace, by the whole fleet, for rooms missing from the
 index (a run that died between parking and indexing)."""
