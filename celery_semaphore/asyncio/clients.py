@@ -117,7 +117,7 @@ def async_client_like(client: redis.Redis | redis.RedisCluster) -> AsyncClient:
             twin (a custom connection class).
     """
     if isinstance(client, redis.RedisCluster):
-        known = client.get_nodes()  # type: ignore[no-untyped-call]
+        known = client.get_nodes()  # type: ignore[no-untyped-call,unused-ignore]
         nodes = [(node.host, int(node.port)) for node in known]
         first = known[0].redis_connection
         kwargs = first.connection_pool.connection_kwargs if first is not None else {}
@@ -172,7 +172,7 @@ def _sentinel(nodes: list[tuple[str, int]], service: str, options: dict[str, Any
     sentinel_kwargs = options.pop(
         "sentinel_kwargs", {name: options[name] for name in _TIMEOUTS if name in options}
     )
-    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     client: aioredis.Redis = sentinel.master_for(service, **options)
     return client
 

@@ -83,7 +83,7 @@ def _cluster_client(url: str, options: dict[str, Any]) -> redis.RedisCluster:
         raise SemaphoreValidationError(
             f"Redis Cluster has database 0 only; remove the path of {url!r}"
         )
-    startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call]
+    startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
     try:
         return redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
     except (redis.RedisError, RedisClusterException) as exc:
@@ -123,7 +123,7 @@ def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) 
     sentinel_kwargs = options.pop(
         "sentinel_kwargs", {name: options[name] for name in timeouts if name in options}
     )
-    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     return client_from_options(sentinel.master_for, service, **options)
 
 
