@@ -273,6 +273,7 @@ SURFACE: dict[str, list[str]] = {
         "gather",
         "grace_ms",
         "mark_before",
+        "publish",
         "publisher",
         "release_claim_ms",
     ],

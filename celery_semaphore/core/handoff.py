@@ -136,17 +136,24 @@ class HandoffRoute:
         return room_index_of(keys.slots), {key: int(time.time() * 1000) + self.claim_ms}
 
     def deliver(self, key: str, handoffs: Sequence[Handoff], scripts: Scripts | None = None) -> int:
-        """Hand ``handoffs`` to the publisher (see :func:`delivery`), those of waiters of
-        several keys gathered first through ``scripts`` (None: they lapse and are gathered
-        again): how many it passed on. Never raises: a failure is logged, and the
-        reservations lapse and are handed out again."""
+        """Hand ``handoffs`` to the publisher, gathered first (:meth:`gather`): how many it
+        passed on. Never raises: a failure is logged, and the reservations lapse and are
+        handed out again."""
+        return self.publish(key, self.gather(key, handoffs, scripts))
+
+    def gather(
+        self, key: str, handoffs: Sequence[Handoff], scripts: Scripts | None
+    ) -> list[Handoff]:
+        """What to publish of ``handoffs`` (see :func:`delivery`): rooms due sooner scored
+        and waiters of several keys gathered through ``scripts`` (None: they lapse and are
+        gathered again). Never raises."""
         steps = delivery(key, handoffs, self.claim_ms, None not in (scripts, self.publisher))
         answer: list[Handoff] | Exception | None = None
         while True:
             try:
                 step = steps.send(answer)
             except StopIteration as done:
-                return self.publish(key, done.value)
+                return list(done.value)
             try:
                 if isinstance(step, SweepDue):
                     answer = None
