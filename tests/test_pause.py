@@ -20,6 +20,8 @@ from celery_semaphore import (
     SemaphoreValidationError,
 )
 from celery_semaphore.asyncio import AsyncSemaphore
+from celery_semaphore.core.replies import Parked
+from celery_semaphore.core.slot import Slot
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.testing import RedisServer
@@ -64,6 +66,30 @@ def test_a_paused_key_refuses_new_holders_keeps_running_ones_and_hands_off_on_re
     assert published.waiters == ["first", "second"]  # oldest first, at once
     assert sem.admin.pause_of("k") is None
     assert sem.admin.resume("k") is False  # not paused: nothing to do
+    sem.client.close()
+
+
+def test_a_run_handed_its_slot_before_a_pause_starts_only_after_the_resume(
+    redis_server: RedisServer,
+) -> None:
+    # Its hand-off was published before the pause, and its message comes during it (behind
+    # a broker backlog, or held for a start rate's instant): the run must not start.
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
+    held = sem.acquire("k")
+    assert held is not None
+    sem.room.park("k", "late", b"p")
+    assert held.release()
+    assert published.waiters == ["late"]
+    sem.admin.pause("k")
+    assert isinstance(sem.room.claim("k", "late"), Parked)  # back in the room, at its place
+    assert sem.count("k") == 0  # its reservation went back
+    assert [w.waiter for w in sem.room.waiters("k")] == ["late"]
+    sem.admin.resume("k")
+    assert published.waiters == ["late", "late"]  # the resume hands it out again
+    slot = sem.room.claim("k", "late")
+    assert isinstance(slot, Slot)
+    assert slot.release()
     sem.client.close()
 
 

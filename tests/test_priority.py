@@ -69,8 +69,9 @@ def test_with_fair_turns_a_head_start_moves_one_run_never_before_the_head(
     sem.room.park("k", "b-vip", b"", tenant="b", head_start=60.0)
     sem.room.park("k", "b-2", b"", tenant="b")
     order = [w.waiter for w in sem.room.waiters("k")]
-    # b-vip stands at the head's place, never before it: with a-0 and b-0, which a new
-    # tenant's first turn put there too (ties go by id).
+    # b-vip stands right after the head, never before it, beside the turn a new tenant's
+    # first run was given there (ties go by id).
+    assert order[0] == "a-0", order
     assert order.index("b-vip") <= 2, order
     # Tenant a keeps its order, and b's later run keeps its turn (b-vip did not pull it
     # forward): the tenants still alternate.
@@ -78,6 +79,25 @@ def test_with_fair_turns_a_head_start_moves_one_run_never_before_the_head(
     assert [w for w in order if w.startswith("b-") and w != "b-vip"] == ["b-0", "b-1", "b-2"]
     assert order.index("b-2") <= 7, order
     assert _served(sem, published, held) == order
+    sem.client.close()
+
+
+def test_with_fair_turns_no_newcomer_passes_the_head_whatever_its_id(
+    redis_server: RedisServer,
+) -> None:
+    # The head's id sorts after every newcomer's: a newcomer given the head's own score
+    # would pass it on the tie (as one did, in a public report, 32 times in a row).
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=1, on_handoff=published)
+    held = sem.acquire("k")
+    assert held is not None
+    sem.room.park("k", "zz-low", b"", tenant="low")
+    for n in range(4):
+        sem.room.park("k", f"aa-high-{n}", b"", tenant="high", head_start=60.0)
+        sem.room.park("k", f"ab-new-{n}", b"", tenant=f"new-{n}")
+    order = [w.waiter for w in sem.room.waiters("k")]
+    assert order[0] == "zz-low", order
+    assert _served(sem, published, held)[0] == "zz-low"
     sem.client.close()
 
 

@@ -13,13 +13,13 @@
 --                          -<ms>: that long after its arrival, by this server's clock
 --            "max_queued"  refuse to park past this many waiters (0: no limit)
 --            "tenant"      its fair-turn tenant ("" for none): it parks at its tenant's turn,
---                          one past the tenant's last and no earlier than the room's head,
+--                          one past the tenant's last and after the room's head,
 --                          instead of at its arrival; so a tenant with many waiters takes
 --                          turns with one that has few
 --            "ahead_ms"    a head start (>= 0): a newly parked waiter stands that many ms
 --                          before its arrival, so it passes waiters that came less than that
 --                          long before it and no older one; with a tenant, that many turns
---                          before its turn, never before the room's head
+--                          before its turn, always after the room's head
 --            "rates"       the key's start rates, "<name> <interval_ms> <burst> ..." ("":
 --                          none; see rates.lua), recorded as the room's "!rates"
 --            "units"       the waiter's units of each rate that are not 1, "<name>=<u>,..."
@@ -77,10 +77,12 @@ local tag = w.weight > 1 and ('#' .. w.weight) or ''
 local turned = known and at ~= known
 if tenant ~= '' or turned or (ahead_ms > 0 and not known) then
   if not known and tenant ~= '' then
-    -- Fair turns: one past the tenant's last turn, and no earlier than the room's head, so a
-    -- tenant that arrives late is served next to the one with the long backlog.
+    -- Fair turns: one past the tenant's last turn, and after the room's head, so a tenant
+    -- that arrives late is served next to the one with the long backlog. Half a turn after
+    -- it, not at it: a tie with the head would go by id, and a newcomer could pass the run
+    -- served next; half a turn keeps the newcomer's turns between the backlog's.
     local head = redis.call('ZRANGE', room, 0, 0, 'WITHSCORES')
-    local first = head[2] and tonumber(head[2]) or arrival
+    local first = head[2] and tonumber(head[2]) + 0.5 or arrival
     local last = tonumber(redis.call('HGET', parked, '!g:' .. tenant))
     at = math.max(first, last and last + 1 or 0)
     redis.call('HSET', parked, '!g:' .. tenant, at)

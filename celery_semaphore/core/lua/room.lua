@@ -84,13 +84,13 @@ end
 local function place_of(parked, waiter)
   local entry = redis.call('HGET', parked, waiter)
   if not entry then return nil end
-  local head = string.match(entry, '^[%d#@]+')
-  return tonumber(string.match(head, '@(%d+)')) or tonumber(string.match(head, '^(%d+)'))
+  local head = string.match(entry, '^[%d#@.]+')
+  return tonumber(string.match(head, '@([%d.]+)')) or tonumber(string.match(head, '^(%d+)'))
 end
 
 -- The weight of a parked entry: how many units its run takes.
 local function weight_of(entry)
-  return tonumber(string.match(string.match(entry, '^[%d#@]+'), '#(%d+)')) or 1
+  return tonumber(string.match(string.match(entry, '^[%d#@.]+'), '#(%d+)')) or 1
 end
 
 -- Add (or re-score) the `weight` members of holder `member`, expiring at `score`.

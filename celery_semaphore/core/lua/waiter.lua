@@ -67,12 +67,24 @@ end
 -- The answer for a waiter whose token holds a slot already (a call sent again) or that has a
 -- reservation (its hand-off's): {1, expires_at_ms, now_ms, limit} once it holds the slot;
 -- {-2, 0, now_ms, limit, wait_ms} when its reservation is for a start rate's instant still
--- wait_ms away; nil when neither.
+-- wait_ms away; {0, position, now_ms, 0} when the key was paused since: it is back in the
+-- room; nil when neither.
 local function waiter_held(w)
   local waiter, now = w.waiter, w.now
   local mine = redis.call('ZSCORE', w.slots, w.token)
   if mine then return {1, tonumber(mine), now, w.limit} end
   if not redis.call('ZSCORE', w.slots, '~' .. waiter) then return nil end
+  if w.limit == 0 then
+    -- Paused since its hand-off (its message was on its way behind a backlog, or held for a
+    -- start rate's instant): nothing new starts, this run neither. It gives its reservation
+    -- back and waits at its place; the resume hands it out again.
+    local entry = redis.call('HGET', w.parked, waiter)
+    units_remove(w.slots, '~' .. waiter, entry and weight_of(entry))
+    redis.call('HDEL', w.holders, '~' .. waiter)
+    redis.call('ZREM', w.deadlines, '~' .. waiter)
+    room_requeue(w.room, w.parked, place_of(w.parked, waiter) or now, waiter)
+    return {0, redis.call('ZRANK', w.room, waiter), now, 0}
+  end
   -- A run that came early for its instant (its worker's clock ahead of this server's) waits.
   local record = redis.call('HGET', w.holders, '~' .. waiter) or ''
   local start = tonumber(string.match(record, '"start":(%d+)'))
