@@ -20,9 +20,9 @@ from celery_semaphore import (
     SemaphoreValidationError,
 )
 from celery_semaphore.asyncio import AsyncSemaphore
+from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.core.slot import Slot
-from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
