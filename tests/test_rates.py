@@ -95,6 +95,12 @@ def test_a_run_that_comes_early_waits_for_its_instant(redis_server: RedisServer)
     sem.client.close()
 
 
+def _tat(client: redis.Redis, limits: str) -> float:
+    """The requests rate's TAT (epoch ms), stored with the interval it was reckoned under."""
+    stored = client.hget(limits, "tat:requests") or b"0"
+    return float(stored.split()[0])
+
+
 def test_a_run_that_comes_late_for_its_instant_takes_a_new_one(
     redis_server: RedisServer, client: redis.Redis
 ) -> None:
@@ -108,12 +114,12 @@ def test_a_run_that_comes_late_for_its_instant_takes_a_new_one(
     w1, _, w3 = published.made
     assert wait_for(lambda: _store_ms(client) > w1.start_ms + 40, timeout=5.0)
     limits = redis_keys("semaphore", "k").limits
-    last_given = float(client.hget(limits, "tat:requests") or 0)
+    last_given = _tat(client, limits)
     assert last_given == w3.start_ms + 50
     slot = sem.room.claim("k", "w1")
     assert isinstance(slot, Slot)
     assert slot.acquired_at * 1000 >= last_given - 1  # its start, by the store's clock
-    assert float(client.hget(limits, "tat:requests") or 0) >= last_given + 50
+    assert _tat(client, limits) >= last_given + 50
     sem.client.close()
 
 
@@ -292,6 +298,29 @@ def test_a_live_rate_set_from_the_cli_wins_over_the_codes_until_cleared(
     code, said = _cli(app, "set-rate", "k", "--clear")
     assert (code, "cleared (was 2/s burst 1)" in said) == (0, True), said
     assert sem.admin.set_rate("k", None) is None
+    sem.client.close()
+
+
+def test_a_cleared_live_rate_no_longer_spaces_the_next_starts(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    # An operator slows the code's 10/s to 6/m during an incident and clears it at once: the
+    # runs already handed an instant keep it, and the next one follows 10/s again, not the
+    # slow rate's schedule (38 s later, in a public report).
+    published = Published()
+    sem = Semaphore(redis_server.url, limit=5, on_handoff=published)
+    sem.admin.set_rate("k", "6/m")
+    first = sem.room.park("k", "w0", b"p", rates="10/s")
+    assert isinstance(first, Slot)
+    for n in (1, 2, 3):
+        sem.room.park("k", f"w{n}", b"p", rates="10/s")
+    assert [h.start_ms - round(first.acquired_at * 1000) for h in published.made] == [
+        10_000, 20_000, 30_000
+    ]  # fmt: skip
+    sem.admin.set_rate("k", None)
+    sem.room.park("k", "w4", b"p", rates="10/s")
+    assert published.made[-1].waiter == "w4"
+    assert published.made[-1].start_ms - _store_ms(client) < 2_000
     sem.client.close()
 
 

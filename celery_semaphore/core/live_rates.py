@@ -91,7 +91,11 @@ def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tu
     for name in names:
         rate = fields.get("rate:" + name, "").split() or None
         interval_ms, burst = (float(rate[0]), int(rate[1])) if rate else given.get(name, (0, 0))
-        tat = float(fields.get("tat:" + name, 0))
+        # "<tat> <interval_ms>": a TAT reckoned under another interval is scaled to this
+        # one, as rates.lua's rates_read does.
+        tat, *under = (float(v) for v in fields.get("tat:" + name, "0").split())
+        if under and interval_ms and under[0] != interval_ms and tat > now_ms:
+            tat = now_ms + (tat - now_ms) * interval_ms / under[0]
         if not interval_ms:  # no burst known: its TAT is as late as the next unit can be
             due = max(tat, now_ms)
             found.append(RateState(name, None, None, due / 1000, None, lives.get(name),

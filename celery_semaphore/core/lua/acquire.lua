@@ -52,7 +52,7 @@ local expires_at_ms = now_ms + lease_ms
 local live = redis.call('ZCARD', slots)
 local nrates, rates, units = tonumber(ARGV[5]) or 0, nil, nil
 if nrates > 0 then
-  rates, units = rates_read(KEYS[3], ARGV, 6, nrates, 4), {}
+  rates, units = rates_read(KEYS[3], ARGV, 6, nrates, 4, now_ms), {}
   for i = 0, nrates - 1 do units[ARGV[6 + 4 * i]] = tonumber(ARGV[9 + 4 * i]) end
   local mine = tonumber(redis.call('ZSCORE', slots, token))
   if mine and mine > now_ms then return {1, mine, now_ms, limit} end

@@ -42,7 +42,7 @@ local rate_list, units = {}, {}
 for item in string.gmatch(place.rates, '%S+') do rate_list[#rate_list + 1] = item end
 for name, u in string.gmatch(place.units, '([%w_]+)=(%d+)') do units[name] = tonumber(u) end
 if redis.call('EXISTS', KEYS[4], KEYS[5]) == 0 then
-  local rates = #rate_list > 0 and rates_read(KEYS[3], rate_list, 1, #rate_list / 3, 3) or nil
+  local rates = #rate_list > 0 and rates_read(KEYS[3], rate_list, 1, #rate_list / 3, 3, now_ms()) or nil
   local taken = free_take(KEYS[1], KEYS[3], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3],
     tonumber(ARGV[4]) or 1, rates, units)
   if taken then return taken end

@@ -16,8 +16,12 @@
 
 -- `count` rates given as a flat list from `first`, `stride` items each (name, interval_ms,
 -- burst, ...), each with its live override and TAT read in one HMGET:
--- {{name, interval, burst, tat}, ...}.
-local function rates_read(limits, list, first, count, stride)
+-- {{name, interval, burst, tat}, ...}. A TAT is kept with the interval it was reckoned
+-- under ("<tat> <interval_ms>"): under another interval now (an operator set or cleared a
+-- live rate, or a deploy changed the code's), what it is ahead of now is scaled to it, so
+-- the runs already counted weigh as many units under the new rate, and a slow rate just
+-- cleared no longer spaces the next starts (a TAT with no interval is taken as it is).
+local function rates_read(limits, list, first, count, stride, now)
   local fields = {}
   for i = 0, count - 1 do
     local name = list[first + stride * i]
@@ -34,19 +38,24 @@ local function rates_read(limits, list, first, count, stride)
       local li, lb = string.match(live, '^(%S+) (%S+)$')
       interval, burst = tonumber(li) or interval, tonumber(lb) or burst
     end
-    rates[#rates + 1] = {list[at], interval, burst, tonumber(got[2 * i + 2]) or 0}
+    local tat, under = string.match(got[2 * i + 2] or '', '^(%S+) ?(%S*)$')
+    tat, under = tonumber(tat) or 0, tonumber(under)
+    if under and under ~= interval and tat > now then
+      tat = now + (tat - now) * interval / under
+    end
+    rates[#rates + 1] = {list[at], interval, burst, tat}
   end
   return rates
 end
 
 -- The rates a room hands slots out by ("!rates" in its parked hash, which park.lua writes:
 -- "<name> <interval_ms> <burst> ..."), or nil when it has none.
-local function room_rates(slots, parked)
+local function room_rates(slots, parked, now)
   local spec = redis.call('HGET', parked, '!rates')
   if not spec then return nil end
   local list = {}
   for item in string.gmatch(spec, '%S+') do list[#list + 1] = item end
-  return rates_read(slots .. ':limits', list, 1, #list / 3, 3)
+  return rates_read(slots .. ':limits', list, 1, #list / 3, 3, now)
 end
 
 -- The units a run takes of rate `name`: units[name], else 1; never above the burst (a live
@@ -91,7 +100,7 @@ local function rates_keep(limits, now)
       redis.call('PERSIST', limits)
       return
     end
-    last = math.max(last or now, tonumber(fields[i + 1]) or now)
+    last = math.max(last or now, tonumber(string.match(fields[i + 1], '^%S+')) or now)
   end
   if last then redis.call('PEXPIRE', limits, math.ceil(last - now) + 1000) end
 end
@@ -104,7 +113,7 @@ local function rates_take(limits, rates, units, start, now)
     local tat = math.max(r[4], start) + rate_units(units, r[1], r[3]) * r[2]
     r[4] = tat
     fields[#fields + 1] = 'tat:' .. r[1]
-    fields[#fields + 1] = string.format('%.3f', tat)
+    fields[#fields + 1] = string.format('%.3f %s', tat, r[2])
     last = math.max(last, tat)
   end
   if #fields == 0 then return end

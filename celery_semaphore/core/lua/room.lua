@@ -234,7 +234,7 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
       if redis.call('ZCARD', slots) + weight > limit then break end
       local keys = redis.call('HGET', parked, '!m:' .. waiter)
       local start = now
-      if rates == nil then rates = room_rates(slots, parked) or false end
+      if rates == nil then rates = room_rates(slots, parked, now) or false end
       if rates and not keys then
         local units = rate_units_of(entry)
         start = rates_start(rates, units, now)

@@ -92,7 +92,7 @@ local function waiter_held(w)
   -- One that comes later than its slack (its worker was busy) would start right beside the
   -- run given the next instant: it takes its units again, at the first instant free now,
   -- and the instant it missed stays spent (the bound holds by the bodies' clocks too).
-  local rates = start and room_rates(w.slots, w.parked)
+  local rates = start and room_rates(w.slots, w.parked, now)
   local entry = rates and redis.call('HGET', w.parked, waiter)
   local late = entry and rate_units_of(entry)
   if entry and now - start > rates_slack(rates, late) then
@@ -141,7 +141,7 @@ local function waiter_serve(w)
     -- its own at its own instant. (A waiter this very call reserved a later instant for is
     -- not here for a slot now.)
     local stale = redis.call('ZRANGEBYSCORE', w.slots, '-inf', now + w.claim_ms - w.grace_ms)
-    local rates = #stale > 0 and room_rates(w.slots, w.parked)
+    local rates = #stale > 0 and room_rates(w.slots, w.parked, now)
     local entry = rates and redis.call('HGET', w.parked, waiter)
     local units = entry and rate_units_of(entry)
     for _, member in ipairs(stale) do
