@@ -330,7 +330,9 @@ class Model:
     ) -> Holding | None:
         """``Semaphore.acquire(key, lease=lease, weight=weight)`` answered a slot with
         ``token``, or None."""
-        held = self.acquire_many([(key, weight)], call, lease, token, {key: list(handoffs)})
+        held = self.acquire_many(
+            [(key, weight)], call, lease, token, {key: list(handoffs)}, behind_room=True
+        )
         return held[0] if held else None
 
     def acquire_many(
@@ -340,9 +342,12 @@ class Model:
         lease: float,
         token: str | None,
         handoffs: dict[str, list[tuple[str, bytes]]],
+        behind_room: bool = False,
     ) -> list[Holding] | None:
         """``Semaphore.acquire_many`` of ``(key, weight)`` pairs (or ``acquire``, with one)
-        answered slots under ``token``, or None: all of them or none."""
+        answered slots under ``token``, or None: all of them or none. With ``behind_room``
+        (``acquire``), a key whose room may hold a waiter may refuse it: its free units are
+        the room's."""
         slow = call.received - call.sent >= lease
         # A reply after a whole lease is not trusted: its slots are released at once, which
         # may hand them to waiters.
@@ -356,8 +361,13 @@ class Model:
             )  # fmt: skip
         if token is None:
             if not slow and all(
-                self.keys[k].maybe_live(call.sent) + w <= self.keys[k].limit for k, w in specs
-            ):
+                self.keys[k].maybe_live(call.sent) + w <= self.keys[k].limit
+                and not (behind_room and any(
+                    v.maybe_in_room(call.sent) for v in self.waiters.values()
+                    if k == v.key or k in v.needs
+                ))
+                for k, w in specs
+            ):  # fmt: skip
                 state = {
                     k: (self.keys[k].maybe_live(call.sent), self.keys[k].limit) for k, _ in specs
                 }

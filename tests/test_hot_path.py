@@ -115,6 +115,7 @@ def test_a_park_makes_its_payload_only_when_it_is_to_park(
 
     # Load the scripts, so that each call below is one EVALSHA.
     sem.room.park("warm", "w0", b"").release()  # type: ignore[union-attr]
+    sem.room.park("warm", "w0", lambda: b"").release()  # type: ignore[union-attr]
     client.config_resetstat()
     first = sem.room.park("k", "w1", payload("w1"))  # a free slot and no room: no payload needed
     assert isinstance(first, Slot)

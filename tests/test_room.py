@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 
@@ -9,6 +10,7 @@ import pytest
 import redis
 
 from celery_semaphore import Semaphore, SemaphoreBackendError, SemaphoreValidationError, Slot
+from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.replies import NotWaiting, Parked, RoomFull
 from celery_semaphore.testing import RedisServer
@@ -148,7 +150,9 @@ def test_a_sweep_of_a_large_room_finds_a_pruned_reservation_by_its_due_time(
     assert published.waiters == ["first"]
     time.sleep(0.2)  # past the claim timeout: the point of the test
     plain = Semaphore(redis_server.url, limit=1)  # a process that never saw the room
-    newcomer = plain.acquire("big")  # prunes first's reservation without knowing the room
+    # An acquire of several keys does not look at the rooms (a plain acquire would wait
+    # behind them): it prunes first's reservation without putting it back.
+    newcomer = plain.acquire_many([("big", 1)])
     assert newcomer is not None
     _, head = sem.room.head("big")
     assert head is not None
@@ -156,6 +160,31 @@ def test_a_sweep_of_a_large_room_finds_a_pruned_reservation_by_its_due_time(
     assert sem.room.sweep("big") == 0
     count, head = sem.room.head("big")
     assert (count, head.waiter if head else None) == (3001, "first")
+
+
+def test_a_plain_acquire_waits_behind_the_room_so_light_runs_cannot_starve_a_heavy_one(
+    redis_server: RedisServer, published: Published
+) -> None:
+    # A weight-4 run waits at the head for the whole limit; light callers that ask in person
+    # (on_full="wait" runs, plain acquires) find units free, but those are the room's.
+    sem = Semaphore(redis_server.url, limit=4, on_handoff=published)
+    light = sem.acquire("k")
+    assert light is not None
+    assert isinstance(sem.room.park("k", "heavy", b"p", weight=4), Parked)
+    assert sem.acquire("k") is None  # three units free, and still refused
+    asyncio.run(_async_refused(redis_server.url))
+    assert light.release()
+    assert published.waiters == ["heavy"]  # the release hands it all four
+    heavy = sem.room.claim("k", "heavy", weight=4)
+    assert isinstance(heavy, Slot)
+    assert heavy.release()
+    assert sem.acquire("k") is not None  # the room is empty: plain acquires go again
+    sem.client.close()
+
+
+async def _async_refused(url: str) -> None:
+    async with AsyncSemaphore(url, limit=4) as sem:
+        assert await sem.acquire("k") is None
 
 
 def test_cancel_takes_a_waiter_out_and_passes_its_reservation_on(

@@ -45,7 +45,7 @@ T = TypeVar("T")
 
 ROOM_KEYS, _PAIR = slice(0, 8), slice(0, 2)
 SCRIPT_KEYS = {
-    "acquire": slice(0, 3), "acquire_rated": slice(0, 3), "acquire_many": slice(0, 3),
+    "acquire": slice(0, 4), "acquire_rated": slice(0, 4), "acquire_many": slice(0, 3),
     "extend": _PAIR,
     "count": slice(0, 1), "held": slice(0, 1), "holders": _PAIR,
     "force_release_all": _PAIR, "park": slice(0, 9), "claim": slice(0, 9),

@@ -5,6 +5,10 @@
 --                   scripts took (several keys, hand-offs); this one only deletes from it
 -- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any;
 --                   "paused_at" while an operator paused the key (the limit is then 0)
+-- KEYS[4]  room     sorted set of the runs waiting in the key's room (room.lua): while any
+--                   waits, a free unit is theirs (the room hands it out in order), so this
+--                   call is refused as on a full key, and a stream of light callers cannot
+--                   starve a heavy run at the room's head
 -- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless a
 --                     live limit is set, which wins
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
@@ -61,10 +65,16 @@ if nrates > 0 then
 end
 -- A plain holder on a key with a free slot is added in one step; NX leaves a token that is
 -- already a member (a resent call) to the checks below.
-if weight > 1 or live >= limit or redis.call('ZADD', slots, 'NX', expires_at_ms, token) == 0 then
+local queued = redis.call('EXISTS', KEYS[4]) == 1
+if weight > 1 or live >= limit or queued
+    or redis.call('ZADD', slots, 'NX', expires_at_ms, token) == 0 then
   local mine = tonumber(redis.call('ZSCORE', slots, token))
   if mine and mine > now_ms then
     return {1, mine, now_ms, limit}
+  end
+  if queued then
+    local first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
+    return {0, live, now_ms, tonumber(first[2]) or 0, limit}
   end
   -- Lapsed members are pruned only when they stand in the way: a key with a free slot is
   -- admitted without the scan.
