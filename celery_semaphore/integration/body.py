@@ -4,6 +4,7 @@ and the signals and task events of the slot's life.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,9 @@ def run_body(
         Exception: whatever the body raised.
     """
     interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
-    interrupter = Interrupter(slot) if policy.interrupt else None
+    interrupter: contextlib.AbstractContextManager[object] = (
+        Interrupter(slot) if policy.interrupt else contextlib.nullcontext()
+    )
     # A signal with no receivers is not sent: its arguments would be built for nobody.
     if semaphore_acquired.receivers:
         semaphore_acquired.send(
@@ -68,8 +71,6 @@ def run_body(
         with guard(slot, interval, renew_failed_reporter(task, slot, names)):
             token = CURRENT.set(slot)
             try:
-                if interrupter is None:
-                    return fn(*args, **kwargs)
                 with interrupter:
                     return fn(*args, **kwargs)
             finally:

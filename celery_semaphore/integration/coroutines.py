@@ -122,7 +122,7 @@ class CoroutineRunner:
         runner = self.runner
         named = runner.app is not None or runner.redis is not None
         semaphore, policy, limits = self.resolve(runner.app if named else get_current_app())
-        key = runner.key_for(args, kwargs)
+        key = runner.template.render(args, kwargs)
         limit = limits.for_call(key, args, kwargs)
         weight = runner.weights.for_call(key, limit, args, kwargs)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0

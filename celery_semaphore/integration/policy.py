@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,23 +102,10 @@ class Policy:
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
         check.heartbeat_interval(self.heartbeat, self.lease)
-        _choice("on_full", self.on_full, ON_FULL)
-        _choice("on_lease_lost", self.on_lease_lost, ON_LEASE_LOST)
-        check.check_delay(self.shed_countdown, "shed_countdown")
-        check.check_delay(self.shed_max_countdown, "shed_max_countdown")
-        _flag("shed_backoff", self.shed_backoff)
-        _flag("interrupt", self.interrupt)
-        if self.shed_max_retries is not None:
-            check.check_retries(self.shed_max_retries, "shed_max_retries")
-        if self.shed_timeout is not None:
-            check.check_delay(self.shed_timeout, "shed_timeout")
-        check.lease_ms(self.claim_timeout, "claim_timeout")
-        if self.max_queued is not None:
-            check.check_limit(self.max_queued, "max_queued")
-        check.check_delay(self.handoff_grace, "handoff_grace")
-        check.check_delay(self.wait_timeout, "wait_timeout")
-        if self.queue_timeout is not None:
-            check.check_delay(self.queue_timeout, "queue_timeout")
+        for name, checker in _CHECKS.items():
+            value = getattr(self, name)
+            if value is not None or name not in _OPTIONAL:
+                checker(value, name)
         self.rates  # noqa: B018  (checked now: a bad rate fails at bind, not at a run)
 
     @functools.cached_property
@@ -198,14 +185,32 @@ def one_budget(options: Mapping[str, Any], where: str = "") -> None:
         )
 
 
-def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise SemaphoreValidationError(f"{name} must be one of {allowed!r}, got {value!r}")
+def _choice(allowed: tuple[str, ...]) -> Callable[[object, str], None]:
+    def choose(value: object, name: str) -> None:
+        if value not in allowed:
+            raise SemaphoreValidationError(f"{name} must be one of {allowed!r}, got {value!r}")
+
+    return choose
 
 
-def _flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise SemaphoreValidationError(f"{name} must be True or False, got {value!r}")
+# Each option's check past the lease and heartbeat, in the order they are reported.
+_CHECKS: dict[str, Callable[[Any, str], object]] = {
+    "on_full": _choice(ON_FULL),
+    "on_lease_lost": _choice(ON_LEASE_LOST),
+    "shed_countdown": check.check_delay,
+    "shed_max_countdown": check.check_delay,
+    "shed_backoff": check.check_flag,
+    "interrupt": check.check_flag,
+    "shed_max_retries": check.check_retries,
+    "shed_timeout": check.check_delay,
+    "claim_timeout": check.lease_ms,
+    "max_queued": check.check_limit,
+    "handoff_grace": check.check_delay,
+    "wait_timeout": check.check_delay,
+    "queue_timeout": check.check_delay,
+}
+# The options None may leave unset (no limit); any other None is refused by its check.
+_OPTIONAL = frozenset({"shed_max_retries", "shed_timeout", "max_queued", "queue_timeout"})
 
 
 OPTION_NAMES = ("semaphore", "limit", "weight", "fair_by", "head_start", *POLICY_FIELDS)

@@ -247,11 +247,6 @@ class Runner:
             return self._call_waiting(task, fn, args, kwargs)
         return self._call_in_worker(task, request, fn, args, kwargs)
 
-    def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        """The semaphore key for a call with these arguments (see :class:`KeyTemplate`); the
-        keys joined with ``+`` for a task that holds several."""
-        return self.template.render(args, kwargs)
-
     def keys_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[str]:
         """Every key a call with these arguments holds a slot of."""
         if isinstance(self.template, KeySet):

@@ -44,7 +44,7 @@ otherwise it must be set.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,10 +125,8 @@ def app_settings(app: Celery) -> AppSettings:
     if isinstance(cached, AppSettings):
         return cached
     conf = app.conf
-    known = {"semaphore_url", "semaphore_prefix", "semaphore_flower_set_limit",
-             "semaphore_handoff_priority", "semaphore_handoff_queues", "semaphore_room_ttl",
-             "semaphore_journal", "semaphore_sweep_interval",
-             *(f"semaphore_{n}" for n in POLICY_FIELDS)}  # fmt: skip
+    known = {"semaphore_url", "semaphore_prefix",
+             *(f"semaphore_{n}" for n in (*_SETTINGS, *POLICY_FIELDS))}  # fmt: skip
     unknown = sorted(k for k in conf if k.startswith("semaphore_") and k not in known)
     if unknown:
         raise SemaphoreValidationError(
@@ -144,81 +142,72 @@ def app_settings(app: Celery) -> AppSettings:
     except SemaphoreValidationError as exc:
         raise SemaphoreValidationError(f"app.conf.semaphore_{exc}", None, None) from None
     declared = declared_semaphores(conf.get("semaphores"))
-    priority = _priority(conf.get("semaphore_handoff_priority"))
-    settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared,
-                           flower_set_limit=_flag(conf, "semaphore_flower_set_limit"),
-                           handoff_priority=priority,
-                           handoff_queues=_flag(conf, "semaphore_handoff_queues"),
-                           room_ttl=_room_ttl(conf.get("semaphore_room_ttl")),
-                           journal=_journal(conf.get("semaphore_journal")),
-                           sweep_interval=_sweep_interval(
-                               conf.get("semaphore_sweep_interval")))  # fmt: skip
+    given = {name: conf.get(f"semaphore_{name}") for name in _SETTINGS}
+    checked: dict[str, Any] = {
+        name: checker(default if given[name] is None else given[name], f"app.conf.semaphore_{name}")
+        for name, (default, checker) in _SETTINGS.items()
+    }
+    settings = AppSettings(store=store, prefix=prefix, policy=policy, declared=declared, **checked)
     app._semaphore_settings = settings
     return settings
 
 
-def _flag(conf: Any, name: str) -> bool:
-    """Setting ``name``, True unless set; only a real bool, since "false" from an
-    environment-driven config would otherwise read True."""
-    value = conf.get(name)
-    if value is None:
-        return True
-    if not isinstance(value, bool):
-        raise SemaphoreValidationError(f"app.conf.{name} must be True or False, got {value!r}")
-    return value
-
-
-def _room_ttl(value: object) -> float:
-    """``semaphore_room_ttl`` checked: None (the default), or positive seconds, at most 366
-    days."""
-    if value is None:
-        return DEFAULT_ROOM_TTL
-    check.lease_ms(value, "app.conf.semaphore_room_ttl")
+def _room_ttl(value: object, where: str) -> float:
+    """``semaphore_room_ttl`` checked: positive seconds, at most 366 days."""
+    check.lease_ms(value, where)
     return float(value)  # type: ignore[arg-type]
 
 
-def _sweep_interval(value: object) -> float:
-    """``semaphore_sweep_interval`` checked: None (the default), or seconds from 0.05 to
-    3600."""
-    if value is None:
-        return DEFAULT_SWEEP_INTERVAL
+def _sweep_interval(value: object, where: str) -> float:
+    """``semaphore_sweep_interval`` checked: seconds from 0.05 to 3600."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not 0.05 <= value <= MAX_SWEEP_INTERVAL
     ):
         raise SemaphoreValidationError(
-            "app.conf.semaphore_sweep_interval must be a number of seconds from 0.05 to "
-            f"{MAX_SWEEP_INTERVAL:g}, got {value!r}"
+            f"{where} must be a number of seconds from 0.05 to {MAX_SWEEP_INTERVAL:g}, got "
+            f"{value!r}"
         )
     return float(value)
 
 
-def _journal(value: object) -> str | None:
-    """``semaphore_journal`` checked: True or None (the default directory), False (off), or a
+def _journal(value: object, where: str) -> str | None:
+    """``semaphore_journal`` checked: True (the default directory), False (off), or a
     directory (a str or path-like)."""
-    if value is None or value is True:
+    if value is True:
         return str(default_directory())
     if value is False:
         return None
     if isinstance(value, (str, os.PathLike)) and str(value):
         return str(value)
-    raise SemaphoreValidationError(
-        f"app.conf.semaphore_journal must be True, False or a directory, got {value!r}"
-    )
+    raise SemaphoreValidationError(f"{where} must be True, False or a directory, got {value!r}")
 
 
-def _priority(value: object) -> int | None:
+def _priority(value: object, where: str) -> int | None:
     """``semaphore_handoff_priority`` checked: None, or an int from 0 to 255 (AMQP's range;
     kombu's Redis transport uses 0 to 9, 0 first)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
         raise SemaphoreValidationError(
-            f"app.conf.semaphore_handoff_priority must be None or an int from 0 to 255, got "
-            f"{value!r}"
+            f"{where} must be None or an int from 0 to 255, got {value!r}"
         )
     return value
+
+
+# The app-wide settings past the store, the prefix, the policy and the declarations: each
+# one's value when it is unset (None), and its check, which answers the value to keep; in
+# the order they are checked. A flag must be a real bool, since "false" from an
+# environment-driven config would otherwise read True.
+_SETTINGS: dict[str, tuple[object, Callable[[Any, str], object]]] = {
+    "handoff_priority": (None, _priority),
+    "flower_set_limit": (True, check.check_flag),
+    "handoff_queues": (True, check.check_flag),
+    "room_ttl": (DEFAULT_ROOM_TTL, _room_ttl),
+    "journal": (True, _journal),
+    "sweep_interval": (DEFAULT_SWEEP_INTERVAL, _sweep_interval),
+}
 
 
 def client_for(app: Celery) -> redis.Redis:

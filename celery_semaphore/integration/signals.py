@@ -102,10 +102,7 @@ def send_event(task: Task | None, event: str, **fields: Any) -> None:
 
     Never raises: an event that cannot be published is logged, and the task goes on.
     """
-    if task is None:
-        return
-    request = task.request
-    if request.is_eager or request.called_directly:
+    if task is None or task.request.is_eager or task.request.called_directly:
         return
     app = task.app
     # A worker records whether it sends task events (its -E or the setting) before it forks;

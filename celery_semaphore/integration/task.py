@@ -100,7 +100,6 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         if cls.__dict__.get("abstract"):
             return
         fn, takes_task = run_function(cls)
-        is_static = not takes_task
         if "run" in cls.__dict__ and getattr(fn, "__semaphore__", None) is not None:
             # Bound again (app.finalize() binds every task once more): keep the wrapper, which
             # Celery may already hold elsewhere (autoretry_for keeps it as task._orig_run).
@@ -118,9 +117,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             wrapped: Any = runner.wrap(fn)
         except SemaphoreValidationError as exc:
             error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)
-            cls.run = staticmethod(refusing(fn, error)) if is_static else refusing(fn, error)
+            cls.run = refusing(fn, error) if takes_task else staticmethod(refusing(fn, error))
             raise error from None
-        cls.run = staticmethod(wrapped) if is_static else wrapped
+        cls.run = wrapped if takes_task else staticmethod(wrapped)
 
 
 CELERY_OPTIONS = frozenset(

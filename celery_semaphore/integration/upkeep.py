@@ -77,7 +77,7 @@ class Upkeep:
         if self._thread is not None:
             return
         if self._timer is not None:
-            self._wakes = self._timer.call_repeatedly(self.interval, _nothing)
+            self._wakes = self._timer.call_repeatedly(self.interval, lambda: None)
         self._thread = threading.Thread(target=self._run, name="celery-semaphore-upkeep",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -137,10 +137,6 @@ class Upkeep:
                     wait = min(wait, max(quarter / 2, min(until, quarter)))
                     wait *= random.uniform(0.9, 1.1)
             self._stopping.wait(max(0.0, wait))
-
-
-def _nothing() -> None:
-    pass
 
 
 def start_upkeep(app: Celery, worker: str, sweeps: bool, timer: Any = None) -> Upkeep:

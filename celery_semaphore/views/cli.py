@@ -17,10 +17,12 @@ lease has not run out yet.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import ParamSpec, TypeVar
 
 import click
 from celery import Celery
@@ -44,6 +46,23 @@ def _app(ctx: click.Context) -> Celery:
     return app
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _said(command: Callable[P, R]) -> Callable[P, R]:
+    """``command``, its :class:`SemaphoreError` said as click says an error (no traceback)."""
+
+    @functools.wraps(command)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return command(*args, **kwargs)
+        except SemaphoreError as exc:
+            raise click.ClickException(str(exc)) from exc
+
+    return run
+
+
 WAITING_SHOWN = 5
 """Waiting runs ``status`` and ``watch`` list per key by default (their total is shown)."""
 
@@ -51,14 +70,11 @@ WAITING_SHOWN = 5
 def _views(
     app: Celery, keys: tuple[str, ...], waiting: int | None = WAITING_SHOWN
 ) -> list[SemaphoreView]:
-    try:
-        settings = app_settings(app)
-        # Declared keys are listed even when idle; a template ("tenant:{id}") names no key.
-        declared = {name: options["limit"] for name, options in settings.declared.items()
-                    if isinstance(options.get("limit"), int) and "{" not in name}  # fmt: skip
-        return views(client_for(app), keys or None, settings.prefix, declared, waiting)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    settings = app_settings(app)
+    # Declared keys are listed even when idle; a template ("tenant:{id}") names no key.
+    declared = {name: options["limit"] for name, options in settings.declared.items()
+                if isinstance(options.get("limit"), int) and "{" not in name}  # fmt: skip
+    return views(client_for(app), keys or None, settings.prefix, declared, waiting)
 
 
 def _seconds(value: float) -> str:
@@ -160,6 +176,7 @@ def semaphore() -> None:
     help="Waiting runs to list per key, first served first (their total is always shown).",
 )  # fmt: skip
 @click.pass_context
+@_said
 def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool, waiting: int) -> None:
     """Every semaphore (or the KEYS given): limit, slots in use, who holds them, and how
     many runs wait in its room, the oldest wait and the first of them."""
@@ -175,6 +192,7 @@ def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool, waiting: in
 @click.argument("limit", type=click.IntRange(min=1, max=2**31 - 1), required=False)
 @click.option("--clear", is_flag=True, help="Drop the live limit: the code's limit applies again.")
 @click.pass_context
+@_said
 def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bool) -> None:
     """Set KEY's live limit to LIMIT, in Redis, for every worker at once, with no deploy.
 
@@ -185,10 +203,7 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
     """
     if (limit is None) == (not clear):
         raise click.UsageError("give a LIMIT, or --clear (not both)")
-    try:
-        previous = _admin(_app(ctx)).set_limit(key, limit)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    previous = _admin(_app(ctx)).set_limit(key, limit)
     was = "none" if previous is None else previous
     now = "cleared" if limit is None else f"set to {limit}"
     click.echo(f"Live limit of {key!r} {now} (was {was}).")
@@ -213,6 +228,7 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
 @click.option("--clear", is_flag=True, help="Drop the live rate: the code's rate applies again.")
 @click.option("--by", default=None, help="Who sets it, for status (default: user@host pid N).")
 @click.pass_context
+@_said
 def set_rate_command(
     ctx: click.Context, key: str, rate: str | None, burst: int, name: str, clear: bool,
     by: str | None,
@@ -225,11 +241,8 @@ def set_rate_command(
     """
     if (rate is None) == (not clear):
         raise click.UsageError("give a RATE, or --clear (not both)")
-    try:
-        new = None if rate is None else Rate(rate, burst=burst, name=name)
-        previous = _admin(_app(ctx)).set_rate(key, new, name=name, by=by)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    new = None if rate is None else Rate(rate, burst=burst, name=name)
+    previous = _admin(_app(ctx)).set_rate(key, new, name=name, by=by)
     now = "cleared" if new is None else f"set to {new.spec} (burst {new.burst})"
     click.echo(f"Live {name} rate of {key!r} {now} (was {previous or 'none'}).")
 
@@ -247,6 +260,7 @@ def _admin(app: Celery) -> SemaphoreAdmin:
 @click.argument("key")
 @click.option("--by", default=None, help="Who pauses it, for status (default: user@host pid N).")
 @click.pass_context
+@_said
 def pause(ctx: click.Context, key: str, by: str | None) -> None:
     """Pause KEY for every worker at once: running tasks finish, nothing new starts.
 
@@ -254,10 +268,7 @@ def pause(ctx: click.Context, key: str, by: str | None) -> None:
     or shed or fail as their on_full says (SemaphoreNotAcquiredError, reason "paused"). Its
     live limit, if any, is kept. status shows who paused it and when; `resume` undoes it.
     """
-    try:
-        was = _admin(_app(ctx)).pause(key, by)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    was = _admin(_app(ctx)).pause(key, by)
     click.echo(f"{key!r} was paused already." if was else f"Paused {key!r}.")
 
 
@@ -265,12 +276,10 @@ def pause(ctx: click.Context, key: str, by: str | None) -> None:
 @click.argument("key")
 @click.option("--by", default=None, help="Who resumes it, for the log (default: user@host pid N).")
 @click.pass_context
+@_said
 def resume(ctx: click.Context, key: str, by: str | None) -> None:
     """Resume KEY after `pause`: its free slots go to the oldest parked runs at once."""
-    try:
-        was = _admin(_app(ctx)).resume(key, by)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    was = _admin(_app(ctx)).resume(key, by)
     click.echo(f"Resumed {key!r}." if was else f"{key!r} was not paused: nothing to resume.")
 
 
@@ -278,6 +287,7 @@ def resume(ctx: click.Context, key: str, by: str | None) -> None:
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
+@_said
 def why_command(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why is TASK_ID waiting: the rooms it is parked in, its place in each, the holders ahead
     of it, the limit in force (live limit, pause) and its wait budget left.
@@ -286,10 +296,7 @@ def why_command(ctx: click.Context, task_id: str, as_json: bool) -> None:
     backend's state is shown then: it may have ended, or not have arrived yet).
     """
     app = _app(ctx)
-    try:
-        found = why(client_for(app), task_id, app_settings(app).prefix)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    found = why(client_for(app), task_id, app_settings(app).prefix)
     state = None if found else str(app.AsyncResult(task_id).state)
     if as_json:
         click.echo(json.dumps({"task_id": task_id, "standings": [s.as_dict() for s in found],
@@ -334,6 +341,7 @@ def render_why(task_id: str, found: Sequence[Standing], state: str | None) -> st
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
+@_said
 def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     """Free every slot of KEY, for runs that are stuck or gone.
 
@@ -348,11 +356,8 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
         return
     if not yes:
         click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
-    try:
-        admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
-        displaced = admin.force_release_all(key)
-    except SemaphoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+    admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+    displaced = admin.force_release_all(key)
     click.echo(f"Released {key!r}: {displaced} live holder(s) displaced.")
 
 
@@ -369,6 +374,7 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     "--count", type=click.IntRange(min=1), default=None, help="Stop after this many refreshes."
 )
 @click.pass_context
+@_said
 def watch(ctx: click.Context, keys: tuple[str, ...], interval: float, count: int | None) -> None:
     """A live view of `status`, refreshed every --interval seconds (Ctrl-C stops)."""
     app = _app(ctx)

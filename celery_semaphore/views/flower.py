@@ -10,7 +10,7 @@ adds the page to the ``celery flower`` you already run::
 That import calls :func:`install`, which puts the routes below into the table Flower builds
 its application from (before its catch-all 404 route, under its ``--url_prefix``) and adds a
 "Semaphores" link to Flower's navbar on every page (see
-:class:`~celery_semaphore.views.flower_page.NavbarWithSemaphores`). ``celery semaphore
+:class:`NavbarWithSemaphores`). ``celery semaphore
 flower`` (:func:`start_flower`) does the same without the file.
 
 * ``/semaphores``: an HTML page in Flower's layout, one card a semaphore (key, slots in use,
@@ -24,7 +24,7 @@ flower`` (:func:`start_flower`) does the same without the file.
 * ``/api/semaphores/waiting``: JSON, one page of a key's waiting room
   (``?key=openai&offset=0&limit=100``): :meth:`WaitingPage.as_dict`, with ``total``.
 * ``/api/semaphores/limit``: POST, sets or clears a key's live limit; the page's forms use it
-  (see :mod:`celery_semaphore.views.flower_limits` for who may, and its CSRF check).
+  (see :class:`LiveLimitApi` for who may, and its CSRF check).
 
 The semaphores read are those of the Celery app Flower monitors (``celery -A proj``): its
 ``semaphore_url`` and ``semaphore_prefix``, resolved at the first request. The page's
@@ -39,28 +39,36 @@ Needs Flower 2.1 or later (``pip install 'celery-semaphore[flower]'``).
 from __future__ import annotations
 
 import atexit
+import base64
+import binascii
+import functools
 import json
+import os
+import re
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
+import tornado.escape
 import tornado.routing
+import tornado.template
 import tornado.web
 from celery import Celery
 from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
+from ..core import validation as check
 from ..core.admin import SemaphoreAdmin
 from ..core.handoff import HandoffRoute
-from ..errors import SemaphoreError, SemaphoreValidationError
+from ..core.live import setter
+from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from ..integration.settings import app_settings
 from ..integration.waiting_room.handoffs import publisher_for
-from .flower_limits import LiveLimitApi, Pauser, Setter, refusal
-from .flower_page import NavbarWithSemaphores, page, seconds, utc
 from .inspection import SemaphoreView, WaitingPage, check_page, semaphore_keys, views, waiting_page
 from .why import Standing, why
 
@@ -69,6 +77,7 @@ try:
     from flower import urls as flower_urls
     from flower.api import BaseApiHandler  # type: ignore[import-untyped]
     from flower.app import Flower, rewrite_handler  # type: ignore[import-untyped]
+    from flower.utils import strtobool  # type: ignore[import-untyped]
     from flower.views import BaseHandler  # type: ignore[import-untyped]
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -95,6 +104,47 @@ WAITING_SHOWN = 20
 otherwise; the rest are paged through ``/api/semaphores/waiting``."""
 
 T = TypeVar("T")
+
+Setter = Callable[[str, int | None, str], int | None]
+"""``set_limit(key, limit_or_None, by)``, returning the live limit replaced: the signature of
+:meth:`SemaphoreAdmin.set_limit`. It blocks (it runs in Flower's thread pool)."""
+
+Pauser = Callable[[str, bool, str], bool]
+"""``pause(key, paused, by)``: pause the key (``paused``) or resume it, returning whether it
+was paused before (:meth:`SemaphoreAdmin.pause` and :meth:`~SemaphoreAdmin.resume`)."""
+
+_INTEGER = re.compile(r"-?[0-9]{1,20}")
+
+
+def _unauthenticated_api() -> bool:
+    """Whether ``FLOWER_UNAUTHENTICATED_API`` opens Flower's API with no authentication, read
+    as Flower reads it (an unreadable value counts as not set)."""
+    try:
+        return bool(strtobool(os.environ.get("FLOWER_UNAUTHENTICATED_API") or "false"))
+    except ValueError:
+        return False
+
+
+def refusal(options: Any, set_limit: Setter | None) -> str | None:
+    """Why this Flower must not change live limits, or None when it may.
+
+    Args:
+        options (tornado.options.OptionParser): Flower's options.
+        set_limit (Setter | None): what changes them; None when turned off.
+
+    Returns:
+        str | None: a sentence for the page, and for the 403 that refuses a post.
+    """
+    if set_limit is None:
+        return "it is turned off (app.conf.semaphore_flower_set_limit = False)"
+    if options.read_only:
+        return "Flower runs with --read_only"
+    if not (options.basic_auth or options.auth) and not _unauthenticated_api():
+        return (
+            "Flower runs without authentication; as for Flower's own controls, set "
+            "FLOWER_UNAUTHENTICATED_API=true to let anyone who can reach it change them"
+        )
+    return None
 
 
 class SemaphoreSource:
@@ -188,7 +238,7 @@ def _routes() -> list[Any]:
         tornado.web.url(r"/api/semaphores", SemaphoresApi, given),
         tornado.web.url(r"/api/semaphores/waiting", WaitingApi, given),
         tornado.web.url(r"/api/semaphores/why", WhyApi, given, name="semaphore_why"),
-        tornado.web.url(r"/api/semaphores/limit", LimitApi, given, name="semaphore_limit"),
+        tornado.web.url(r"/api/semaphores/limit", LiveLimitApi, given, name="semaphore_limit"),
     ]
 
 
@@ -317,7 +367,17 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
         self.finish(page(self.get_template_path()).generate(**namespace))
 
 
-class _JsonApi(BaseApiHandler):  # type: ignore[misc]
+class _Api(BaseApiHandler):  # type: ignore[misc]
+    """What the API's handlers share: a plain-text answer, written here rather than raised
+    (Flower 2.1 writes an HTTPError's format string rather than its message)."""
+
+    def plain(self, status: int, message: str) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "text/plain; charset=UTF-8")
+        self.finish(message)
+
+
+class _JsonApi(_Api):
     """What the API's GET handlers share: their source, their query's numbers, and answers
     written here rather than raised (Flower 2.1 would write an HTTPError's format string)."""
 
@@ -344,11 +404,6 @@ class _JsonApi(BaseApiHandler):  # type: ignore[misc]
             return
         self.set_header("Content-Type", "application/json; charset=UTF-8")
         self.finish(json.dumps(write(found), default=str))
-
-    def plain(self, status: int, message: str) -> None:
-        self.set_status(status)
-        self.set_header("Content-Type", "text/plain; charset=UTF-8")
-        self.finish(message)
 
 
 class SemaphoresApi(_JsonApi):
@@ -404,14 +459,486 @@ class WhyApi(_JsonApi):
                                          "standings": [s.as_dict() for s in found]})  # fmt: skip
 
 
-class LimitApi(LiveLimitApi):
-    """``POST /api/semaphores/limit`` (see :class:`LiveLimitApi`), with the application's
-    source's setter."""
+class LiveLimitApi(_Api):
+    """``POST /api/semaphores/limit``: the page's control for live limits and pauses.
 
-    def initialize(self, sources: _Sources) -> None:  # type: ignore[override]
+    The forms on each card of the page post here; scripts may too. The request sets a key's
+    live limit (``key=openai&limit=30``) or clears it (``key=openai&clear=1``) through
+    :meth:`SemaphoreAdmin.set_limit`, or pauses the key (``key=openai&pause=1``) or resumes
+    it (``pause=0``) through :meth:`SemaphoreAdmin.pause` and :meth:`~SemaphoreAdmin.resume`,
+    recording the Flower user, the client's address and the Flower process
+    (``user@host pid N``) as who did it.
+
+    Who may post, in this order:
+
+    * As for Flower's own controls (revoke, terminate, pool resize): with no
+      ``--basic_auth`` and no ``--auth``, the answer is 401 unless
+      ``FLOWER_UNAUTHENTICATED_API`` is set; with either, the caller must pass it (401 for
+      missing or wrong basic-auth credentials, 403 for no OAuth session).
+    * Every request must carry the XSRF token: the ``_xsrf`` cookie the page sets, echoed as
+      the ``_xsrf`` form field or the ``X-XSRFToken`` header (403 otherwise). Flower 2.1
+      checks no token at all, and Flower 2.2 checks it only for OAuth sessions (with basic
+      auth it relies on the ``Sec-Fetch-Site`` and ``Origin`` headers, which it still checks
+      here first); a browser sends basic-auth credentials with a forged cross-site form too,
+      so this control asks for the token whatever the version or the authentication.
+    * Flower's ``--read_only`` and ``app.conf.semaphore_flower_set_limit = False`` turn the
+      control off (403).
+
+    Bad input (no key, a limit that is not an int from 1, both or neither of ``limit`` and
+    ``clear``, ``pause`` beside either, or not a boolean) is answered 400 with the library's
+    message, and nothing is sent to Redis. The setter and pauser are the application's
+    source's (see :class:`SemaphoreSource`).
+    """
+
+    def initialize(self, sources: _Sources) -> None:
         try:
             source = sources.of(self.application)
-            set_limit, pause = source.set_limit, source.pause
+            self.set_limit, self.pause = source.set_limit, source.pause
         except SemaphoreError:
-            set_limit = pause = None  # the page says why; a post is refused
-        super().initialize(set_limit, pause)
+            self.set_limit = self.pause = None  # the page says why; a post is refused
+        self._csrf_due = False
+
+    def check_xsrf_cookie(self) -> None:
+        """Refuse a request without the XSRF token (and, on Flower 2.2, a cross-site one).
+
+        Raises:
+            tornado.web.HTTPError: 403, the token is missing or does not match the cookie.
+        """
+        # Flower 2.2 turns on xsrf_cookies, so tornado calls this before prepare(), ahead of
+        # authentication: deferred to post(), a request without credentials is told 401 on
+        # every version, and Flower 2.1, which never calls it, gets the check too.
+        if not self._csrf_due:
+            return
+        super().check_xsrf_cookie()
+        tornado.web.RequestHandler.check_xsrf_cookie(self)
+
+    @tornado.web.authenticated
+    async def post(self) -> None:
+        """Set (``limit``) or clear (``clear``) the live limit of ``key``, or pause it
+        (``pause=1``) or resume it (``pause=0``).
+
+        Answers 200 with JSON ``{"key", "limit", "previous", "by"}`` (for a pause or a resume
+        ``{"key", "paused", "was_paused", "by"}``), or, to a browser's plain
+        form post (``Accept: text/html``), 303 to the Semaphores page; 400 for bad input, 403
+        when turned off, 503 when Redis fails (plain-text reasons).
+        """
+        self._csrf_due = True
+        self.check_xsrf_cookie()
+        why = refusal(self.application.options, self.set_limit)
+        if why is not None or self.set_limit is None:
+            self.plain(403, f"Live limits cannot be changed here: {why}.")
+            return
+        who = self._who()
+        body: dict[str, Any]
+        try:
+            key, limit, paused = self._arguments()
+            if paused is not None and self.pause is not None:
+                was = await IOLoop.current().run_in_executor(None, self.pause, key, paused, who)
+                body = {"key": key, "paused": paused, "was_paused": was, "by": who}
+            else:
+                previous = await IOLoop.current().run_in_executor(
+                    None, self.set_limit, key, limit, who
+                )
+                body = {"key": key, "limit": limit, "previous": previous, "by": who}
+        except SemaphoreValidationError as exc:
+            self.plain(400, str(exc))
+            return
+        except SemaphoreBackendError as exc:
+            self.plain(503, str(exc))
+            return
+        if "text/html" in self.request.headers.get("Accept", ""):
+            self.redirect(self.reverse_url("semaphores"), status=303)
+            return
+        self.set_header("Content-Type", "application/json; charset=UTF-8")
+        self.finish(json.dumps(body))
+
+    def _argument(self, name: str) -> str | None:
+        # Taken as sent: Flower's get_argument HTML-escapes values, and tornado's strips them,
+        # either of which would name another key than "a&b" or " a".
+        value: str | None = tornado.web.RequestHandler.get_argument(self, name, None, strip=False)
+        return value
+
+    def _arguments(self) -> tuple[str, int | None, bool | None]:
+        """The key, the limit (None: clear) and the pause (None: neither a pause nor a
+        resume) the request asks for.
+
+        Raises:
+            SemaphoreValidationError: no key, a bad limit, both or neither of limit and
+                clear, or a pause that is not a boolean or comes with either.
+        """
+        key = check.check_key(self._argument("key"))
+        raw, clear = self._argument("limit") or "", self._argument("clear") or ""
+        pause = self._argument("pause")
+        clearing = self._flag(key, "clear", clear) if clear else False
+        if pause is not None:
+            if raw or clear:
+                raise SemaphoreValidationError("give pause alone, not with limit or clear", key)
+            return key, None, self._flag(key, "pause", pause)
+        if clearing == bool(raw):
+            raise SemaphoreValidationError("give a limit, or clear=1 (not both)", key)
+        if clearing:
+            return key, None, None
+        return key, check.check_limit(int(raw) if _INTEGER.fullmatch(raw) else raw), None
+
+    @staticmethod
+    def _flag(key: str, name: str, value: str) -> bool:
+        try:
+            return bool(strtobool(value))
+        except ValueError:
+            message = f"{name} must be true or false, got {value!r:.60}"
+            raise SemaphoreValidationError(message, key) from None
+
+    def _who(self) -> str:
+        """Who is asking, for the record: the Flower user, their address, this process."""
+        return f"{self._user()} via Flower from {self.request.remote_ip} ({setter()})"
+
+    def _user(self) -> str:
+        """The OAuth user, else the basic-auth user name, else ``anonymous``."""
+        if isinstance(self.current_user, str):
+            return self.current_user
+        if self.application.options.basic_auth:
+            # Flower checked these credentials before post() ran; only the name is kept.
+            _, _, encoded = self.request.headers.get("Authorization", "").partition(" ")
+            try:
+                name = base64.b64decode(encoded, validate=True).decode().partition(":")[0]
+            except (binascii.Error, UnicodeDecodeError):
+                name = ""
+            return name or "anonymous"
+        return "anonymous"
+
+
+# The page's HTML, and the link to it in Flower's navbar. The page extends Flower's own
+# base.html (navbar, styles, scripts) and re-reads itself every few seconds. Flower's
+# templates have no hook for a navbar entry, but they draw the navbar through tornado's
+# Template UI module: NavbarWithSemaphores stands in for that module and adds a
+# "Semaphores" link to the first list of the navbar, on every Flower page.
+
+
+class NavbarWithSemaphores(tornado.web.TemplateModule):
+    """Tornado's ``Template`` UI module, plus a "Semaphores" link at the end of the first
+    list of Flower's ``navbar.html`` (marked ``data-semaphores-nav``, and current on the
+    Semaphores page). Any other template, and a navbar whose application has no route named
+    ``semaphores``, render as they are."""
+
+    def render(self, path: str, **kwargs: Any) -> bytes:
+        html: bytes = super().render(path, **kwargs)
+        if path != "navbar.html" or b"</ul>" not in html:
+            return html
+        try:
+            url = self.handler.reverse_url("semaphores")
+        except KeyError:
+            return html
+        here = self.request.path == url
+        active, current = (" active", ' aria-current="page"') if here else ("", "")
+        href = tornado.escape.xhtml_escape(url)
+        link = (f'<li class="nav-item"><a class="nav-link{active}" data-semaphores-nav '
+                f'href="{href}"{current}>Semaphores</a></li>')  # fmt: skip
+        return html.replace(b"</ul>", link.encode() + b"</ul>", 1)
+
+
+def seconds(value: float) -> str:
+    """``12.3 s`` under a minute, else ``4m 05s`` or ``2h 03m``."""
+    if value < 60:
+        return f"{max(value, 0.0):.1f} s"
+    minutes, secs = divmod(round(value), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s"
+
+
+def utc(epoch: float) -> str:
+    """``2026-12-01 18:40:02 UTC``."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch))
+
+
+@functools.lru_cache(maxsize=4)
+def page(template_path: str) -> tornado.template.Template:
+    """The page's template, extending Flower's ``base.html`` from ``template_path``."""
+    return tornado.template.Template(
+        _PAGE, name="semaphores.html", loader=tornado.template.Loader(template_path)
+    )
+
+
+# Flower's base.html gives the navbar, styles and scripts. The navbar's link comes from
+# NavbarWithSemaphores where install() put it there; on a Flower app given the routes alone
+# (add_semaphore_routes), the page adds the link to the navbar it shows itself.
+_PAGE = """{% extends "base.html" %}
+{% block title %}Semaphores · Flower{% end %}
+{% block container %}
+<div class="page-section semaphores-page">
+  <header class="page-header">
+    <div>
+      <p class="page-eyebrow">celery-semaphore</p>
+      <h1 class="h3 mb-0">Semaphores</h1>
+    </div>
+    <div class="refresh-status" aria-live="polite">
+      <span class="status-dot status-dot-live" id="semaphores-live" aria-hidden="true"></span>
+      <span id="semaphores-status">Refreshes every {{ refresh_ms // 1000 }} s</span>
+    </div>
+  </header>
+  <div id="semaphores">
+    {% if error %}
+    <div class="alert alert-danger" role="alert">Cannot read the semaphores: {{ error }}</div>
+    {% elif not semaphores %}
+    <p class="text-body-secondary" id="no-semaphores">No semaphore has a live holder.</p>
+    {% end %}
+    {% for sem in semaphores %}
+    <section class="card mb-4 semaphore" data-key="{{ sem.key }}">
+      <div class="card-header d-flex justify-content-between align-items-center">
+        <h2 class="h5 mb-0 font-monospace">{{ sem.key }}</h2>
+        <span class="semaphore-usage"><strong>{{ sem.in_use }}</strong> of
+          {{ sem.limit if sem.limit is not None else "?" }} in use
+          {% if sem.waiting %}&middot; <strong class="semaphore-queued">{{ sem.queued }}</strong>
+          queued (oldest {{ seconds(sem.oldest_wait) }}){% end %}</span>
+      </div>
+      <div class="card-body py-2 d-flex flex-wrap gap-2 align-items-center small">
+        {% if sem.paused %}<span class="semaphore-paused badge text-bg-warning">Paused by
+          {{ sem.paused.by }} at {{ utc(sem.paused.paused_at) }}</span>{% end %}
+        <span class="live-limit me-auto">{% if sem.live %}Live limit
+          <strong>{{ sem.live.limit }}</strong>, set by {{ sem.live.by }}
+          at {{ utc(sem.live.set_at) }}{% else %}No live limit: the callers' limit
+          applies{% end %}</span>
+        {% for rate in sem.rates %}<span class="semaphore-rate">Rate {{ rate.name }}:
+          {% if rate.left is not None %}{{ rate.left }} of {{ rate.burst }} free, one every
+          {{ "%g" % rate.interval }} s{% else %}next due {{ utc(rate.next_due) }}{% end %}
+          {% if rate.live %}(live {{ rate.live.spec }}, set by {{ rate.live.by }}){% end %}
+        </span>{% end %}
+        {% if not limits_off %}
+        <form class="live-limit-form d-flex gap-2" method="post" action="{{ limit_url }}">
+          {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">
+          <input class="form-control form-control-sm" style="width: 8rem" type="number" min="1"
+            max="2147483647" name="limit" required placeholder="new limit"
+            aria-label="Live limit of {{ sem.key }}">
+          <button class="btn btn-sm btn-outline-primary text-nowrap" type="submit">Set</button>
+        </form>
+        {% if sem.live %}
+        <form class="live-limit-form" method="post" action="{{ limit_url }}">
+          {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">
+          <input type="hidden" name="clear" value="1">
+          <button class="btn btn-sm btn-outline-secondary" type="submit">Clear</button>
+        </form>
+        {% end %}
+        <form class="live-limit-form" method="post" action="{{ limit_url }}">
+          {% raw xsrf_form_html() %}<input type="hidden" name="key" value="{{ sem.key }}">
+          <input type="hidden" name="pause" value="{{ 0 if sem.paused else 1 }}">
+          <button class="btn btn-sm btn-outline-warning"
+            type="submit">{{ "Resume" if sem.paused else "Pause" }}</button>
+        </form>{% end %}
+      </div>
+      <div class="table-responsive">
+        <table class="table table-hover align-middle mb-0" style="table-layout: fixed">
+          <colgroup>
+            <col style="width: 34%"><col style="width: 18%"><col style="width: 20%">
+            <col style="width: 8%"><col style="width: 10%"><col style="width: 10%">
+          </colgroup>
+          <thead>
+            <tr><th>Task</th><th>Name</th><th>Worker</th><th class="text-end">PID</th>
+              <th class="text-end">Held for</th><th class="text-end">Expires in</th></tr>
+          </thead>
+          <tbody>
+            {% for holder in sem.holders %}
+            {% set meta = holder.metadata %}
+            <tr class="holder" data-task-id="{{ meta.get('task_id') or '' }}">
+              <td class="font-monospace text-truncate">
+                {% if meta.get("task_id") %}
+                <a href="{{ reverse_url('task', meta['task_id']) }}">{{ meta["task_id"] }}</a>
+                {% else %}
+                <span class="text-body-secondary" title="token {{ holder.token }}">no task</span>
+                {% end %}
+              </td>
+              {% set handed = "—" %}
+              {% if "reserved_for" in meta %}{% set handed = "handed off" %}{% end %}
+              {% if meta.get("waiting") %}{% set handed = "kept: waits for other keys" %}{% end %}
+              <td class="text-truncate">{{ meta.get("task_name") or handed }}</td>
+              <td class="text-truncate">{{ meta.get("worker") or meta.get("host") or "—" }}</td>
+              <td class="text-end">{{ meta.get("pid", "—") }}</td>
+              <td class="text-end">{{ seconds(holder.held_for) }}</td>
+              <td class="text-end">{{ seconds(holder.expires_in) }}</td>
+            </tr>
+            {% end %}
+            {% if not sem.holders %}
+            <tr><td colspan="6" class="text-body-secondary">No live holder.</td></tr>
+            {% end %}
+          </tbody>
+        </table>
+      </div>
+    </section>
+    {% end %}
+  </div>
+  {% if limits_off %}
+  <p class="small text-body-secondary" id="live-limits-off">Live limits cannot be changed from
+    this page: {{ limits_off }}.</p>
+  {% else %}
+  <form class="live-limit-form d-flex flex-wrap gap-2 align-items-center small" method="post"
+    action="{{ limit_url }}">
+    {% raw xsrf_form_html() %}<label for="live-limit-key">Live limit of another key</label>
+    <input class="form-control form-control-sm font-monospace" style="width: 16rem" name="key"
+      id="live-limit-key" required placeholder="key">
+    <input class="form-control form-control-sm" style="width: 8rem" type="number" min="1"
+      max="2147483647" name="limit" required placeholder="limit" aria-label="Live limit">
+    <button class="btn btn-sm btn-outline-primary" type="submit">Set</button>
+  </form>
+  {% end %}
+  <p class="small mt-2" id="live-limit-message" role="status" aria-live="polite"></p>
+  <section class="card mt-4" id="why-box">
+    <div class="card-header"><h2 class="h6 mb-0">Why is a task waiting?</h2></div>
+    <div class="card-body small">
+      <form id="why-form" class="d-flex flex-wrap gap-2" method="get" action="{{ why_url }}">
+        <input class="form-control form-control-sm font-monospace" style="width: 24rem"
+          name="task_id" id="why-task-id" required placeholder="task id" aria-label="Task id">
+        <button class="btn btn-sm btn-outline-primary" type="submit">Why</button>
+      </form>
+      <ul class="list-unstyled mt-2 mb-0" id="why-answer" role="status" aria-live="polite"></ul>
+    </div>
+  </section>
+</div>
+{% end %}
+{% block extra_scripts %}
+<script>
+(function () {
+  var nav = document.querySelector(".app-nav, .navbar-nav");
+  if (nav && !nav.querySelector("[data-semaphores-nav]")) {
+    nav.querySelectorAll(".nav-link.active").forEach(function (a) {
+      a.classList.remove("active");
+    });
+    var item = document.createElement("li");
+    item.className = "nav-item";
+    item.innerHTML = '<a class="nav-link active" aria-current="page">Semaphores</a>';
+    item.firstChild.href = window.location.pathname;
+    nav.appendChild(item);
+  }
+  var status = document.getElementById("semaphores-status");
+  var dot = document.getElementById("semaphores-live");
+  var message = document.getElementById("live-limit-message");
+  var timer = null;
+  function schedule() {
+    clearTimeout(timer);
+    timer = setTimeout(refresh, {{ refresh_ms }});
+  }
+  // A refresh replaces the cards: not while a limit is being typed into one of them.
+  function editing() {
+    var box = document.getElementById("semaphores");
+    var active = document.activeElement;
+    var inputs = box.querySelectorAll("input[name=limit]");
+    return (box.contains(active) && Boolean(active.form)) ||
+      Array.prototype.some.call(inputs, function (input) { return input.value !== ""; });
+  }
+  document.addEventListener("submit", function (event) {
+    var form = event.target;
+    if (!form.classList.contains("live-limit-form")) { return; }
+    event.preventDefault();
+    fetch(form.action, {method: "POST", credentials: "same-origin",
+                        headers: {"Accept": "application/json"},
+                        body: new URLSearchParams(new FormData(form))})
+      .then(function (response) {
+        if (response.ok) { return response.json(); }
+        return response.text().then(function (text) { throw new Error(text); });
+      })
+      .then(function (done) {
+        message.className = "small mt-2 text-success";
+        if ("paused" in done) {
+          message.textContent = done.key + (done.paused ? " paused." : " resumed.");
+        } else {
+          var now = done.limit === null ? "cleared" : "set to " + done.limit;
+          var was = done.previous === null ? "none" : done.previous;
+          message.textContent = "Live limit of " + done.key + " " + now + " (was " + was + ").";
+        }
+        form.reset();
+        document.activeElement.blur();
+        refresh();
+      })
+      .catch(function (err) {
+        message.className = "small mt-2 text-danger";
+        message.textContent = "Not changed: " + err.message;
+      });
+  });
+  function refresh() {
+    if (editing()) { schedule(); return; }
+    fetch(window.location.href, {credentials: "same-origin", cache: "no-store"})
+      .then(function (response) { return response.text(); })
+      .then(function (text) {
+        var doc = new DOMParser().parseFromString(text, "text/html");
+        var fresh = doc.getElementById("semaphores");
+        if (!fresh) { throw new Error("no semaphores in the response"); }
+        document.getElementById("semaphores").replaceWith(fresh);
+        document.body.dataset.refreshes = String(Number(document.body.dataset.refreshes || 0) + 1);
+        status.textContent = "Updated " + new Date().toLocaleTimeString();
+        dot.className = "status-dot status-dot-live";
+      })
+      .catch(function (err) {
+        status.textContent = "Refresh failed: " + err.message;
+        dot.className = "status-dot status-dot-error";
+      })
+      .finally(schedule);
+  }
+  schedule();
+
+  // "Why is it waiting": the answer of /api/semaphores/why, one line per room or key;
+  // ?why=<task id> in the page's address asks on load (a link can point at a run).
+  var whyForm = document.getElementById("why-form");
+  var whyInput = document.getElementById("why-task-id");
+  var whyAnswer = document.getElementById("why-answer");
+  function secs(value) { return value === null ? "?" : value.toFixed(1) + " s"; }
+  function standingText(s) {
+    if (s.state === "holding") { return "holds a slot: its body runs"; }
+    if (s.state === "reserved") {
+      return "a slot is reserved for it; its message is on its way (the reservation waits " +
+        secs(s.reserved_for) + " more)";
+    }
+    if (s.state === "passive") {
+      return "waits for its other keys; this room serves runs behind it meanwhile";
+    }
+    var text = "parked, " + s.position + " of " + s.queued + " in line, waiting " +
+      secs(s.waited);
+    if (s.gives_up_in !== null) { text += "; gives up in " + secs(s.gives_up_in); }
+    return text;
+  }
+  function limitText(s) {
+    var text = "limit " + (s.limit === null ? "?" : s.limit);
+    if (s.live) { text += " (live limit set by " + s.live.by + ")"; }
+    if (s.paused) { text += "; paused by " + s.paused.by; }
+    return text + "; " + s.holders.length + " holder(s)";
+  }
+  function line(text, className) {
+    var item = document.createElement("li");
+    item.textContent = text;
+    if (className) { item.className = className; }
+    whyAnswer.appendChild(item);
+  }
+  function ask(taskId) {
+    whyAnswer.replaceChildren();
+    // Against the origin: a page opened as user:password@host resolves its links with the
+    // credentials in them, which fetch() refuses.
+    var url = new URL(whyForm.getAttribute("action"), window.location.origin);
+    url.searchParams.set("task_id", taskId);
+    fetch(url,
+          {credentials: "same-origin", headers: {"Accept": "application/json"}})
+      .then(function (response) {
+        if (response.ok) { return response.json(); }
+        return response.text().then(function (text) { throw new Error(text); });
+      })
+      .then(function (found) {
+        if (!found.standings.length) {
+          line("No waiting room holds " + taskId + " and it holds no slot: it has not " +
+               "parked yet, or it has finished (see its task page).", "why-none");
+        }
+        found.standings.forEach(function (s) {
+          line(s.key + ": " + standingText(s) + "; " + limitText(s) + ".", "why-" + s.state);
+        });
+        document.body.dataset.why = taskId;
+      })
+      .catch(function (err) { line("Cannot tell: " + err.message, "text-danger"); });
+  }
+  whyForm.addEventListener("submit", function (event) {
+    event.preventDefault();
+    var taskId = whyInput.value.trim();
+    var address = new URL(window.location.href);
+    address.searchParams.set("why", taskId);
+    window.history.replaceState(null, "", address);
+    ask(taskId);
+  });
+  var asked = new URLSearchParams(window.location.search).get("why");
+  if (asked) { whyInput.value = asked; ask(asked); }
+})();
+</script>
+{% end %}
+"""

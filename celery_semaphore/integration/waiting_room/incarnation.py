@@ -96,5 +96,4 @@ def _make(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:
     """Make the marker if it is missing (whoever comes first makes it); the marker then."""
     key = marker_key(prefix)
     client.set(key, f"{secrets.token_hex(8)}|{_run_id(client)}", nx=True)
-    value = client.get(key)
-    return incarnation_of(value) if value is not None else ""
+    return incarnation_of(client.get(key))

@@ -207,15 +207,14 @@ def _journal(task: Task, semaphore: Semaphore, keys: list[str], payload: bytes) 
 
 
 def _parked(task: Task, names: Names, limit: int, parked: Parked) -> NoReturn:
-    key = names.key
     logger.info(
         "%ssemaphore %r (limit %d): parked, %d run(s) ahead",
         task_label(task),
-        key,
+        names.key,
         limit,
         parked.position,
     )
     semaphore_parked.send(sender=task, limit=limit, position=parked.position, **names.fields())
-    send_event(task, "parked", key=key, limit=limit, position=parked.position)
+    send_event(task, "parked", key=names.key, limit=limit, position=parked.position)
     bump(task.app, task.request.hostname, "parked")
     raise Ignore()
