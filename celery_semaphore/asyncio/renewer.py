@@ -60,11 +60,6 @@ class AsyncRenewer:
         self._plans.remove(slot)
         self._wake.set()
 
-    @property
-    def held(self) -> int:
-        """How many slots are registered."""
-        return len(self._plans.plans)
-
     async def _run(self) -> None:
         try:
             while self._plans.plans:

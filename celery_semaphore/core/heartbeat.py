@@ -111,11 +111,6 @@ class Renewer:
             self._plans.remove(slot)
             self._last_used = time.monotonic()
 
-    @property
-    def held(self) -> int:
-        """How many slots are registered."""
-        return len(self._plans.plans)
-
     def _loop(self) -> None:
         while True:
             self._wake.clear()
