@@ -403,3 +403,88 @@ def test_a_hand_off_whose_release_answer_was_lost_is_published_once_the_store_an
 
     asyncio.run(main())
     assert isinstance(worker.room.claim("k", "w1"), Slot)
+
+
+async def _until(done: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait, the event loop running on, until ``done()`` (or ``timeout`` seconds)."""
+    start = time.monotonic()
+    while not done() and time.monotonic() - start < timeout:
+        await asyncio.sleep(0.02)
+    assert done()
+
+
+def test_extend_and_release_answer_alike(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        slot = await settle(sem.acquire("k", lease=5.0))
+        assert repr(slot).endswith("held>")
+        before = slot.deadline
+        assert await settle(slot.extend(lease=10.0)) is True
+        assert (slot.lease, slot.deadline > before) == (10.0, True)
+        with pytest.raises(SemaphoreValidationError):
+            await settle(slot.extend(lease=0))
+        assert await settle(slot.release()) is True
+        assert (slot.released, repr(slot).endswith("released>")) == (True, True)
+        assert await settle(slot.extend()) is False  # given back: nothing sent, nothing lost
+        assert not slot.lost.is_set()
+
+    against(scenario, limit=1)
+
+
+def test_a_renewal_that_finds_one_slot_gone_loses_that_one_only(
+    against: Callable[..., None],
+) -> None:
+    async def scenario(sem: Any) -> None:
+        seen: list[Any] = []
+        with pytest.raises(SemaphoreLeaseLostError, match="a renewal found the slot gone"):
+            async with (
+                holding(sem.hold("a", heartbeat=0.1)) as lost,
+                holding(sem.hold("b", heartbeat=0.1)) as kept,
+            ):
+                lost.when_lost(seen.append)
+                assert await settle(sem.admin.force_release_all("a")) == 1
+                await _until(lambda: len(seen) == 1)
+                lost.when_lost(seen.append)  # already lost: called at once
+                assert seen == [lost, lost]
+                assert repr(lost).endswith("lost>")
+                assert not kept.lost.is_set()
+        assert await settle(sem.count("b")) == 0
+
+    against(scenario, limit=1)
+
+
+def test_a_shortened_lease_is_renewed_at_its_own_pace(against: Callable[..., None]) -> None:
+    async def scenario(sem: Any) -> None:
+        async with holding(sem.hold("k", lease=60.0, heartbeat=20.0)) as slot:
+            # A third of the new lease, as a third of the old: renewed every 0.5 s, not 20.
+            assert await settle(slot.extend(lease=1.5)) is True
+            await asyncio.sleep(4.0)
+            assert not slot.lost.is_set()
+            assert slot.deadline > time.monotonic()
+            assert await settle(slot.is_held()) is True
+
+    against(scenario, limit=1)
+
+
+@pytest.mark.parametrize("kind", ["sync", "asyncio"])
+def test_a_renewal_the_store_does_not_answer_fails_then_the_slot_is_lost_at_its_deadline(
+    own_redis: RedisServer, kind: str
+) -> None:
+    async def main() -> None:
+        sem: Any = (Semaphore if kind == "sync" else AsyncSemaphore)(own_redis.url, limit=1)
+        errors: list[BaseException] = []
+        with pytest.raises(SemaphoreLeaseLostError, match="no renewal succeeded"):
+            async with holding(
+                sem.hold("k", lease=2.0, heartbeat=0.5, on_renew_error=errors.append)
+            ) as slot:
+                own_redis.pause()
+                try:
+                    await _until(slot.lost.is_set)
+                finally:
+                    own_redis.resume()
+        assert errors
+        assert all(isinstance(error, SemaphoreBackendError) for error in errors)
+        assert any("did not answer a renewal" in str(error) for error in errors)
+        if kind == "asyncio":
+            await sem.aclose()
+
+    asyncio.run(main())

@@ -9,23 +9,18 @@ and a slot belongs to the event loop it was acquired in.
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
-from ..core import validation as check
-from ..core.calls import extend_call, held_call, release_call
+from ..core.calls import held_call, release_call
 from ..core.handoff import HandoffRoute, delivery
 from ..core.lease import LeaseRecord
+from ..core.lease import notify as notify  # the asyncio group's, too
 from ..core.names import Keys
 from ..core.recovery import Lost, lost_call
 from ..core.replies import Admitted, Handoff, SweepDue
 from ..core.scripts import REDIS_ERRORS, AsyncScripts, backend_error, backend_errors
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 async def deliver(
@@ -85,18 +80,7 @@ async def _recover(lost: Lost[AsyncScripts]) -> None:
         return
 
 
-def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
-    """Call each of ``callbacks`` with ``subject`` (a slot or a group just found lost); one
-    that raises is logged, and the others still run: a broken hook must not stop an
-    interrupt or the renewer."""
-    for callback in callbacks:
-        try:
-            callback(subject)
-        except Exception:
-            logger.exception("lost-slot callback %r failed", callback)
-
-
-class AsyncSlot(LeaseRecord):
+class AsyncSlot(LeaseRecord[AsyncScripts]):
     """One held slot of an :class:`~celery_semaphore.asyncio.AsyncSemaphore`.
 
     Attributes:
@@ -115,6 +99,13 @@ class AsyncSlot(LeaseRecord):
     ``async with slot:`` releases it on exit.
     """
 
+    lost: asyncio.Event
+    # The release, once asked for: one round trip however many callers await it, and
+    # carried to its end even if they are cancelled.
+    _released: asyncio.Future[bool] | None
+    _new_lost = asyncio.Event
+    _new_lock = contextlib.nullcontext  # one event loop: nothing to lock against
+
     def __init__(
         self,
         scripts: AsyncScripts,
@@ -129,62 +120,9 @@ class AsyncSlot(LeaseRecord):
         on_release: Callable[[AsyncSlot], object],
         weight: int = 1,
     ) -> None:
-        super().__init__(key, limit, token, lease, admitted, sent_at, weight)
-        self.lost = asyncio.Event()
-        self._scripts = scripts
-        self._keys = keys
-        self._handoffs = handoffs
+        super().__init__(scripts, keys, key, limit, token, lease, admitted, sent_at, handoffs,
+                         weight)  # fmt: skip
         self._on_release = on_release
-        # The release, once asked for: one round trip however many callers await it, and
-        # carried to its end even if they are cancelled.
-        self._release: asyncio.Future[bool] | None = None
-        self._lost_callbacks: list[Callable[[AsyncSlot], object]] = []
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        if self.lost.is_set():
-            state = "lost"
-        return f"<AsyncSlot key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
-
-    # -- the surface the renewer drives (see celery_semaphore.asyncio.renewer) ----------
-
-    @property
-    def released(self) -> bool:
-        """Whether :meth:`release` has been asked for (a release that failed does not
-        count): from then on a renewal that finds the slot gone is no loss."""
-        return self._release is not None
-
-    def _mark_lost(self, reason: str) -> None:
-        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
-        if self.lost.is_set():
-            return
-        self._lost_reason = reason
-        self.lost.set()
-        callbacks, self._lost_callbacks = self._lost_callbacks, []
-        notify(callbacks, self)
-
-    def when_lost(self, callback: Callable[[AsyncSlot], object]) -> None:
-        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
-
-        It runs in the event loop, in whichever task detects the loss (usually the
-        renewer), or at once if the slot is already lost; it must not block. Exceptions it
-        raises are logged.
-        """
-        if not self.lost.is_set():
-            self._lost_callbacks.append(callback)
-            return
-        callback(self)
-
-    def _check_deadline(self) -> None:
-        """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
-        if not self.released and time.monotonic() >= self.deadline:
-            self._mark_lost("no renewal succeeded within one lease")
-
-    def _renewal(self) -> tuple[AsyncScripts, Keys, str, int]:
-        """What a batched renewal of this slot sends: the scripts (client) to send it with,
-        the semaphore's keys, the member (the store's name for the holder) and the lease
-        in ms."""
-        return self._scripts, self._keys, self._member, check.lease_ms(self.lease)
 
     # -- the holder's surface -------------------------------------------------------------
 
@@ -203,20 +141,14 @@ class AsyncSlot(LeaseRecord):
             SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
             SemaphoreBackendError: the round trip failed; the slot may well still be ours.
         """
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        if self.released:
+        ask = self._extend_call(lease)
+        if ask is None:
             return False
+        seconds, call = ask
         sent_at = time.monotonic()
         with backend_errors(self.key, self.limit):
-            [expires_at_ms] = await self._scripts.run(
-                extend_call([(self._keys, self._member, ms, self.weight)])
-            )
-        if self._renewed(sent_at, seconds, expires_at_ms):
-            return True
-        if not self.released:  # not given back meanwhile
-            self._mark_lost("extend found the slot gone")
-        return False
+            [expires_at_ms] = await self._scripts.run(call)
+        return self._extended(sent_at, seconds, expires_at_ms)
 
     async def is_held(self) -> bool:
         """Ask the store whether this slot is still ours: present, with a lease that has not
@@ -253,15 +185,15 @@ class AsyncSlot(LeaseRecord):
             SemaphoreBackendError: the round trip failed; the slot lapses within its lease
                 (a later call tries again).
         """
-        if self._release is None:
-            self._release = asyncio.ensure_future(self._give_back())
-            self._release.add_done_callback(self._released_or_failed)
-        return await asyncio.shield(self._release)
+        if self._released is None:
+            self._released = asyncio.ensure_future(self._give_back())
+            self._released.add_done_callback(self._released_or_failed)
+        return await asyncio.shield(self._released)
 
     async def _give_back(self) -> bool:
         sent_at = time.monotonic()
+        index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
         try:
-            index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
             if mark:
                 await self._scripts.client.zadd(index, mark, xx=True, lt=True)
             owned, handed = await self._scripts.run(
@@ -273,15 +205,13 @@ class AsyncSlot(LeaseRecord):
                           sent_at, exc)  # fmt: skip
             raise backend_error(exc, self.key, self.limit) from exc
         self._on_release(self)
-        owned = owned and time.monotonic() < self.deadline  # as Slot.release judges it
-        if not owned:
-            self._mark_lost("release found the slot already gone")
+        owned = self._given_back(owned)
         await deliver(self._handoffs, self.key, handed, self._scripts)
         return owned
 
     def _released_or_failed(self, release: asyncio.Future[bool]) -> None:
         if release.cancelled() or release.exception() is not None:
-            self._release = None  # not released: a later release() tries again
+            self._released = None  # not released: a later release() tries again
 
     async def __aenter__(self) -> AsyncSlot:
         return self

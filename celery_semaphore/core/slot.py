@@ -15,23 +15,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from ..errors import SemaphoreBackendError
-from . import validation as check
 from .calls import held_call
-from .handoff import HandoffRoute
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
-from .names import Keys
 from .recovery import recover_later
-from .replies import Admitted
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
 
 
-class Slot(LeaseRecord):
+class Slot(LeaseRecord[Scripts]):
     """One held slot of a semaphore, returned by :meth:`Semaphore.acquire`.
 
     Attributes:
@@ -52,92 +47,11 @@ class Slot(LeaseRecord):
     also a context manager that releases it on exit.
     """
 
-    def __init__(
-        self,
-        scripts: Scripts,
-        keys: Keys,
-        key: str,
-        limit: int,
-        token: str,
-        lease: float,
-        admitted: Admitted,
-        sent_at: float,
-        handoffs: HandoffRoute,
-        weight: int = 1,
-    ) -> None:
-        super().__init__(key, limit, token, lease, admitted, sent_at, weight)
-        self.lost: threading.Event = LazyEvent()
-        self._scripts = scripts
-        self._keys = keys
-        self._handoffs = handoffs
-        self._released: bool | None = None
-        self._lost_callbacks: list[Callable[[Slot], object]] = []
-        self._callbacks_lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        state = "held" if self._released is None else "released"
-        if self.lost.is_set():
-            state = "lost"
-        return f"<Slot key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
-
-    # -- the surface a renewer drives (see celery_semaphore.core.heartbeat) -------------
-
-    @property
-    def released(self) -> bool:
-        """Whether :meth:`release` has run (whatever it answered)."""
-        return self._released is not None
-
-    def _mark_lost(self, reason: str) -> None:
-        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
-        with self._callbacks_lock:
-            if self.lost.is_set():
-                return
-            self._lost_reason = reason
-            self.lost.set()
-            callbacks, self._lost_callbacks = self._lost_callbacks, []
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:
-                logger.exception("lost-slot callback %r failed", callback)
-
-    def when_lost(self, callback: Callable[[Slot], object]) -> None:
-        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
-
-        It runs in whichever thread detects the loss (usually the heartbeat), or at once in
-        the caller's thread if the slot is already lost. Exceptions it raises are logged.
-        """
-        with self._callbacks_lock:
-            if not self.lost.is_set():
-                self._lost_callbacks.append(callback)
-                return
-        callback(self)
-
-    def _check_deadline(self) -> None:
-        """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
-        if self._released is None and time.monotonic() >= self.deadline:
-            self._mark_lost("no renewal succeeded within one lease")
-
-    def _renew(self, lease: float | None = None) -> bool:
-        """One extend round trip: True when the slot is still ours. It does not mark the
-        slot lost on False (the renewer decides); see :meth:`extend` for that.
-
-        Raises:
-            SemaphoreValidationError: as :meth:`extend`.
-            SemaphoreBackendError: the round trip failed.
-        """
-        seconds = self.lease if lease is None else lease
-        ms = check.lease_ms(seconds)
-        sent_at = time.monotonic()
-        with backend_errors(self.key, self.limit):
-            [expires_at_ms] = self._scripts.extend([(self._keys, self._member, ms, self.weight)])
-        return self._renewed(sent_at, seconds, expires_at_ms)
-
-    def _renewal(self) -> tuple[Scripts, Keys, str, int]:
-        """What a batched renewal of this slot sends: the scripts (client) to send it with,
-        the semaphore's keys, the member (the store's name for the holder) and the lease
-        in ms."""
-        return self._scripts, self._keys, self._member, check.lease_ms(self.lease)
+    lost: threading.Event
+    _released: bool | None  # the answer, once given back
+    _new_lost = LazyEvent
+    # The renewer's thread may judge the loss while the body's asks when_lost.
+    _new_lock = threading.Lock
 
     def extend(self, lease: float | None = None) -> bool:
         """Renew the lease for ``lease`` seconds from now (one round trip).
@@ -154,14 +68,14 @@ class Slot(LeaseRecord):
             SemaphoreValidationError: ``lease`` is not a positive finite number of seconds.
             SemaphoreBackendError: the round trip failed; the slot may well still be ours.
         """
-        if lease is not None:
-            check.lease_ms(lease)
-        if self._released is not None:
+        ask = self._extend_call(lease)
+        if ask is None:
             return False
-        if self._renew(lease):
-            return True
-        self._mark_lost("extend found the slot gone")
-        return False
+        seconds, call = ask
+        sent_at = time.monotonic()
+        with backend_errors(self.key, self.limit):
+            [expires_at_ms] = self._scripts.run(call)
+        return self._extended(sent_at, seconds, expires_at_ms)
 
     def is_held(self) -> bool:
         """Ask the store whether this slot is still ours: present, with a lease that has not
@@ -196,11 +110,11 @@ class Slot(LeaseRecord):
         """
         if self._released is None:
             sent_at = time.monotonic()
+            index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
             try:
-                index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
                 if mark:
                     self._scripts.client.zadd(index, mark, xx=True, lt=True)
-                self._released, handed = self._scripts.release(
+                owned, handed = self._scripts.release(
                     self._keys, self._member, self._handoffs.release_claim_ms, self.weight
                 )
             except REDIS_ERRORS as exc:
@@ -208,14 +122,9 @@ class Slot(LeaseRecord):
                 recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
                               sent_at, exc)  # fmt: skip
                 raise backend_error(exc, self.key, self.limit) from exc
-            # Ours until now only if the store still had it and its lease had not run out by
-            # this side's own, cautious, reckoning (the store does not read its clock for a
-            # key with no room: release.lua).
-            self._released = self._released and time.monotonic() < self.deadline
+            self._released = self._given_back(owned)
             if handed:
                 self._handoffs.deliver(self.key, handed, self._scripts)
-            if not self._released:
-                self._mark_lost("release found the slot already gone")
         return self._released
 
     def _give_back_late(self) -> None:
