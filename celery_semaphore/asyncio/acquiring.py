@@ -16,14 +16,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..core import validation as check
 from ..core.calls import Call, acquire_call, block_call, release_call
 from ..core.handoff import HandoffRoute
 from ..core.names import Keys
-from ..core.options import HolderRecord
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts, backend_errors
 from ..core.wake import MAX_BLOCK
@@ -53,7 +52,6 @@ class Acquirer:
         # (token, key) -> slot not yet released; the slots of a group share one token.
         self.held: dict[tuple[str, str], AsyncSlot] = {}
         self.background = Background()
-        self._record = HolderRecord(limit)
         # How many times aclose() has ended the waits: a caller that saw it move while it
         # waited was stopped by a close, not by its time running out.
         self.closes = 0
@@ -65,17 +63,6 @@ class Acquirer:
         self.closes += 1
         for stop in self._stops:
             stop.set()
-
-    def metadata(
-        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
-    ) -> str:
-        """The holder record an acquire stores: ``metadata`` with ``host``, ``pid``, ``limit``
-        (None: the semaphore's) and a weight above 1, as JSON.
-
-        Raises:
-            SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
-        """
-        return self._record.encode(metadata, limit, weight)
 
     async def run(self, key: str, call: Call[T]) -> T:
         """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""

@@ -173,11 +173,13 @@ class SemaphoreAdmin(AdminMoved):
         client: redis.Redis,
         prefix: str = DEFAULT_PREFIX,
         handoffs: HandoffRoute | None = None,
+        *,
+        scripts: Scripts | None = None,
     ) -> None:
         self.client = client
         self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
         self.prefix = check.check_key(prefix, "prefix")
-        self._scripts = Scripts(client)
+        self._scripts = scripts or Scripts(client)
         self.names = Namespace(self.prefix, isinstance(client, redis.RedisCluster))
 
     def keys_of(self, key: str) -> Keys:

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
-from .names import Keys
+from .names import Keys, Namespace
+from .rates import Rate, acquire_rates, refuse_for_many
 from .replies import Admitted
 
 KeySpecs = Sequence[tuple[str, int] | tuple[str, int, int]]
@@ -82,9 +83,9 @@ PLAIN_KEPT = 4096
 """Keys whose checked plain acquire a semaphore keeps (then it starts afresh)."""
 
 
-class CheckedAcquire(NamedTuple):
-    """An acquire's arguments checked, with its key's Redis keys (see
-    :func:`check_acquire`)."""
+class AcquirePlan(NamedTuple):
+    """An acquire's arguments checked, and what its script call sends (see
+    :meth:`Planner.acquire`)."""
 
     key: str
     seconds: float
@@ -95,79 +96,127 @@ class CheckedAcquire(NamedTuple):
     limit: int
     weight: int
     keys: Keys
+    token: str
+    """The holder's token, its record riding in it: no hash field to write, nor to delete."""
+    rated: tuple[str | int, ...]
+    """acquire.lua's start-rate arguments (see :func:`~.rates.acquire_rates`)."""
 
 
-def check_acquire(
-    key: str, limit: int | None, weight: int, lease: float | None, retries: int,
-    retry_delay: float, wait: float, default_limit: int, default_lease: float,
-    keys_of: Callable[[str], Keys],
-) -> CheckedAcquire:  # fmt: skip
-    """Every argument of ``Semaphore.acquire`` checked (None limit and lease: the
-    semaphore's ``default_limit`` and ``default_lease``), and the key's Redis keys from
-    ``keys_of``.
+class Planner:
+    """What one semaphore, sync or asyncio, decides before it sends anything: each call's
+    arguments checked and its script call planned, so that the twins do only the I/O.
 
-    Raises:
-        SemaphoreValidationError: an argument is invalid, or ``keys_of`` refuses the key.
-    """
-    checked = acquire_args(key, lease, default_lease, retries, retry_delay, wait)
-    limit = default_limit if limit is None else check.check_limit(limit)
-    weight = check.check_weight(weight, limit)
-    return CheckedAcquire(*checked, limit, weight, keys_of(checked.key))
-
-
-class AcquireChecks:
-    """:func:`check_acquire` for one semaphore, whose defaults it knows; a plain call (every
-    option left at its default) is checked once per key, then found again.
+    A plain acquire, which leaves every option at its default (the very objects of the
+    twin's signature, which also rules out a True for a 1), is checked when its key first
+    comes, then found again.
 
     Args:
-        limit (int): the semaphore's limit.
-        lease (float): its lease, seconds.
-        keys_of (Callable[[str], Keys]): the Redis keys of a key.
+        limit (int): the semaphore's limit, checked.
+        lease (float): its lease, seconds, checked.
+        rates (tuple[Rate, ...]): its start rates.
+        names (Namespace): its Redis key names.
+        defaults (dict[str, Any] | None): the twin's ``acquire.__kwdefaults__``.
     """
 
-    def __init__(self, limit: int, lease: float, keys_of: Callable[[str], Keys]) -> None:
-        self.limit, self.lease, self.keys_of = limit, lease, keys_of
-        self._plain: dict[str, CheckedAcquire] = {}
+    def __init__(
+        self, limit: int, lease: float, rates: tuple[Rate, ...], names: Namespace,
+        defaults: dict[str, Any] | None,
+    ) -> None:  # fmt: skip
+        self.limit, self.lease, self.rates, self.names = limit, lease, rates, names
+        self.record = HolderRecord(limit)
+        self._defaults = [(defaults or {}).get(name) for name in _PLAIN]
+        self._plain: dict[str, AcquirePlan] = {}  # a plain call's plan, but for its token
 
-    def __call__(
-        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
-        retry_delay: float, wait: float, plain: bool,
-    ) -> CheckedAcquire:  # fmt: skip
-        """The arguments checked (see :func:`check_acquire`); ``plain`` says the call left
-        every option at its default, which a key's first plain call checks for the rest.
+    def limit_of(self, limit: int | None) -> int:
+        """A call's ``limit`` checked; None: the semaphore's.
 
         Raises:
-            SemaphoreValidationError: an argument is invalid.
+            SemaphoreValidationError: ``limit`` is invalid.
         """
+        return self.limit if limit is None else check.check_limit(limit)
+
+    def acquire(
+        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+        retry_delay: float, metadata: Mapping[str, Any] | None, wait: float,
+        units: Mapping[str, int] | None,
+    ) -> AcquirePlan:  # fmt: skip
+        """Every argument of ``acquire`` checked (None limit and lease: the semaphore's),
+        and what its script call sends.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, or the key is one a cluster
+                client cannot take.
+        """
+        plain = type(key) is str and limit is None and lease is None and metadata is None
+        if plain:
+            weights, tries, delays, waits = self._defaults
+            plain = (
+                weight is weights and retries is tries and retry_delay is delays and wait is waits
+            )
         checked = self._plain.get(key) if plain else None
         if checked is None:
-            checked = check_acquire(key, limit, weight, lease, retries, retry_delay, wait,
-                                    self.limit, self.lease, self.keys_of)  # fmt: skip
+            timing = acquire_args(key, lease, self.lease, retries, retry_delay, wait)
+            limit = self.limit_of(limit)
+            checked = AcquirePlan(*timing, limit, check.check_weight(weight, limit),
+                                  self.names.keys_of(timing.key), "", ())  # fmt: skip
             if plain:
                 if len(self._plain) >= PLAIN_KEPT:
                     self._plain.clear()
                 self._plain[key] = checked
-        return checked
+        token = process.member_of(self.record.encode(metadata, checked.limit, checked.weight))
+        rated = acquire_rates(self.rates, units) if self.rates or units else ()
+        return AcquirePlan(*checked[:-2], token, rated)
+
+    def hold(
+        self, lease: float | None, heartbeat: object, on_renew_error: object, interrupt: object
+    ) -> float | None:
+        """The renewal interval of a ``hold`` (one key or several), checked with the lease it
+        is judged against, the renewal-error callback and ``interrupt``, before acquiring.
+
+        Returns:
+            float | None: seconds between renewals; None: no renewal (``heartbeat=False``).
+
+        Raises:
+            SemaphoreValidationError: the lease, the heartbeat (above half the lease, say),
+                the callback or ``interrupt`` is invalid.
+        """
+        seconds = self.lease if lease is None else lease
+        check.lease_ms(seconds)
+        interval = check.heartbeat_interval(heartbeat, float(seconds))
+        check.check_callback(on_renew_error, "on_renew_error")
+        check.check_flag(interrupt, "interrupt")
+        return interval
+
+    def many(
+        self, keys: object, lease: float | None, retries: int, retry_delay: float,
+        metadata: Mapping[str, Any] | None,
+    ) -> ManyPlan:  # fmt: skip
+        """Check an ``acquire_many``'s arguments, all before anything is sent, and plan its
+        script call.
+
+        Args:
+            keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
+                :func:`many_args`).
+            lease (float | None): as for :meth:`acquire`; so are ``retries``,
+                ``retry_delay`` and ``metadata``.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, a key is given twice, the
+                semaphore has start rates (see :func:`~.rates.refuse_for_many`), or on a
+                cluster the keys share no hash slot (see
+                :func:`~celery_semaphore.core.names.many_redis_keys`).
+        """
+        refuse_for_many(self.rates)
+        specs = many_args(keys)
+        checked = acquire_args(specs[0][0], lease, self.lease, retries, retry_delay, 0.0)
+        info = self.record.encode(metadata, specs[0][1], specs[0][2])
+        found = self.names.keys_of_many([key for key, _, _ in specs])
+        return ManyPlan(specs, found, checked.seconds, checked.ms, checked.attempts,
+                        checked.delay, info, process.new_token())  # fmt: skip
 
 
-def hold_interval(
-    lease: float | None, default_lease: float, heartbeat: object, on_renew_error: object
-) -> float | None:
-    """The renewal interval of a ``hold`` (sync or asyncio, one key or several), checked
-    with the lease it is judged against and the renewal-error callback, before acquiring.
-
-    Returns:
-        float | None: seconds between renewals; None: no renewal (``heartbeat=False``).
-
-    Raises:
-        SemaphoreValidationError: the lease, the heartbeat (above half the lease, say) or
-            the callback is invalid.
-    """
-    seconds = default_lease if lease is None else lease
-    check.lease_ms(seconds)
-    interval = check.heartbeat_interval(heartbeat, float(seconds))
-    check.check_callback(on_renew_error, "on_renew_error")
-    return interval
+_PLAIN = ("weight", "retries", "retry_delay", "wait")
+"""The options of ``acquire`` whose default objects a plain call passes as they are."""
 
 
 def many_args(keys: object) -> list[tuple[str, int, int]]:
@@ -198,7 +247,7 @@ def many_args(keys: object) -> list[tuple[str, int, int]]:
 
 class ManyPlan(NamedTuple):
     """An ``acquire_many``'s arguments, checked, and what its script call sends; built by
-    :func:`many_plan` for the sync and the asyncio semaphore alike."""
+    :meth:`Planner.many` for the sync and the asyncio semaphore alike."""
 
     specs: list[tuple[str, int, int]]
     """``(key, limit, weight)`` of each key, in the order given."""
@@ -238,44 +287,6 @@ class ManyPlan(NamedTuple):
         """``(keys, key, answer, weight)`` of each slot an admitting reply took."""
         return [(k, key, answer, weight) for k, (key, _, weight), answer
                 in zip(self.keys, self.specs, admitted, strict=True)]  # fmt: skip
-
-
-def many_plan(
-    keys: object,
-    lease: float | None,
-    default_lease: float,
-    retries: int,
-    retry_delay: float,
-    metadata: Mapping[str, Any] | None,
-    encode: Callable[[Mapping[str, Any] | None, int | None, int], str],
-    keys_of_many: Callable[[list[str]], list[Keys]],
-) -> ManyPlan:
-    """Check an ``acquire_many``'s arguments, all before anything is sent, and plan its
-    script call.
-
-    Args:
-        keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
-            :func:`many_args`).
-        lease (float | None): as for :func:`acquire_args`.
-        default_lease (float): as for :func:`acquire_args`.
-        retries (int): as for :func:`acquire_args`.
-        retry_delay (float): as for :func:`acquire_args`.
-        metadata (Mapping[str, Any] | None): the caller's facts about the holder.
-        encode (Callable): the semaphore's :meth:`HolderRecord.encode`.
-        keys_of_many (Callable[[list[str]], list[Keys]]): the Redis keys of the keys; on a
-            cluster it refuses keys that share no hash slot (see
-            :func:`~celery_semaphore.core.admin.many_redis_keys`).
-
-    Raises:
-        SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
-            cluster the keys share no hash slot.
-    """
-    specs = many_args(keys)
-    checked = acquire_args(specs[0][0], lease, default_lease, retries, retry_delay, 0.0)
-    info = encode(metadata, specs[0][1], specs[0][2])
-    found = keys_of_many([key for key, _, _ in specs])
-    return ManyPlan(specs, found, checked.seconds, checked.ms, checked.attempts, checked.delay,
-                    info, process.new_token())  # fmt: skip
 
 
 _RECORD_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode

@@ -93,6 +93,7 @@ class WaitingRoom:
         *,
         limit: int | None = None,
         lease: float = DEFAULT_LEASE,
+        scripts: Scripts | None = None,
     ) -> None:
         self.client = client
         self.names = Namespace(check.check_key(prefix, "prefix"), isinstance(client, RedisCluster))
@@ -100,7 +101,7 @@ class WaitingRoom:
         self.limit = None if limit is None else check.check_limit(limit)
         check.lease_ms(lease)
         self.lease = float(lease)
-        self._scripts = Scripts(client)
+        self._scripts = scripts or Scripts(client)
         self._record = HolderRecord(self.limit or 1)
         self.index = RoomIndex(client, self.names, self._scripts)
         self._rooms: set[str] = set()  # keys a park last found with waiters
