@@ -172,14 +172,14 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
         """
         plan = self._plan.acquire(key, limit, weight, lease, retries, retry_delay, metadata,
                                   wait, units)  # fmt: skip
-        key, seconds, ms, attempts, delay, wait, limit, weight, keys, token, rated = plan
+        key, seconds, _, attempts, delay, wait, limit, weight, keys, token, _ = plan
         acquirer = self._acquirer
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, limit, weight, rated)
+                reply = await acquirer.take(plan)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -188,9 +188,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
                     # network): the slot cannot be trusted to be ours, so give it back.
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
-                slot = await acquirer.wait(
-                    keys, key, token, seconds, reply, wait, limit, weight, rated
-                )
+                slot = await acquirer.wait(plan)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot

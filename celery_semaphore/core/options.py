@@ -13,9 +13,10 @@ from typing import Any, NamedTuple
 from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
+from .calls import Call, acquire_many_call
 from .names import Keys, Namespace
 from .rates import Rate, acquire_rates, refuse_for_many
-from .replies import Admitted
+from .replies import Admitted, Full
 
 KeySpecs = Sequence[tuple[str, int] | tuple[str, int, int]]
 """``(key, limit)`` or ``(key, limit, weight)`` of each of several keys."""
@@ -124,7 +125,10 @@ class Planner:
     ) -> None:  # fmt: skip
         self.limit, self.lease, self.rates, self.names = limit, lease, rates, names
         self.record = HolderRecord(limit)
-        self._defaults = [(defaults or {}).get(name) for name in _PLAIN]
+        plain = defaults or {}
+        self._weight, self._retries, self._delay, self._wait = (
+            plain.get(name) for name in ("weight", "retries", "retry_delay", "wait")
+        )
         self._plain: dict[str, AcquirePlan] = {}  # a plain call's plan, but for its token
 
     def limit_of(self, limit: int | None) -> int:
@@ -147,12 +151,11 @@ class Planner:
             SemaphoreValidationError: an argument is invalid, or the key is one a cluster
                 client cannot take.
         """
-        plain = type(key) is str and limit is None and lease is None and metadata is None
-        if plain:
-            weights, tries, delays, waits = self._defaults
-            plain = (
-                weight is weights and retries is tries and retry_delay is delays and wait is waits
-            )
+        plain = (
+            type(key) is str and limit is None and lease is None and metadata is None
+            and weight is self._weight and retries is self._retries
+            and retry_delay is self._delay and wait is self._wait
+        )  # fmt: skip
         checked = self._plain.get(key) if plain else None
         if checked is None:
             timing = acquire_args(key, lease, self.lease, retries, retry_delay, wait)
@@ -208,15 +211,15 @@ class Planner:
         """
         refuse_for_many(self.rates)
         specs = many_args(keys)
-        checked = acquire_args(specs[0][0], lease, self.lease, retries, retry_delay, 0.0)
+        names = [key for key, _, _ in specs]
+        checked = acquire_args(names[0], lease, self.lease, retries, retry_delay, 0.0)
         info = self.record.encode(metadata, specs[0][1], specs[0][2])
-        found = self.names.keys_of_many([key for key, _, _ in specs])
-        return ManyPlan(specs, found, checked.seconds, checked.ms, checked.attempts,
-                        checked.delay, info, process.new_token())  # fmt: skip
-
-
-_PLAIN = ("weight", "retries", "retry_delay", "wait")
-"""The options of ``acquire`` whose default objects a plain call passes as they are."""
+        found = self.names.keys_of_many(names)
+        token = process.new_token()
+        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(found, specs, strict=True)]
+        return ManyPlan(specs, found, names, "+".join(names), specs[0][1], checked.seconds,
+                        checked.attempts, checked.delay, token,
+                        acquire_many_call(groups, checked.ms, token, info))  # fmt: skip
 
 
 def many_args(keys: object) -> list[tuple[str, int, int]]:
@@ -253,35 +256,20 @@ class ManyPlan(NamedTuple):
     """``(key, limit, weight)`` of each key, in the order given."""
     keys: list[Keys]
     """The Redis keys of each."""
+    names: list[str]
+    """The keys, in the order given."""
+    label: str
+    """The keys joined with ``+``, for messages and errors."""
+    limit: int
+    """The first key's limit, for messages and errors."""
     seconds: float
-    ms: int
     attempts: int
     delay: float
-    info: str
-    """The holder record every key's slot stores (with the first key's limit and weight)."""
     token: str
     """The token all the slots share."""
-
-    @property
-    def names(self) -> list[str]:
-        """The keys, in the order given."""
-        return [key for key, _, _ in self.specs]
-
-    @property
-    def label(self) -> str:
-        """The keys joined with ``+``, for messages and errors."""
-        return "+".join(self.names)
-
-    @property
-    def limit(self) -> int:
-        """The first key's limit, for messages and errors."""
-        return self.specs[0][1]
-
-    @property
-    def groups(self) -> list[tuple[Keys, int, int]]:
-        """What acquire_many.lua takes: ``(keys, limit, weight)`` of each key."""
-        return [(k, limit, weight) for k, (_, limit, weight) in zip(self.keys, self.specs,
-                                                                    strict=True)]  # fmt: skip
+    call: Call[list[Admitted] | tuple[int, Full]]
+    """acquire_many.lua's call: a slot of each key under :attr:`token`, each storing the
+    holder record (with the first key's limit and weight)."""
 
     def members(self, admitted: Sequence[Admitted]) -> list[tuple[Keys, str, Admitted, int]]:
         """``(keys, key, answer, weight)`` of each slot an admitting reply took."""
@@ -336,90 +324,3 @@ class HolderRecord:
         if plain:
             self._plain = (pid, text)
         return text
-
-
-def check_waiter(waiter: object, payload: object) -> None:
-    """Refuse a waiter id the room cannot tell apart from its own marks, or a payload that is
-    not bytes.
-
-    Raises:
-        SemaphoreValidationError: ``waiter`` is empty, starts with ``~`` or ``!`` or holds a
-            ``#``, or ``payload`` is not bytes.
-    """
-    waiter = check.check_key(waiter, "waiter")
-    if waiter[0] in "~!" or "#" in waiter:
-        raise SemaphoreValidationError(
-            f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
-        )
-    if not isinstance(payload, bytes):
-        raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
-
-
-class ParkArgs(NamedTuple):
-    """A park's timing arguments, checked (see :func:`park_args`)."""
-
-    seconds: float
-    ms: int
-    arrival_ms: int | None
-    max_queued: int
-    ttl_ms: int
-
-
-def park_args(
-    lease: float | None, default_lease: float, arrival: float | None, max_queued: int,
-    room_ttl: float, waited: float | None = None,
-) -> ParkArgs:  # fmt: skip
-    """The lease (seconds and ms), arrival (epoch ms; a negative number is a wait, in ms
-    before the server's now, from ``waited``), room size and room TTL (ms) of a park or
-    claim, checked.
-
-    Raises:
-        SemaphoreValidationError: one of them is invalid, or both ``arrival`` and
-            ``waited`` are given; the message names it.
-    """
-    arrival_ms = None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
-    if waited is not None:
-        if arrival is not None:
-            raise SemaphoreValidationError("give park() arrival or waited, not both")
-        waited_ms = round(check.check_delay(waited, "waited") * 1000)
-        arrival_ms = -waited_ms if waited_ms else None
-    seconds, ms, queued, ttl_ms = _park_timing(lease, default_lease, max_queued, room_ttl)
-    return ParkArgs(seconds, ms, arrival_ms, queued, ttl_ms)
-
-
-def check_delivery(delivery: object) -> None:
-    """Refuse a claim's ``delivery`` id that is neither "" nor a non-empty str.
-
-    Raises:
-        SemaphoreValidationError: it is not a str.
-    """
-    if delivery != "":
-        check.check_key(delivery, "delivery")
-
-
-def deadline_ms(deadline: float | None, budget: float | None) -> int:
-    """A park's give-up time for park.lua: 0 for none, epoch ms from ``deadline``, or a
-    negative number, ``budget`` seconds in ms, which the server counts from the waiter's
-    arrival on its own clock.
-
-    Raises:
-        SemaphoreValidationError: ``deadline`` is not epoch seconds, ``budget`` is not a
-            positive number of seconds, or both are given.
-    """
-    if budget is not None:
-        if deadline is not None:
-            raise SemaphoreValidationError("give park() deadline or budget, not both")
-        return -check.lease_ms(budget, "budget")
-    return 0 if deadline is None else round(check.check_epoch(deadline, "deadline") * 1000)
-
-
-def _check_park_timing(
-    lease: float | None, default_lease: float, max_queued: int, room_ttl: float
-) -> tuple[float, int, int, int]:
-    seconds = default_lease if lease is None else lease
-    return (float(seconds), check.lease_ms(seconds), check.check_retries(max_queued, "max_queued"),
-            check.lease_ms(room_ttl, "room_ttl"))  # fmt: skip
-
-
-_park_timing = check.Memoised(_check_park_timing)
-"""A park's lease, room size and room TTL checked, once per distinct value."""

@@ -29,16 +29,7 @@ from .calls import (
 from .group import SlotGroup
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .names import Keys, Namespace
-from .options import (
-    DEFAULT_LEASE,
-    HolderRecord,
-    KeySpecs,
-    check_delivery,
-    check_waiter,
-    deadline_ms,
-    many_args,
-    park_args,
-)
+from .options import DEFAULT_LEASE, HolderRecord, KeySpecs, many_args
 from .process import member_of, new_token
 from .rates import RateSpec, rated
 from .recovery import recovering
@@ -48,6 +39,7 @@ from .room_sweeps import sweep_rooms
 from .scripts import Scripts, backend_errors
 from .slot import Slot
 from .tracing import Record, acquire_span
+from .validation import check_delivery, check_waiter, deadline_ms, park_args
 
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds a room outlives its last touch (a park, claim, release into it, sweep)."""

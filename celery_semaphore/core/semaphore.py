@@ -195,10 +195,9 @@ class Semaphore(SemaphoreMoved):
                     late._give_back_late()
             if wait and isinstance(reply, Full):
                 slot = wait_for_slot(
-                    self._scripts, cast(Redis, self.client), keys, key, token, seconds, wait,
-                    limit, weight,
+                    self._scripts, cast(Redis, self.client), plan,
                     lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
-                                                      weight), rated,
+                                                      weight),
                 )  # fmt: skip
                 if slot is not None:
                     record(attempts, "acquired")

@@ -18,9 +18,8 @@ from typing import TypeVar
 import redis
 
 from ..errors import SemaphoreBackendError
-from . import validation as check
 from .calls import block_call
-from .names import Keys
+from .options import AcquirePlan
 from .replies import Admitted
 from .scripts import Scripts, backend_errors
 
@@ -31,41 +30,30 @@ S = TypeVar("S")
 
 
 def wait_for_slot(
-    scripts: Scripts,
-    client: redis.Redis,
-    keys: Keys,
-    key: str,
-    token: str,
-    lease: float,
-    wait: float,
-    limit: int,
-    weight: int,
-    make: Callable[[Admitted, float], S],
-    rated: tuple[str | int, ...] = (),
+    scripts: Scripts, client: redis.Redis, plan: AcquirePlan, make: Callable[[Admitted, float], S]
 ) -> S | None:
-    """After an acquire found the key full, block for up to ``wait`` seconds until a
-    release wakes this caller, then take a slot (``weight`` units of ``limit`` for ``lease``
-    seconds, under the start rates ``rated``, when given: a call a
+    """After ``plan``'s acquire found the key full, block for up to ``plan.wait`` seconds
+    until a release wakes this caller, then take the slot ``plan`` asks for (a call a start
     rate refused blocks until the rate allows it); ``make``'s slot, or None when the time
     is up.
 
     Raises:
         SemaphoreBackendError: Redis failed.
     """
-    ms = check.lease_ms(lease)
-    give_up = time.monotonic() + wait
+    give_up = time.monotonic() + plan.wait
     try:
         while (remaining := give_up - time.monotonic()) > 0:
-            with backend_errors(key, limit):
+            with backend_errors(plan.key, plan.limit):
                 # Registered before asking again: a release in between pushes a wake.
-                now_ms = scripts.run(block_call(keys, token, math.ceil(remaining * 1000)))
+                now_ms = scripts.run(block_call(plan.keys, plan.token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = scripts.acquire(keys, limit, ms, token, weight, rated)
+                reply = scripts.acquire(plan.keys, plan.limit, plan.ms, plan.token, plan.weight,
+                                        plan.rated)  # fmt: skip
                 if isinstance(reply, Admitted):
                     return make(reply, sent_at)
                 lapse = reply.first_lapse(now_ms)
-                client.blpop([keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+                client.blpop([plan.keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
         return None
     finally:
-        with contextlib.suppress(SemaphoreBackendError), backend_errors(key, limit):
-            client.zrem(keys.blocked, token)
+        with contextlib.suppress(SemaphoreBackendError), backend_errors(plan.key, plan.limit):
+            client.zrem(plan.keys.blocked, plan.token)
