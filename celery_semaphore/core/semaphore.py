@@ -12,7 +12,7 @@ and two-pronged loss detection.
 from __future__ import annotations
 
 import contextlib
-import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -20,9 +20,10 @@ from typing import Any, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
+from ..errors import SemaphoreBackendError
 from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
-from .calls import count_call
+from .calls import block_call, count_call
 from .clients import RedisClient, client_of
 from .deprecated import SemaphoreMoved
 from .group import SlotGroup, group_refused, take_group
@@ -31,7 +32,7 @@ from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute,
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
-from .options import DEFAULT_LEASE, Planner, semaphore_options
+from .options import DEFAULT_LEASE, AcquirePlan, Planner, semaphore_options
 from .rates import RateSpec, rates_of
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
@@ -39,9 +40,7 @@ from .room import WaitingRoom
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
-from .wake import wait_for_slot
-
-logger = logging.getLogger(__name__)
+from .wake import MAX_BLOCK
 
 T = TypeVar("T")
 
@@ -194,11 +193,7 @@ class Semaphore(SemaphoreMoved):
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     late._give_back_late()
             if wait and isinstance(reply, Full):
-                slot = wait_for_slot(
-                    self._scripts, cast(Redis, self.client), plan,
-                    lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
-                                                      weight),
-                )  # fmt: skip
+                slot = self._wait(plan)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -211,6 +206,37 @@ class Semaphore(SemaphoreMoved):
             self._scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
             self.handoffs, weight,
         )  # fmt: skip
+
+    def _wait(self, plan: AcquirePlan) -> Slot | None:
+        """After ``plan``'s acquire found the key full, block for up to ``plan.wait`` seconds
+        until a release wakes this caller (see :mod:`~celery_semaphore.core.wake`), then take
+        the slot ``plan`` asks for (a call a start rate refused blocks until the rate allows
+        it); None when the time is up.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        client = cast(Redis, self.client)
+        give_up = time.monotonic() + plan.wait
+        try:
+            while (remaining := give_up - time.monotonic()) > 0:
+                with backend_errors(plan.key, plan.limit):
+                    # Registered before asking again: a release in between pushes a wake.
+                    now_ms = self._scripts.run(
+                        block_call(plan.keys, plan.token, math.ceil(remaining * 1000))
+                    )
+                    sent_at = time.monotonic()
+                    reply = self._scripts.acquire(plan.keys, plan.limit, plan.ms, plan.token,
+                                                  plan.weight, plan.rated)  # fmt: skip
+                    if isinstance(reply, Admitted):
+                        return self._slot(plan.keys, plan.key, plan.token, plan.seconds, reply,
+                                          sent_at, plan.weight)  # fmt: skip
+                    lapse = reply.first_lapse(now_ms)
+                    client.blpop([plan.keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+            return None
+        finally:
+            with contextlib.suppress(SemaphoreBackendError), backend_errors(plan.key, plan.limit):
+                client.zrem(plan.keys.blocked, plan.token)
 
     @contextlib.contextmanager
     def hold(
