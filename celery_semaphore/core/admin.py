@@ -163,6 +163,8 @@ class SemaphoreAdmin(AdminMoved):
     Args:
         client (redis.Redis): where the semaphores live (a cluster client works too).
         prefix (str): their key namespace (default ``"semaphore"``).
+        scripts (Scripts | None): the registered scripts to send through (a
+            :class:`~celery_semaphore.Semaphore` shares its own); None: its own.
 
     Raises:
         SemaphoreValidationError: ``prefix`` is not a non-empty str.

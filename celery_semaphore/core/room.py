@@ -72,6 +72,8 @@ class WaitingRoom:
         limit (int | None): the limit of a park or claim that gives none (None: required).
         lease (float): seconds a slot taken by a park or claim lives without an extend,
             unless the call says otherwise. Default 60.0.
+        scripts (Scripts | None): the registered scripts to send through (a
+            :class:`~celery_semaphore.Semaphore` shares its own); None: its own.
 
     Raises:
         SemaphoreValidationError: an argument is invalid.
