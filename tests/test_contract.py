@@ -301,6 +301,76 @@ def test_bad_arguments_are_refused_alike(against: Callable[..., None], call: Any
     against(scenario, limit=1)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"weight": True},  # equal to 1, yet no weight
+        {"retries": True},
+        {"retry_delay": -1.0},
+        {"retries": 1, "wait": 1.0},
+        {"lease": 0},
+        {"limit": 0},
+        {"metadata": ["n"]},
+        {"units": {"nope": 1}},
+    ],
+    ids=repr,
+)
+def test_an_acquire_after_plain_ones_is_still_checked_alike(
+    against: Callable[..., None], options: dict[str, Any]
+) -> None:
+    """Both twins check through one planner, which lets a plain call (every option at its
+    default) skip the checks once its key was checked: that must not let a call with a bad
+    option through on either side."""
+
+    async def scenario(sem: Any) -> None:
+        for _ in range(2):
+            slot = await settle(sem.acquire("k"))
+            await settle(slot.release())
+        with pytest.raises(SemaphoreValidationError):
+            await settle(sem.acquire("k", **options))
+        assert await settle(sem.count("k")) == 0
+
+    against(scenario, limit=2)
+
+
+@pytest.mark.parametrize(
+    "hold",
+    [
+        lambda sem: sem.hold("k", heartbeat=40.0),  # above half the lease
+        lambda sem: sem.hold("k", interrupt=1),
+        lambda sem: sem.hold("k", on_renew_error="log"),
+        lambda sem: sem.hold_many([("a", 1)], lease=-1.0),
+        lambda sem: sem.hold_many([("a", 1)], interrupt="yes"),
+        lambda sem: sem.hold_many([("a", 1), ("a", 1)]),
+    ],
+)
+def test_bad_hold_options_are_refused_alike_before_anything_is_taken(
+    against: Callable[..., None], hold: Any
+) -> None:
+    async def scenario(sem: Any) -> None:
+        with pytest.raises(SemaphoreValidationError):
+            async with holding(hold(sem)):
+                pass
+        assert [await settle(sem.count(k)) for k in ("k", "a")] == [0, 0]
+
+    against(scenario, limit=1, lease=60.0)
+
+
+def test_a_semaphore_and_its_admin_send_through_one_set_of_scripts(
+    redis_server: RedisServer,
+) -> None:
+    sem = Semaphore(redis_server.url, limit=1)
+    assert sem.admin._scripts is sem._scripts
+    assert sem.room._scripts is sem._scripts
+
+    async def main() -> None:
+        twin = AsyncSemaphore(redis_server.url, limit=1)
+        assert twin.admin._scripts is twin._acquirer.scripts
+        await twin.aclose()
+
+    asyncio.run(main())
+
+
 def test_is_held_asks_the_store_and_changes_nothing(against: Callable[..., None]) -> None:
     async def scenario(sem: Any) -> None:
         slot = await settle(sem.acquire("k"))

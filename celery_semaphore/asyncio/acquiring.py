@@ -16,14 +16,13 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from ..core import validation as check
 from ..core.calls import Call, acquire_call, block_call, release_call
 from ..core.handoff import HandoffRoute
 from ..core.names import Keys
-from ..core.options import HolderRecord
+from ..core.options import AcquirePlan
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts, backend_errors
 from ..core.wake import MAX_BLOCK
@@ -53,7 +52,6 @@ class Acquirer:
         # (token, key) -> slot not yet released; the slots of a group share one token.
         self.held: dict[tuple[str, str], AsyncSlot] = {}
         self.background = Background()
-        self._record = HolderRecord(limit)
         # How many times aclose() has ended the waits: a caller that saw it move while it
         # waited was stopped by a close, not by its time running out.
         self.closes = 0
@@ -66,35 +64,23 @@ class Acquirer:
         for stop in self._stops:
             stop.set()
 
-    def metadata(
-        self, metadata: Mapping[str, Any] | None, limit: int | None = None, weight: int = 1
-    ) -> str:
-        """The holder record an acquire stores: ``metadata`` with ``host``, ``pid``, ``limit``
-        (None: the semaphore's) and a weight above 1, as JSON.
-
-        Raises:
-            SemaphoreValidationError: ``metadata`` is not a JSON-serialisable mapping.
-        """
-        return self._record.encode(metadata, limit, weight)
-
     async def run(self, key: str, call: Call[T]) -> T:
         """Send ``call``; a redis-py error becomes :class:`SemaphoreBackendError`."""
         with backend_errors(key, self.limit):
             return await self.scripts.run(call)
 
-    async def take(
-        self, keys: Keys, key: str, token: str, ms: int, limit: int, weight: int = 1,
-        rated: tuple[str | int, ...] = (),
-    ) -> Admitted | Full:  # fmt: skip
-        """One acquire round trip of ``weight`` units under ``limit`` (and the start rates
-        ``rated``) that a cancelled caller cannot leak: the call runs on as a task of its
-        own, and whatever slot it took is given back once its answer is in.
+    async def take(self, plan: AcquirePlan) -> Admitted | Full:
+        """One acquire round trip of ``plan`` (``weight`` units under ``limit`` and the start
+        rates ``rated``) that a cancelled caller cannot leak: the call runs on as a task of
+        its own, and whatever slot it took is given back once its answer is in.
 
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        return await self.taking(acquire_call(keys, limit, ms, token, weight, rated), key, token,
-                                 [(keys, key)])  # fmt: skip
+        return await self.taking(
+            acquire_call(plan.keys, plan.limit, plan.ms, plan.token, plan.weight, plan.rated),
+            plan.key, plan.token, [(plan.keys, plan.key)],
+        )  # fmt: skip
 
     async def taking(
         self, call: Call[T], label: str, token: str, held: Sequence[tuple[Keys, str]]
@@ -161,20 +147,10 @@ class Acquirer:
     def _forget(self, slot: AsyncSlot) -> None:
         self.held.pop((slot._member, slot.key), None)
 
-    async def wait(
-        self,
-        keys: Keys,
-        key: str,
-        token: str,
-        lease: float,
-        full: Full,
-        wait: float,
-        limit: int,
-        weight: int = 1,
-        rated: tuple[str | int, ...] = (),
-    ) -> AsyncSlot | None:
-        """After ``full``, wait up to ``wait`` seconds until a release wakes this caller, and
-        take a slot; None when the time is up. Each block ends at a wake-up, at the soonest
+    async def wait(self, plan: AcquirePlan) -> AsyncSlot | None:
+        """After ``plan``'s acquire found the key full, wait up to ``plan.wait`` seconds
+        until a release wakes this caller, and take the slot ``plan`` asks for; None when
+        the time is up. Each block ends at a wake-up, at the soonest
         lease to lapse (a crashed holder frees its slot then, and nobody pushes), or after
         :data:`~celery_semaphore.core.wake.MAX_BLOCK` seconds.
 
@@ -185,8 +161,8 @@ class Acquirer:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        ms = check.lease_ms(lease)
-        give_up = time.monotonic() + wait
+        keys, key, token = plan.keys, plan.key, plan.token
+        give_up = time.monotonic() + plan.wait
         slot = None
         stop = asyncio.Event()
         self._stops.add(stop)
@@ -195,9 +171,9 @@ class Acquirer:
                 # Registered before asking again: a release in between pushes a wake.
                 now_ms = await self.run(key, block_call(keys, token, math.ceil(remaining * 1000)))
                 sent_at = time.monotonic()
-                reply = await self.take(keys, key, token, ms, limit, weight, rated)
+                reply = await self.take(plan)
                 if isinstance(reply, Admitted):
-                    slot = self.slot(keys, key, token, lease, reply, sent_at, weight)
+                    slot = self.slot(keys, key, token, plan.seconds, reply, sent_at, plan.weight)
                     return slot
                 lapse = reply.first_lapse(now_ms)
                 await self._block(keys, key, min(remaining, lapse, MAX_BLOCK), stop)

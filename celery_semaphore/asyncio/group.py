@@ -11,7 +11,9 @@ one per key, and each runs to its end even if another fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from ..core.calls import held_call
 from ..core.group import GroupRecord, held_pairs
@@ -39,27 +41,11 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
     lost: asyncio.Event
 
     def __init__(self, slots: Sequence[AsyncSlot]) -> None:
-        super().__init__(slots)
-        self.lost = asyncio.Event()
-        self._callbacks: list[Callable[[AsyncSlotGroup], object]] = []
-        for slot in self.slots:
-            slot.when_lost(self._member_lost)
+        # One event loop, no threads: nothing to lock.
+        super().__init__(slots, asyncio.Event(), contextlib.nullcontext())
 
-    def _member_lost(self, _: AsyncSlot) -> None:
-        if self.lost.is_set():
-            return
-        self.lost.set()
-        callbacks, self._callbacks = self._callbacks, []
+    def _notify(self, callbacks: list[Callable[[Any], object]]) -> None:
         notify(callbacks, self)
-
-    def when_lost(self, callback: Callable[[AsyncSlotGroup], object]) -> None:
-        """Call ``callback(group)`` once, the moment any of its slots is known to be lost (at
-        once if one already is), in the event loop, as :meth:`AsyncSlot.when_lost` does; it
-        must not block, and what it raises is logged."""
-        if not self.lost.is_set():
-            self._callbacks.append(callback)
-            return
-        callback(self)
 
     async def extend(self, lease: float | None = None) -> bool:
         """Extend every slot, one round trip each, side by side.

@@ -16,7 +16,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-from ..core import validation as check
 from ..core.lease import RenewErrorCallback
 from ..errors import SemaphoreBackendError
 from .group import AsyncSlotGroup
@@ -26,15 +25,6 @@ from .slot import AsyncSlot
 S = TypeVar("S", AsyncSlot, AsyncSlotGroup)
 
 logger = logging.getLogger(__name__)
-
-
-def check_interrupt(interrupt: object) -> None:
-    """Refuse an ``interrupt`` option that is not a bool, before anything is acquired.
-
-    Raises:
-        SemaphoreValidationError: ``interrupt`` is not True or False.
-    """
-    check.check_flag(interrupt, "interrupt")
 
 
 class _Interrupt:

@@ -2,7 +2,7 @@
 :meth:`AsyncSemaphore.acquire_many <celery_semaphore.asyncio.AsyncSemaphore.acquire_many>`.
 
 The asyncio twin of :func:`celery_semaphore.core.group.take_group`: the arguments are checked
-and the call planned by the same :func:`~celery_semaphore.core.options.many_plan`, a cluster
+and the call planned by the same :meth:`~celery_semaphore.core.options.Planner.many`, a cluster
 misfit is refused by the same :func:`~celery_semaphore.core.names.many_redis_keys`, and the
 keys are taken by the same acquire_many.lua, all of them in one script call or none. What
 is asyncio's own is the cancellation safety of
@@ -16,7 +16,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-from ..core.calls import acquire_many_call
 from ..core.options import ManyPlan
 from ..core.tracing import acquire_span
 from .acquiring import Acquirer
@@ -36,13 +35,12 @@ async def take_group(acquirer: Acquirer, plan: ManyPlan) -> AsyncSlotGroup | Non
         SemaphoreBackendError: Redis failed.
     """
     held = list(zip(plan.keys, plan.names, strict=True))
-    call = acquire_many_call(plan.groups, plan.ms, plan.token, plan.info)
     with acquire_span(plan.label, plan.limit, plan.names) as record:
         for attempt in range(plan.attempts):
             if attempt:
                 await asyncio.sleep(plan.delay)
             sent_at = time.monotonic()
-            reply = await acquirer.taking(call, plan.label, plan.token, held)
+            reply = await acquirer.taking(plan.call, plan.label, plan.token, held)
             if not isinstance(reply, list):
                 continue
             if time.monotonic() - sent_at < plan.seconds:

@@ -28,9 +28,8 @@ from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
-from ..core.options import DEFAULT_LEASE, acquire_args, hold_interval, many_plan, semaphore_options
-from ..core.process import member_of
-from ..core.rates import RateSpec, acquire_rates, rates_of, refuse_for_many
+from ..core.options import DEFAULT_LEASE, Planner, semaphore_options
+from ..core.rates import RateSpec, rates_of
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts
@@ -39,7 +38,7 @@ from .acquiring import Acquirer
 from .admin import AsyncSemaphoreAdmin
 from .clients import AsyncClient, async_client_of
 from .group import AsyncSlotGroup
-from .guard import check_interrupt, guard
+from .guard import guard
 from .many import KeyList, take_group
 from .slot import AsyncSlot
 
@@ -112,6 +111,8 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
         self.names = Namespace(self.prefix, isinstance(client, AsyncRedisCluster))
         scripts = AsyncScripts(client)
         self._acquirer = Acquirer(scripts, self.limit, self.handoffs)
+        self._plan = Planner(self.limit, self.lease, self.rates, self.names,
+                             AsyncSemaphore.acquire.__kwdefaults__)  # fmt: skip
         self.admin = AsyncSemaphoreAdmin(client, self.prefix, self.handoffs, scripts)
 
     def __repr__(self) -> str:
@@ -169,22 +170,16 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        key, seconds, ms, attempts, delay, wait = acquire_args(
-            key, lease, self.lease, retries, retry_delay, wait
-        )
-        limit = self.limit if limit is None else check.check_limit(limit)
-        weight = check.check_weight(weight, limit)
+        plan = self._plan.acquire(key, limit, weight, lease, retries, retry_delay, metadata,
+                                  wait, units)  # fmt: skip
+        key, seconds, _, attempts, delay, wait, limit, weight, keys, token, _ = plan
         acquirer = self._acquirer
-        # The holder's record rides in its member, as Semaphore.acquire's does.
-        token = member_of(acquirer.metadata(metadata, limit, weight))
-        rated = acquire_rates(self.rates, units) if self.rates or units else ()
-        keys = self.names.keys_of(key)
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
                     await asyncio.sleep(delay)
                 sent_at = time.monotonic()
-                reply = await acquirer.take(keys, key, token, ms, limit, weight, rated)
+                reply = await acquirer.take(plan)
                 if isinstance(reply, Admitted):
                     if time.monotonic() - sent_at < seconds:
                         record(attempt + 1, "acquired")
@@ -193,9 +188,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
                     # network): the slot cannot be trusted to be ours, so give it back.
                     await acquirer.background.finish(acquirer.give_back(keys, key, token))
             if wait and isinstance(reply, Full):
-                slot = await acquirer.wait(
-                    keys, key, token, seconds, reply, wait, limit, weight, rated
-                )
+                slot = await acquirer.wait(plan)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -254,16 +247,15 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
             SemaphoreBackendError: Redis failed while acquiring.
         """
         key = check.check_key(key)
-        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
-        check_interrupt(interrupt)
+        interval = self._plan.hold(lease, heartbeat, on_renew_error, interrupt)
         closes = self._acquirer.closes
         slot = await self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata, wait=wait, units=units,
         )  # fmt: skip
         if slot is None:
-            limit = self.limit if limit is None else limit
-            raise not_acquired(key, limit, wait, closed=self._acquirer.closes != closes,
+            raise not_acquired(key, self._plan.limit_of(limit), wait,
+                               closed=self._acquirer.closes != closes,
                                paused=await is_paused_async(self.admin, key))  # fmt: skip
         async with guard(slot, interval, on_renew_error, interrupt):
             yield slot
@@ -314,7 +306,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
             SemaphoreValidationError: ``key`` or ``limit`` is invalid.
             SemaphoreBackendError: Redis failed.
         """
-        own = self.limit if limit is None else check.check_limit(limit)
+        own = self._plan.limit_of(limit)
         live = await self.admin.live_limit(key)
         return max(0, (own if live is None else live.limit) - await self.count(key))
 
@@ -334,9 +326,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
         soon as the answer is in. A bounded spin when ``retries``: no release wakes a caller
         for keys it does not hold, so there is no ``wait``.
         """
-        refuse_for_many(self.rates)
-        plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
-                         self._acquirer.metadata, self.names.keys_of_many)  # fmt: skip
+        plan = self._plan.many(keys, lease, retries, retry_delay, metadata)
         return await take_group(self._acquirer, plan)
 
     @contextlib.asynccontextmanager
@@ -365,8 +355,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
                 the block raised, that propagates.
             SemaphoreBackendError: Redis failed while acquiring.
         """
-        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
-        check_interrupt(interrupt)
+        interval = self._plan.hold(lease, heartbeat, on_renew_error, interrupt)
         group = await self.acquire_many(
             keys, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
         )

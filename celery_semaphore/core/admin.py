@@ -163,6 +163,8 @@ class SemaphoreAdmin(AdminMoved):
     Args:
         client (redis.Redis): where the semaphores live (a cluster client works too).
         prefix (str): their key namespace (default ``"semaphore"``).
+        scripts (Scripts | None): the registered scripts to send through (a
+            :class:`~celery_semaphore.Semaphore` shares its own); None: its own.
 
     Raises:
         SemaphoreValidationError: ``prefix`` is not a non-empty str.
@@ -173,11 +175,13 @@ class SemaphoreAdmin(AdminMoved):
         client: redis.Redis,
         prefix: str = DEFAULT_PREFIX,
         handoffs: HandoffRoute | None = None,
+        *,
+        scripts: Scripts | None = None,
     ) -> None:
         self.client = client
         self.handoffs = handoffs or HandoffRoute(DEFAULT_CLAIM_TIMEOUT, None)
         self.prefix = check.check_key(prefix, "prefix")
-        self._scripts = Scripts(client)
+        self._scripts = scripts or Scripts(client)
         self.names = Namespace(self.prefix, isinstance(client, redis.RedisCluster))
 
     def keys_of(self, key: str) -> Keys:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import Refusal, SemaphoreLeaseLostError, SemaphoreNotAcquiredError
-from .calls import acquire_many_call, held_call
+from .calls import held_call
 from .lazy_event import LazyEvent
 from .names import Keys
 from .options import ManyPlan, many_args
@@ -28,6 +29,8 @@ from .tracing import acquire_span
 
 class _Flag(Protocol):
     def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
 
 
 class Member(Protocol):
@@ -49,8 +52,11 @@ class Member(Protocol):
 
     def lease_lost_error(self) -> SemaphoreLeaseLostError: ...
 
+    def when_lost(self, callback: Callable[[Any], object]) -> None: ...
+
 
 M = TypeVar("M", bound=Member)
+G = TypeVar("G", bound="GroupRecord[Any]")
 
 
 class GroupRecord(Generic[M]):
@@ -66,9 +72,40 @@ class GroupRecord(Generic[M]):
 
     lost: _Flag
 
-    def __init__(self, slots: Sequence[M]) -> None:
+    def __init__(
+        self, slots: Sequence[M], lost: _Flag, lock: AbstractContextManager[object]
+    ) -> None:
         self.slots = tuple(slots)
         self.key = "+".join(s.key for s in self.slots)
+        self.lost = lost
+        self._lock = lock  # a loss may be found in another thread than a when_lost call
+        self._callbacks: list[Callable[[Any], object]] = []
+        for slot in self.slots:
+            slot.when_lost(self._member_lost)
+
+    def _member_lost(self, _: M) -> None:
+        with self._lock:
+            if self.lost.is_set():
+                return
+            self.lost.set()
+            callbacks, self._callbacks = self._callbacks, []
+        self._notify(callbacks)
+
+    def _notify(self, callbacks: list[Callable[[Any], object]]) -> None:
+        for callback in callbacks:
+            callback(self)
+
+    def when_lost(self: G, callback: Callable[[G], object]) -> None:
+        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
+        (at once if one already is), as a slot's ``when_lost`` does: for a
+        :class:`SlotGroup`, see :meth:`Slot.when_lost`; for an
+        :class:`~celery_semaphore.asyncio.group.AsyncSlotGroup`, it is called in the event
+        loop, must not block, and what it raises is logged."""
+        with self._lock:
+            if not self.lost.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def __repr__(self) -> str:
         state = " lost" if self.lost.is_set() else ""
@@ -133,30 +170,7 @@ class SlotGroup(GroupRecord[Slot]):
     lost: threading.Event
 
     def __init__(self, slots: Sequence[Slot]) -> None:
-        super().__init__(slots)
-        self.lost = LazyEvent()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[SlotGroup], object]] = []
-        for slot in self.slots:
-            slot.when_lost(self._member_lost)
-
-    def _member_lost(self, _: Slot) -> None:
-        with self._lock:
-            if self.lost.is_set():
-                return
-            self.lost.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
-
-    def when_lost(self, callback: Callable[[SlotGroup], object]) -> None:
-        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
-        (at once if one already is); see :meth:`Slot.when_lost`."""
-        with self._lock:
-            if not self.lost.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
+        super().__init__(slots, LazyEvent(), threading.Lock())
 
     def extend(self, lease: float | None = None) -> bool:
         """Extend every slot (one round trip each): True when all were still held.
@@ -217,7 +231,7 @@ def take_group(
                 time.sleep(plan.delay)
             sent_at = time.monotonic()
             with backend_errors(plan.label, plan.limit):
-                reply = scripts.run(acquire_many_call(plan.groups, plan.ms, plan.token, plan.info))
+                reply = scripts.run(plan.call)
             if isinstance(reply, list):
                 group = SlotGroup(
                     [slot(k, key, plan.token, plan.seconds, admitted, sent_at, weight)

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
-from .names import Keys
-from .replies import Admitted
+from .calls import Call, acquire_many_call
+from .names import Keys, Namespace
+from .rates import Rate, acquire_rates, refuse_for_many
+from .replies import Admitted, Full
 
 KeySpecs = Sequence[tuple[str, int] | tuple[str, int, int]]
 """``(key, limit)`` or ``(key, limit, weight)`` of each of several keys."""
@@ -82,9 +84,9 @@ PLAIN_KEPT = 4096
 """Keys whose checked plain acquire a semaphore keeps (then it starts afresh)."""
 
 
-class CheckedAcquire(NamedTuple):
-    """An acquire's arguments checked, with its key's Redis keys (see
-    :func:`check_acquire`)."""
+class AcquirePlan(NamedTuple):
+    """An acquire's arguments checked, and what its script call sends (see
+    :meth:`Planner.acquire`)."""
 
     key: str
     seconds: float
@@ -95,79 +97,129 @@ class CheckedAcquire(NamedTuple):
     limit: int
     weight: int
     keys: Keys
+    token: str
+    """The holder's token, its record riding in it: no hash field to write, nor to delete."""
+    rated: tuple[str | int, ...]
+    """acquire.lua's start-rate arguments (see :func:`~.rates.acquire_rates`)."""
 
 
-def check_acquire(
-    key: str, limit: int | None, weight: int, lease: float | None, retries: int,
-    retry_delay: float, wait: float, default_limit: int, default_lease: float,
-    keys_of: Callable[[str], Keys],
-) -> CheckedAcquire:  # fmt: skip
-    """Every argument of ``Semaphore.acquire`` checked (None limit and lease: the
-    semaphore's ``default_limit`` and ``default_lease``), and the key's Redis keys from
-    ``keys_of``.
+class Planner:
+    """What one semaphore, sync or asyncio, decides before it sends anything: each call's
+    arguments checked and its script call planned, so that the twins do only the I/O.
 
-    Raises:
-        SemaphoreValidationError: an argument is invalid, or ``keys_of`` refuses the key.
-    """
-    checked = acquire_args(key, lease, default_lease, retries, retry_delay, wait)
-    limit = default_limit if limit is None else check.check_limit(limit)
-    weight = check.check_weight(weight, limit)
-    return CheckedAcquire(*checked, limit, weight, keys_of(checked.key))
-
-
-class AcquireChecks:
-    """:func:`check_acquire` for one semaphore, whose defaults it knows; a plain call (every
-    option left at its default) is checked once per key, then found again.
+    A plain acquire, which leaves every option at its default (the very objects of the
+    twin's signature, which also rules out a True for a 1), is checked when its key first
+    comes, then found again.
 
     Args:
-        limit (int): the semaphore's limit.
-        lease (float): its lease, seconds.
-        keys_of (Callable[[str], Keys]): the Redis keys of a key.
+        limit (int): the semaphore's limit, checked.
+        lease (float): its lease, seconds, checked.
+        rates (tuple[Rate, ...]): its start rates.
+        names (Namespace): its Redis key names.
+        defaults (dict[str, Any] | None): the twin's ``acquire.__kwdefaults__``.
     """
 
-    def __init__(self, limit: int, lease: float, keys_of: Callable[[str], Keys]) -> None:
-        self.limit, self.lease, self.keys_of = limit, lease, keys_of
-        self._plain: dict[str, CheckedAcquire] = {}
+    def __init__(
+        self, limit: int, lease: float, rates: tuple[Rate, ...], names: Namespace,
+        defaults: dict[str, Any] | None,
+    ) -> None:  # fmt: skip
+        self.limit, self.lease, self.rates, self.names = limit, lease, rates, names
+        self.record = HolderRecord(limit)
+        plain = defaults or {}
+        self._weight, self._retries, self._delay, self._wait = (
+            plain.get(name) for name in ("weight", "retries", "retry_delay", "wait")
+        )
+        self._plain: dict[str, AcquirePlan] = {}  # a plain call's plan, but for its token
 
-    def __call__(
-        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
-        retry_delay: float, wait: float, plain: bool,
-    ) -> CheckedAcquire:  # fmt: skip
-        """The arguments checked (see :func:`check_acquire`); ``plain`` says the call left
-        every option at its default, which a key's first plain call checks for the rest.
+    def limit_of(self, limit: int | None) -> int:
+        """A call's ``limit`` checked; None: the semaphore's.
 
         Raises:
-            SemaphoreValidationError: an argument is invalid.
+            SemaphoreValidationError: ``limit`` is invalid.
         """
+        return self.limit if limit is None else check.check_limit(limit)
+
+    def acquire(
+        self, key: str, limit: int | None, weight: int, lease: float | None, retries: int,
+        retry_delay: float, metadata: Mapping[str, Any] | None, wait: float,
+        units: Mapping[str, int] | None,
+    ) -> AcquirePlan:  # fmt: skip
+        """Every argument of ``acquire`` checked (None limit and lease: the semaphore's),
+        and what its script call sends.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, or the key is one a cluster
+                client cannot take.
+        """
+        plain = (
+            type(key) is str and limit is None and lease is None and metadata is None
+            and weight is self._weight and retries is self._retries
+            and retry_delay is self._delay and wait is self._wait
+        )  # fmt: skip
         checked = self._plain.get(key) if plain else None
         if checked is None:
-            checked = check_acquire(key, limit, weight, lease, retries, retry_delay, wait,
-                                    self.limit, self.lease, self.keys_of)  # fmt: skip
+            timing = acquire_args(key, lease, self.lease, retries, retry_delay, wait)
+            limit = self.limit_of(limit)
+            checked = AcquirePlan(*timing, limit, check.check_weight(weight, limit),
+                                  self.names.keys_of(timing.key), "", ())  # fmt: skip
             if plain:
                 if len(self._plain) >= PLAIN_KEPT:
                     self._plain.clear()
                 self._plain[key] = checked
-        return checked
+        token = process.member_of(self.record.encode(metadata, checked.limit, checked.weight))
+        rated = acquire_rates(self.rates, units) if self.rates or units else ()
+        return AcquirePlan(*checked[:-2], token, rated)
 
+    def hold(
+        self, lease: float | None, heartbeat: object, on_renew_error: object, interrupt: object
+    ) -> float | None:
+        """The renewal interval of a ``hold`` (one key or several), checked with the lease it
+        is judged against, the renewal-error callback and ``interrupt``, before acquiring.
 
-def hold_interval(
-    lease: float | None, default_lease: float, heartbeat: object, on_renew_error: object
-) -> float | None:
-    """The renewal interval of a ``hold`` (sync or asyncio, one key or several), checked
-    with the lease it is judged against and the renewal-error callback, before acquiring.
+        Returns:
+            float | None: seconds between renewals; None: no renewal (``heartbeat=False``).
 
-    Returns:
-        float | None: seconds between renewals; None: no renewal (``heartbeat=False``).
+        Raises:
+            SemaphoreValidationError: the lease, the heartbeat (above half the lease, say),
+                the callback or ``interrupt`` is invalid.
+        """
+        seconds = self.lease if lease is None else lease
+        check.lease_ms(seconds)
+        interval = check.heartbeat_interval(heartbeat, float(seconds))
+        check.check_callback(on_renew_error, "on_renew_error")
+        check.check_flag(interrupt, "interrupt")
+        return interval
 
-    Raises:
-        SemaphoreValidationError: the lease, the heartbeat (above half the lease, say) or
-            the callback is invalid.
-    """
-    seconds = default_lease if lease is None else lease
-    check.lease_ms(seconds)
-    interval = check.heartbeat_interval(heartbeat, float(seconds))
-    check.check_callback(on_renew_error, "on_renew_error")
-    return interval
+    def many(
+        self, keys: object, lease: float | None, retries: int, retry_delay: float,
+        metadata: Mapping[str, Any] | None,
+    ) -> ManyPlan:  # fmt: skip
+        """Check an ``acquire_many``'s arguments, all before anything is sent, and plan its
+        script call.
+
+        Args:
+            keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
+                :func:`many_args`).
+            lease (float | None): as for :meth:`acquire`; so are ``retries``,
+                ``retry_delay`` and ``metadata``.
+
+        Raises:
+            SemaphoreValidationError: an argument is invalid, a key is given twice, the
+                semaphore has start rates (see :func:`~.rates.refuse_for_many`), or on a
+                cluster the keys share no hash slot (see
+                :func:`~celery_semaphore.core.names.many_redis_keys`).
+        """
+        refuse_for_many(self.rates)
+        specs = many_args(keys)
+        names = [key for key, _, _ in specs]
+        checked = acquire_args(names[0], lease, self.lease, retries, retry_delay, 0.0)
+        info = self.record.encode(metadata, specs[0][1], specs[0][2])
+        found = self.names.keys_of_many(names)
+        token = process.new_token()
+        groups = [(k, limit, weight) for k, (_, limit, weight) in zip(found, specs, strict=True)]
+        return ManyPlan(specs, found, names, "+".join(names), specs[0][1], checked.seconds,
+                        checked.attempts, checked.delay, token,
+                        acquire_many_call(groups, checked.ms, token, info))  # fmt: skip
 
 
 def many_args(keys: object) -> list[tuple[str, int, int]]:
@@ -198,84 +250,31 @@ def many_args(keys: object) -> list[tuple[str, int, int]]:
 
 class ManyPlan(NamedTuple):
     """An ``acquire_many``'s arguments, checked, and what its script call sends; built by
-    :func:`many_plan` for the sync and the asyncio semaphore alike."""
+    :meth:`Planner.many` for the sync and the asyncio semaphore alike."""
 
     specs: list[tuple[str, int, int]]
     """``(key, limit, weight)`` of each key, in the order given."""
     keys: list[Keys]
     """The Redis keys of each."""
+    names: list[str]
+    """The keys, in the order given."""
+    label: str
+    """The keys joined with ``+``, for messages and errors."""
+    limit: int
+    """The first key's limit, for messages and errors."""
     seconds: float
-    ms: int
     attempts: int
     delay: float
-    info: str
-    """The holder record every key's slot stores (with the first key's limit and weight)."""
     token: str
     """The token all the slots share."""
-
-    @property
-    def names(self) -> list[str]:
-        """The keys, in the order given."""
-        return [key for key, _, _ in self.specs]
-
-    @property
-    def label(self) -> str:
-        """The keys joined with ``+``, for messages and errors."""
-        return "+".join(self.names)
-
-    @property
-    def limit(self) -> int:
-        """The first key's limit, for messages and errors."""
-        return self.specs[0][1]
-
-    @property
-    def groups(self) -> list[tuple[Keys, int, int]]:
-        """What acquire_many.lua takes: ``(keys, limit, weight)`` of each key."""
-        return [(k, limit, weight) for k, (_, limit, weight) in zip(self.keys, self.specs,
-                                                                    strict=True)]  # fmt: skip
+    call: Call[list[Admitted] | tuple[int, Full]]
+    """acquire_many.lua's call: a slot of each key under :attr:`token`, each storing the
+    holder record (with the first key's limit and weight)."""
 
     def members(self, admitted: Sequence[Admitted]) -> list[tuple[Keys, str, Admitted, int]]:
         """``(keys, key, answer, weight)`` of each slot an admitting reply took."""
         return [(k, key, answer, weight) for k, (key, _, weight), answer
                 in zip(self.keys, self.specs, admitted, strict=True)]  # fmt: skip
-
-
-def many_plan(
-    keys: object,
-    lease: float | None,
-    default_lease: float,
-    retries: int,
-    retry_delay: float,
-    metadata: Mapping[str, Any] | None,
-    encode: Callable[[Mapping[str, Any] | None, int | None, int], str],
-    keys_of_many: Callable[[list[str]], list[Keys]],
-) -> ManyPlan:
-    """Check an ``acquire_many``'s arguments, all before anything is sent, and plan its
-    script call.
-
-    Args:
-        keys (object): the ``(key, limit)`` or ``(key, limit, weight)`` tuples (see
-            :func:`many_args`).
-        lease (float | None): as for :func:`acquire_args`.
-        default_lease (float): as for :func:`acquire_args`.
-        retries (int): as for :func:`acquire_args`.
-        retry_delay (float): as for :func:`acquire_args`.
-        metadata (Mapping[str, Any] | None): the caller's facts about the holder.
-        encode (Callable): the semaphore's :meth:`HolderRecord.encode`.
-        keys_of_many (Callable[[list[str]], list[Keys]]): the Redis keys of the keys; on a
-            cluster it refuses keys that share no hash slot (see
-            :func:`~celery_semaphore.core.admin.many_redis_keys`).
-
-    Raises:
-        SemaphoreValidationError: an argument is invalid, a key is given twice, or on a
-            cluster the keys share no hash slot.
-    """
-    specs = many_args(keys)
-    checked = acquire_args(specs[0][0], lease, default_lease, retries, retry_delay, 0.0)
-    info = encode(metadata, specs[0][1], specs[0][2])
-    found = keys_of_many([key for key, _, _ in specs])
-    return ManyPlan(specs, found, checked.seconds, checked.ms, checked.attempts, checked.delay,
-                    info, process.new_token())  # fmt: skip
 
 
 _RECORD_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
@@ -325,90 +324,3 @@ class HolderRecord:
         if plain:
             self._plain = (pid, text)
         return text
-
-
-def check_waiter(waiter: object, payload: object) -> None:
-    """Refuse a waiter id the room cannot tell apart from its own marks, or a payload that is
-    not bytes.
-
-    Raises:
-        SemaphoreValidationError: ``waiter`` is empty, starts with ``~`` or ``!`` or holds a
-            ``#``, or ``payload`` is not bytes.
-    """
-    waiter = check.check_key(waiter, "waiter")
-    if waiter[0] in "~!" or "#" in waiter:
-        raise SemaphoreValidationError(
-            f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
-        )
-    if not isinstance(payload, bytes):
-        raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
-
-
-class ParkArgs(NamedTuple):
-    """A park's timing arguments, checked (see :func:`park_args`)."""
-
-    seconds: float
-    ms: int
-    arrival_ms: int | None
-    max_queued: int
-    ttl_ms: int
-
-
-def park_args(
-    lease: float | None, default_lease: float, arrival: float | None, max_queued: int,
-    room_ttl: float, waited: float | None = None,
-) -> ParkArgs:  # fmt: skip
-    """The lease (seconds and ms), arrival (epoch ms; a negative number is a wait, in ms
-    before the server's now, from ``waited``), room size and room TTL (ms) of a park or
-    claim, checked.
-
-    Raises:
-        SemaphoreValidationError: one of them is invalid, or both ``arrival`` and
-            ``waited`` are given; the message names it.
-    """
-    arrival_ms = None if arrival is None else round(check.check_epoch(arrival, "arrival") * 1000)
-    if waited is not None:
-        if arrival is not None:
-            raise SemaphoreValidationError("give park() arrival or waited, not both")
-        waited_ms = round(check.check_delay(waited, "waited") * 1000)
-        arrival_ms = -waited_ms if waited_ms else None
-    seconds, ms, queued, ttl_ms = _park_timing(lease, default_lease, max_queued, room_ttl)
-    return ParkArgs(seconds, ms, arrival_ms, queued, ttl_ms)
-
-
-def check_delivery(delivery: object) -> None:
-    """Refuse a claim's ``delivery`` id that is neither "" nor a non-empty str.
-
-    Raises:
-        SemaphoreValidationError: it is not a str.
-    """
-    if delivery != "":
-        check.check_key(delivery, "delivery")
-
-
-def deadline_ms(deadline: float | None, budget: float | None) -> int:
-    """A park's give-up time for park.lua: 0 for none, epoch ms from ``deadline``, or a
-    negative number, ``budget`` seconds in ms, which the server counts from the waiter's
-    arrival on its own clock.
-
-    Raises:
-        SemaphoreValidationError: ``deadline`` is not epoch seconds, ``budget`` is not a
-            positive number of seconds, or both are given.
-    """
-    if budget is not None:
-        if deadline is not None:
-            raise SemaphoreValidationError("give park() deadline or budget, not both")
-        return -check.lease_ms(budget, "budget")
-    return 0 if deadline is None else round(check.check_epoch(deadline, "deadline") * 1000)
-
-
-def _check_park_timing(
-    lease: float | None, default_lease: float, max_queued: int, room_ttl: float
-) -> tuple[float, int, int, int]:
-    seconds = default_lease if lease is None else lease
-    return (float(seconds), check.lease_ms(seconds), check.check_retries(max_queued, "max_queued"),
-            check.lease_ms(room_ttl, "room_ttl"))  # fmt: skip
-
-
-_park_timing = check.Memoised(_check_park_timing)
-"""A park's lease, room size and room TTL checked, once per distinct value."""

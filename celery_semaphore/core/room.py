@@ -29,16 +29,7 @@ from .calls import (
 from .group import SlotGroup
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .names import Keys, Namespace
-from .options import (
-    DEFAULT_LEASE,
-    HolderRecord,
-    KeySpecs,
-    check_delivery,
-    check_waiter,
-    deadline_ms,
-    many_args,
-    park_args,
-)
+from .options import DEFAULT_LEASE, HolderRecord, KeySpecs, many_args
 from .process import member_of, new_token
 from .rates import RateSpec, rated
 from .recovery import recovering
@@ -48,6 +39,7 @@ from .room_sweeps import sweep_rooms
 from .scripts import Scripts, backend_errors
 from .slot import Slot
 from .tracing import Record, acquire_span
+from .validation import check_delivery, check_waiter, deadline_ms, park_args
 
 DEFAULT_ROOM_TTL = 24 * 3600.0
 """Seconds a room outlives its last touch (a park, claim, release into it, sweep)."""
@@ -80,6 +72,8 @@ class WaitingRoom:
         limit (int | None): the limit of a park or claim that gives none (None: required).
         lease (float): seconds a slot taken by a park or claim lives without an extend,
             unless the call says otherwise. Default 60.0.
+        scripts (Scripts | None): the registered scripts to send through (a
+            :class:`~celery_semaphore.Semaphore` shares its own); None: its own.
 
     Raises:
         SemaphoreValidationError: an argument is invalid.
@@ -93,6 +87,7 @@ class WaitingRoom:
         *,
         limit: int | None = None,
         lease: float = DEFAULT_LEASE,
+        scripts: Scripts | None = None,
     ) -> None:
         self.client = client
         self.names = Namespace(check.check_key(prefix, "prefix"), isinstance(client, RedisCluster))
@@ -100,7 +95,7 @@ class WaitingRoom:
         self.limit = None if limit is None else check.check_limit(limit)
         check.lease_ms(lease)
         self.lease = float(lease)
-        self._scripts = Scripts(client)
+        self._scripts = scripts or Scripts(client)
         self._record = HolderRecord(self.limit or 1)
         self.index = RoomIndex(client, self.names, self._scripts)
         self._rooms: set[str] = set()  # keys a park last found with waiters

@@ -12,7 +12,7 @@ and two-pronged loss detection.
 from __future__ import annotations
 
 import contextlib
-import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -20,9 +20,10 @@ from typing import Any, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
+from ..errors import SemaphoreBackendError
 from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
-from .calls import count_call
+from .calls import block_call, count_call
 from .clients import RedisClient, client_of
 from .deprecated import SemaphoreMoved
 from .group import SlotGroup, group_refused, take_group
@@ -31,25 +32,15 @@ from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute,
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
-from .options import (
-    DEFAULT_LEASE,
-    AcquireChecks,
-    HolderRecord,
-    hold_interval,
-    many_plan,
-    semaphore_options,
-)
-from .process import member_of
-from .rates import RateSpec, acquire_rates, rates_of, refuse_for_many
+from .options import DEFAULT_LEASE, AcquirePlan, Planner, semaphore_options
+from .rates import RateSpec, rates_of
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
 from .room import WaitingRoom
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
-from .wake import wait_for_slot
-
-logger = logging.getLogger(__name__)
+from .wake import MAX_BLOCK
 
 T = TypeVar("T")
 
@@ -120,20 +111,18 @@ class Semaphore(SemaphoreMoved):
         self.client = client = client_of(redis)
         self._owns_client = isinstance(redis, str)
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
-        self._scripts = Scripts(cast(Redis, client))
+        self._scripts = scripts = Scripts(cast(Redis, client))
         self.names = Namespace(self.prefix, isinstance(client, RedisCluster))
         self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
-        self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs)
+        self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs, scripts=scripts)
         self.room = WaitingRoom(cast(Redis, client), prefix, self.handoffs, limit=self.limit,
-                                lease=self.lease)  # fmt: skip
-        self._record = HolderRecord(self.limit)
-        self._checked = AcquireChecks(self.limit, self.lease, self.names.keys_of)
+                                lease=self.lease, scripts=scripts)  # fmt: skip
+        # hold and run, defined in the same class body, pass acquire's very default objects.
+        self._plan = Planner(self.limit, self.lease, self.rates, self.names,
+                             Semaphore.acquire.__kwdefaults__)  # fmt: skip
 
     def __repr__(self) -> str:
         return f"<Semaphore prefix={self.prefix!r} limit={self.limit} lease={self.lease:g}s>"
-
-    def _limit(self, limit: int | None) -> int:
-        return self.limit if limit is None else check.check_limit(limit)
 
     def acquire(
         self,
@@ -183,18 +172,9 @@ class Semaphore(SemaphoreMoved):
             SemaphoreValidationError: an argument is invalid (nothing is sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        # A call that leaves every option at its default (the very objects of the signature,
-        # which also rules out a True for a 1) was checked when its key first came.
-        plain = (
-            type(key) is str and limit is None and lease is None and metadata is None
-            and weight is _DEFAULT["weight"] and retries is _DEFAULT["retries"]
-            and retry_delay is _DEFAULT["retry_delay"] and wait is _DEFAULT["wait"]
-        )  # fmt: skip
-        checked = self._checked(key, limit, weight, lease, retries, retry_delay, wait, plain)
-        key, seconds, ms, attempts, delay, wait, limit, weight, keys = checked
-        # The holder's record rides in its member: no hash field to write, nor to delete.
-        token = member_of(self._record.encode(metadata, limit, weight))
-        rated = acquire_rates(self.rates, units) if self.rates or units else ()
+        plan = self._plan.acquire(key, limit, weight, lease, retries, retry_delay, metadata,
+                                  wait, units)  # fmt: skip
+        key, seconds, ms, attempts, delay, wait, limit, weight, keys, token, rated = plan
         with acquire_span(key, limit) as record:
             for attempt in range(attempts):
                 if attempt:
@@ -213,12 +193,7 @@ class Semaphore(SemaphoreMoved):
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     late._give_back_late()
             if wait and isinstance(reply, Full):
-                slot = wait_for_slot(
-                    self._scripts, cast(Redis, self.client), keys, key, token, seconds, wait,
-                    limit, weight,
-                    lambda admitted, sent: self._slot(keys, key, token, seconds, admitted, sent,
-                                                      weight), rated,
-                )  # fmt: skip
+                slot = self._wait(plan)
                 if slot is not None:
                     record(attempts, "acquired")
                     return slot
@@ -231,6 +206,37 @@ class Semaphore(SemaphoreMoved):
             self._scripts, keys, key, self.limit, token, float(lease), admitted, sent_at,
             self.handoffs, weight,
         )  # fmt: skip
+
+    def _wait(self, plan: AcquirePlan) -> Slot | None:
+        """After ``plan``'s acquire found the key full, block for up to ``plan.wait`` seconds
+        until a release wakes this caller (see :mod:`~celery_semaphore.core.wake`), then take
+        the slot ``plan`` asks for (a call a start rate refused blocks until the rate allows
+        it); None when the time is up.
+
+        Raises:
+            SemaphoreBackendError: Redis failed.
+        """
+        client = cast(Redis, self.client)
+        give_up = time.monotonic() + plan.wait
+        try:
+            while (remaining := give_up - time.monotonic()) > 0:
+                with backend_errors(plan.key, plan.limit):
+                    # Registered before asking again: a release in between pushes a wake.
+                    now_ms = self._scripts.run(
+                        block_call(plan.keys, plan.token, math.ceil(remaining * 1000))
+                    )
+                    sent_at = time.monotonic()
+                    reply = self._scripts.acquire(plan.keys, plan.limit, plan.ms, plan.token,
+                                                  plan.weight, plan.rated)  # fmt: skip
+                    if isinstance(reply, Admitted):
+                        return self._slot(plan.keys, plan.key, plan.token, plan.seconds, reply,
+                                          sent_at, plan.weight)  # fmt: skip
+                    lapse = reply.first_lapse(now_ms)
+                    client.blpop([plan.keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+            return None
+        finally:
+            with contextlib.suppress(SemaphoreBackendError), backend_errors(plan.key, plan.limit):
+                client.zrem(plan.keys.blocked, plan.token)
 
     @contextlib.contextmanager
     def hold(
@@ -277,14 +283,14 @@ class Semaphore(SemaphoreMoved):
             SemaphoreBackendError: Redis failed while acquiring.
         """
         key = check.check_key(key)
-        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
-        check.check_flag(interrupt, "interrupt")
+        interval = self._plan.hold(lease, heartbeat, on_renew_error, interrupt)
         slot = self.acquire(
             key, limit=limit, weight=weight, lease=lease, retries=retries,
             retry_delay=retry_delay, metadata=metadata, wait=wait, units=units,
         )  # fmt: skip
         if slot is None:
-            raise not_acquired(key, self._limit(limit), wait, paused=is_paused(self.admin, key))
+            raise not_acquired(key, self._plan.limit_of(limit), wait,
+                               paused=is_paused(self.admin, key))  # fmt: skip
         with guard(slot, interval, on_renew_error), _interrupting(slot, interrupt):
             yield slot
 
@@ -319,9 +325,7 @@ class Semaphore(SemaphoreMoved):
                 sent to Redis).
             SemaphoreBackendError: Redis failed.
         """
-        refuse_for_many(self.rates)
-        plan = many_plan(keys, lease, self.lease, retries, retry_delay, metadata,
-                         self._record.encode, self.names.keys_of_many)  # fmt: skip
+        plan = self._plan.many(keys, lease, retries, retry_delay, metadata)
         return take_group(self._scripts, plan, self._slot)
 
     @contextlib.contextmanager
@@ -349,8 +353,7 @@ class Semaphore(SemaphoreMoved):
                 even if the block itself succeeded; if the block raised, that propagates.
             SemaphoreBackendError: Redis failed while acquiring.
         """
-        interval = hold_interval(lease, self.lease, heartbeat, on_renew_error)
-        check.check_flag(interrupt, "interrupt")
+        interval = self._plan.hold(lease, heartbeat, on_renew_error, interrupt)
         group = self.acquire_many(
             keys, lease=lease, retries=retries, retry_delay=retry_delay, metadata=metadata
         )
@@ -402,7 +405,7 @@ class Semaphore(SemaphoreMoved):
         semaphore's) minus its live holders, never below 0 (two round trips). Errors as
         :meth:`count`."""
         live = self.admin.live_limit(key)
-        effective = live.limit if live is not None else self._limit(limit)
+        effective = live.limit if live is not None else self._plan.limit_of(limit)
         return max(0, effective - self.count(key))
 
     def close(self) -> None:
@@ -414,8 +417,3 @@ class Semaphore(SemaphoreMoved):
 
 def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:
     return Interrupter(slot) if interrupt else contextlib.nullcontext()
-
-
-_DEFAULT: dict[str, Any] = Semaphore.acquire.__kwdefaults__ or {}
-"""The default objects of :meth:`Semaphore.acquire`'s options (``hold`` and ``run``, in the
-same class body, share them), which a plain call passes as they are."""

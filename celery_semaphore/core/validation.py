@@ -1,4 +1,5 @@
-"""Argument checks shared by the semaphore and the Celery glue.
+"""Argument checks shared by the semaphore and the Celery glue, and the waiting room's
+(a park's or claim's) own.
 
 Each check raises :class:`~celery_semaphore.errors.SemaphoreValidationError` naming the
 argument, so a caller sees which option is wrong before anything is written to Redis.
@@ -244,3 +245,80 @@ class Memoised(Generic[R]):
             if len(self._memo) < self._size:
                 self._memo[memo] = found
         return found
+
+
+def check_waiter(waiter: object, payload: object) -> None:
+    """Refuse a waiter id the room cannot tell apart from its own marks, or a payload that is
+    not bytes.
+
+    Raises:
+        SemaphoreValidationError: ``waiter`` is empty, starts with ``~`` or ``!`` or holds a
+            ``#``, or ``payload`` is not bytes.
+    """
+    waiter = check_key(waiter, "waiter")
+    if waiter[0] in "~!" or "#" in waiter:
+        raise SemaphoreValidationError(
+            f"waiter must not start with ~ or ! nor contain #, got {waiter!r}"
+        )
+    if not isinstance(payload, bytes):
+        raise SemaphoreValidationError(f"payload must be bytes, got {type(payload).__name__}")
+
+
+def park_args(
+    lease: float | None, default_lease: float, arrival: float | None, max_queued: int,
+    room_ttl: float, waited: float | None = None,
+) -> tuple[float, int, int | None, int, int]:  # fmt: skip
+    """The lease (seconds and ms), arrival (epoch ms; a negative number is a wait, in ms
+    before the server's now, from ``waited``), room size and room TTL (ms) of a park or
+    claim, checked.
+
+    Raises:
+        SemaphoreValidationError: one of them is invalid, or both ``arrival`` and
+            ``waited`` are given; the message names it.
+    """
+    arrival_ms = None if arrival is None else round(check_epoch(arrival, "arrival") * 1000)
+    if waited is not None:
+        if arrival is not None:
+            raise SemaphoreValidationError("give park() arrival or waited, not both")
+        waited_ms = round(check_delay(waited, "waited") * 1000)
+        arrival_ms = -waited_ms if waited_ms else None
+    seconds, ms, queued, ttl_ms = _park_timing(lease, default_lease, max_queued, room_ttl)
+    return seconds, ms, arrival_ms, queued, ttl_ms
+
+
+def check_delivery(delivery: object) -> None:
+    """Refuse a claim's ``delivery`` id that is neither "" nor a non-empty str.
+
+    Raises:
+        SemaphoreValidationError: it is not a str.
+    """
+    if delivery != "":
+        check_key(delivery, "delivery")
+
+
+def deadline_ms(deadline: float | None, budget: float | None) -> int:
+    """A park's give-up time for park.lua: 0 for none, epoch ms from ``deadline``, or a
+    negative number, ``budget`` seconds in ms, which the server counts from the waiter's
+    arrival on its own clock.
+
+    Raises:
+        SemaphoreValidationError: ``deadline`` is not epoch seconds, ``budget`` is not a
+            positive number of seconds, or both are given.
+    """
+    if budget is not None:
+        if deadline is not None:
+            raise SemaphoreValidationError("give park() deadline or budget, not both")
+        return -lease_ms(budget, "budget")
+    return 0 if deadline is None else round(check_epoch(deadline, "deadline") * 1000)
+
+
+def _check_park_timing(
+    lease: float | None, default_lease: float, max_queued: int, room_ttl: float
+) -> tuple[float, int, int, int]:
+    seconds = default_lease if lease is None else lease
+    return (float(seconds), lease_ms(seconds), check_retries(max_queued, "max_queued"),
+            lease_ms(room_ttl, "room_ttl"))  # fmt: skip
+
+
+_park_timing = Memoised(_check_park_timing)
+"""A park's lease, room size and room TTL checked, once per distinct value."""
