@@ -64,6 +64,15 @@ def setter() -> str:
     return f"{user}@{socket.gethostname()} pid {os.getpid()}"
 
 
+def by_whom(by: object) -> str:
+    """Who makes a change an operator asked for: ``by``, else :func:`setter`.
+
+    Raises:
+        SemaphoreValidationError: ``by`` is not a non-empty str.
+    """
+    return setter() if by is None else check.check_key(by, "by")
+
+
 def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
     """The live limit a key's limits hash holds, read from HGETALL's reply (bytes or text),
     or None when the hash holds none."""
@@ -83,16 +92,6 @@ def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
     return Pause(int(fields["paused_at"]) / 1000, fields.get("paused_by", ""))
 
 
-def pause_change(key: object, by: object) -> tuple[str, str]:
-    """The arguments of a ``pause`` or ``resume`` (sync or asyncio) checked: the key and who
-    makes the change (``by``, else :func:`setter`).
-
-    Raises:
-        SemaphoreValidationError: ``key`` or ``by`` is invalid.
-    """
-    return check.check_key(key), setter() if by is None else check.check_key(by, "by")
-
-
 def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
     """Log a pause or a resume at WARNING, beside the live limits' changes."""
     if paused == was:
@@ -100,18 +99,6 @@ def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
                     who)  # fmt: skip
         return
     logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
-
-
-def limit_change(key: object, limit: object, by: object) -> tuple[str, int | None, str]:
-    """The arguments of a ``set_limit`` (sync or asyncio) checked: the key, the new limit
-    (None clears it) and who sets it (``by``, else :func:`setter`).
-
-    Raises:
-        SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid.
-    """
-    checked = check.check_key(key)
-    new = None if limit is None else check.check_limit(limit)
-    return checked, new, setter() if by is None else check.check_key(by, "by")
 
 
 def log_limit_change(key: str, limit: int | None, previous: int | None, who: str) -> None:

@@ -13,11 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import validation as check
 from .calls import Call, call_of
-from .live import setter, text_of
+from .live import text_of
 from .names import Keys
-from .rates import Rate, check_rate_name
+from .rates import Rate
 
 logger = logging.getLogger(__name__)
 
@@ -129,23 +128,6 @@ def read_rate_states(
     return rate_states(
         raw, text_of(declared) if declared else None, seconds * 1000 + micros // 1000
     )
-
-
-def rate_change(
-    key: object, rate: object, name: object, by: object
-) -> tuple[str, Rate | None, str]:
-    """The arguments of a ``set_rate`` (sync or asyncio) checked: the key, the new rate
-    (None clears it; a spelling stands for ``Rate(spelling, name=name)``) and who sets it.
-
-    Raises:
-        SemaphoreValidationError: ``key``, ``rate``, ``name`` or ``by`` is invalid.
-    """
-    checked = check.check_key(key)
-    name = check_rate_name(name, "rate ")
-    new = None
-    if rate is not None:
-        new = rate if isinstance(rate, Rate) else Rate(rate, name=name)  # type: ignore[arg-type]
-    return checked, new, setter() if by is None else check.check_key(by, "by")
 
 
 def set_rate_call(
