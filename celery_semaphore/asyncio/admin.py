@@ -105,8 +105,8 @@ class AsyncSemaphoreAdmin(AdminTrips):
         key, token = check.check_key(key), check.check_key(token, "token")
         with backend_errors(key):  # the views show a token; the store may know a member
             found = self.client.zscan_iter(self.keys_of(key).slots, match=member_pattern(token))
-            members = [text_of(member) async for member, _ in found]
-        return await self._make(self._release_trip(key, holder_member(token, members)))
+            member = holder_member(token, [text_of(member) async for member, _ in found])
+        return await self._make(self._release_trip(key, member))
 
     async def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).
@@ -174,9 +174,8 @@ class AsyncSemaphoreAdmin(AdminTrips):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return pause_of(await self.client.hgetall(keys.limits))
+            return pause_of(await self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     async def live_limit(self, key: str) -> LiveLimit | None:
         """The live limit of ``key`` (its ``limit``, ``set_at`` in epoch seconds by the Redis
@@ -186,9 +185,10 @@ class AsyncSemaphoreAdmin(AdminTrips):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return live_limit_of(await self.client.hgetall(keys.limits))
+            return live_limit_of(
+                await self.client.hgetall(self.keys_of(check.check_key(key)).limits)
+            )
 
     async def scan_keys(
         self, limit: int = 10_000, rooms: bool = False, limits: bool = False

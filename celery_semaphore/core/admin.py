@@ -31,7 +31,7 @@ from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
-from .live import by_whom, live_limit_of, log_limit_change, log_pause_change, pause_of, text_of
+from .live import live_limit_of, log_limit_change, log_pause_change, pause_of, setter, text_of
 from .live_rates import log_rate_change, set_rate_call
 from .names import Keys, Namespace
 from .process import holder_member, member_pattern, token_of
@@ -43,9 +43,6 @@ from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "semaphore"
-
-INDEX_EVERY = 2.0
-"""Seconds between two writes of one key to the room index by one process."""
 
 _GLOB = re.compile(r"([*?\[\]\\])")
 
@@ -114,11 +111,10 @@ class KeyScan:
         self.limit, self.found = limit, list[str]()
 
     def enough(self, raw: bytes | str) -> bool:
-        """Keep the key that the Redis key ``raw`` names, if it names one; True once
-        ``limit`` keys are kept."""
-        name = text_of(raw)
-        if name.startswith(self.head) and name.endswith(self.tail):
-            self.found.append(name[len(self.head) : -len(self.tail)])
+        """Keep the key that the Redis key ``raw`` names (SCAN matched it to :attr:`match`,
+        so it starts with the head and ends with the tail); True once ``limit`` keys are
+        kept."""
+        self.found.append(text_of(raw)[len(self.head) : -len(self.tail)])
         return len(self.found) >= self.limit
 
 
@@ -212,27 +208,23 @@ class AdminTrips:
     def _holders_trip(self, key: str) -> RoundTrip[tuple[int, list[tuple[str, int, str]]],
                                                    list[Holder]]:  # fmt: skip
         key = check.check_key(key)
-
-        def read(
-            reply: tuple[int, list[tuple[str, int, str]]],
-        ) -> tuple[list[Holder], list[Handoff]]:
-            now_ms, rows = reply
-            return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows], []
-
-        return RoundTrip(key, holders_call(self.keys_of(key)), read)
+        return RoundTrip(
+            key, holders_call(self.keys_of(key)),
+            lambda reply: ([holder_from_reply(*row, reply[0]) for row in reply[1]], []),
+        )  # fmt: skip
 
     def _release_trip(self, key: str, member: str) -> RoundTrip[Released, bool]:
-        """A force release of ``member`` (the store's name for the holder) of ``key``."""
-
         def read(reply: Released) -> Released:
             if reply[0]:
                 logger.warning("semaphore %r: holder %s force-released", key, token_of(member))
             return reply
 
-        call = release_call(self.keys_of(key), member, self.handoffs.release_claim_ms, None)
         # A reservation taken away is due in its room now (its waiter goes back in line), but
         # the room's score says when its last sweep thought: bring it on.
-        return self._freeing(key, call, read, member, now=member.startswith("~"))
+        return self._freeing(
+            key, release_call(self.keys_of(key), member, self.handoffs.release_claim_ms, None),
+            read, member, now=member.startswith("~"),
+        )  # fmt: skip
 
     def _release_all_trip(self, key: str) -> RoundTrip[int, int]:
         key = check.check_key(key)
@@ -244,15 +236,14 @@ class AdminTrips:
 
         # The freed slots wait for the room's next sweep: bring it on. It hands nothing off:
         # a lost answer leaves nothing to put right.
-        call = force_release_all_call(self.keys_of(key))
-        return self._freeing(key, call, read, None, now=True)
+        return self._freeing(key, force_release_all_call(self.keys_of(key)), read, None, now=True)
 
     def _limit_trip(
         self, key: str, limit: int | None, by: str | None
     ) -> RoundTrip[tuple[int | None, int, list[Handoff]], int | None]:
         key = check.check_key(key)
         limit = None if limit is None else check.check_limit(limit)
-        who = by_whom(by)
+        who = setter(by)
 
         def read(reply: tuple[int | None, int, list[Handoff]]) -> tuple[int | None, list[Handoff]]:
             previous, _, handed = reply
@@ -263,7 +254,7 @@ class AdminTrips:
         return self._freeing(key, call, read, limit=limit)
 
     def _pause_trip(self, key: str, paused: bool, by: str | None) -> RoundTrip[Released, bool]:
-        key, who = check.check_key(key), by_whom(by)
+        key, who = check.check_key(key), setter(by)
 
         def read(reply: Released) -> Released:
             log_pause_change(key, paused, reply[0], who)
@@ -278,7 +269,7 @@ class AdminTrips:
         key, name = check.check_key(key), check_rate_name(name, "rate ")
         # A spelling stands for ``Rate(spelling, name=name)``; a Rate's own name wins.
         new = rate if rate is None or isinstance(rate, Rate) else Rate(rate, name=name)
-        name, who = name if new is None else new.name, by_whom(by)
+        name, who = name if new is None else new.name, setter(by)
 
         def read(reply: tuple[str | None, int]) -> tuple[str | None, list[Handoff]]:
             log_rate_change(key, name, new, reply[0], who)
@@ -362,8 +353,8 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
         key, token = check.check_key(key), check.check_key(token, "token")
         with backend_errors(key):  # the views show a token; the store may know a member
             found = self.client.zscan_iter(self.keys_of(key).slots, match=member_pattern(token))
-            members = [text_of(member) for member, _ in found]
-        return self._make(self._release_trip(key, holder_member(token, members)))
+            member = holder_member(token, (text_of(member) for member, _ in found))
+        return self._make(self._release_trip(key, member))
 
     def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).
@@ -387,9 +378,8 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return live_limit_of(self.client.hgetall(keys.limits))
+            return live_limit_of(self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
         """Set the live limit of ``key``, which wins over the limit every caller gives until it
@@ -464,9 +454,8 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return pause_of(self.client.hgetall(keys.limits))
+            return pause_of(self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     def set_rate(
         self, key: str, rate: str | float | Rate | None, *, name: str = "requests",

@@ -55,22 +55,20 @@ def text_of(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def setter() -> str:
-    """Who is setting a limit from this process: ``user@host pid N``."""
+def setter(by: object = None) -> str:
+    """Who makes a change from this process: ``by``, as an operator gave it, else
+    ``user@host pid N``.
+
+    Raises:
+        SemaphoreValidationError: ``by`` is neither None nor a non-empty str.
+    """
+    if by is not None:
+        return check.check_key(by, "by")
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no login name in a bare container
         user = str(os.getuid())
     return f"{user}@{socket.gethostname()} pid {os.getpid()}"
-
-
-def by_whom(by: object) -> str:
-    """Who makes a change an operator asked for: ``by``, else :func:`setter`.
-
-    Raises:
-        SemaphoreValidationError: ``by`` is not a non-empty str.
-    """
-    return setter() if by is None else check.check_key(by, "by")
 
 
 def live_limit_of(raw: Mapping[Any, Any]) -> LiveLimit | None:
@@ -87,9 +85,8 @@ def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
     """The pause a key's limits hash records, read from HGETALL's reply (bytes or text), or
     None when the key is not paused."""
     fields = {text_of(k): text_of(v) for k, v in raw.items()}
-    if "paused_at" not in fields:
-        return None
-    return Pause(int(fields["paused_at"]) / 1000, fields.get("paused_by", ""))
+    at = fields.get("paused_at")
+    return None if at is None else Pause(int(at) / 1000, fields.get("paused_by", ""))
 
 
 def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
@@ -97,8 +94,8 @@ def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
     if paused == was:
         logger.info("semaphore %r: already %s (%s asked)", key, "paused" if was else "running",
                     who)  # fmt: skip
-        return
-    logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
+    else:
+        logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
 
 
 def log_limit_change(key: str, limit: int | None, previous: int | None, who: str) -> None:
