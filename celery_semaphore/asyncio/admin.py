@@ -1,10 +1,11 @@
 """The operator's side of the semaphores, from asyncio code: :class:`AsyncSemaphoreAdmin`,
 the twin of :class:`~celery_semaphore.core.admin.SemaphoreAdmin`.
 
-It sends the same scripts through the same call builders (:mod:`celery_semaphore.core.calls`)
-and reads live limits with the same helpers (:mod:`celery_semaphore.core.live`), so a limit
-set or a slot freed from a coroutine acts on every task and thread of the key, and the other
-way round.
+Every decision is its twin's: the checks, the calls and what their replies mean come from
+:class:`~celery_semaphore.core.admin.AdminTrips`, and live limits are read with the same
+helpers (:mod:`celery_semaphore.core.live`); this class only does the I/O, on the event
+loop. So a limit set or a slot freed from a coroutine acts on every task and thread of the
+key, and the other way round.
 """
 
 from __future__ import annotations

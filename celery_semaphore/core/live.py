@@ -1,7 +1,8 @@
 """Live limits: a key's limit set in Redis by an operator, which wins over the limit its
 callers give until it is cleared, and a key's pause, which makes that limit 0 until it is
 resumed (``set_limit.lua``). What the sync and asyncio admins share
-about them: the record, reading it, checking a change and logging it; the round trips are
+about them: the record, reading it, who makes a change and logging it; a change is checked
+and decided by :class:`~celery_semaphore.core.admin.AdminTrips`, and the round trips are
 :meth:`SemaphoreAdmin.set_limit <celery_semaphore.core.admin.SemaphoreAdmin.set_limit>` and its
 asyncio twin's."""
 
