@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 
 from celery_semaphore import (
+    Refusal,
     Semaphore,
     SemaphoreAdmin,
     SemaphoreBackendError,
@@ -212,6 +214,99 @@ def test_the_admin_sets_reads_and_clears_a_live_limit_and_frees_slots(
         assert await settle(sem.admin.live_limit("k")) is None
 
     against(scenario, limit=1)
+
+
+def _due_in(worker: Semaphore, key: str = "k") -> float:
+    """Seconds until ``key``'s room is due for a sweep, by the store's clock."""
+    score = worker.client.zscore(worker.room.index.key, key)
+    assert score is not None
+    seconds, micros = worker.client.time()
+    return float(score) / 1000 - (seconds + micros / 1e6)
+
+
+def test_a_force_release_brings_the_room_s_sweep_on(
+    against: Callable[..., None],
+    redis_server: RedisServer,
+    published: Published,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A Celery worker's room parks the runs; the admin of either kind frees the slots.
+    worker = Semaphore(redis_server.url, limit=1)
+
+    async def scenario(sem: Any) -> None:
+        holder = await settle(sem.acquire("k", lease=3600.0))
+        assert isinstance(worker.room.park("k", "w", b"p", room_ttl=400.0), Parked)
+        due = worker.room.index.due(interval=0.2, count=100, ttl=3600.0)
+        assert worker.room.sweep_many(due.keys, taken_ms=due.taken_ms) == 0
+        assert _due_in(worker) > 50  # a still room: swept a quarter TTL on
+        assert await settle(sem.admin.force_release("k", holder.token)) is True
+        assert f"semaphore 'k': holder {holder.token} force-released" in caplog.text
+        # The slot is reserved for "w": its room is due once the reservation's claim lapses.
+        assert published.waiters == ["w"]
+        assert _due_in(worker) <= 5.5
+        # The reservation taken away: "w" is back in line, and its room due at once.
+        assert await settle(sem.admin.force_release("k", "~w")) is True
+        assert _due_in(worker) < 0
+
+    with caplog.at_level(logging.WARNING, "celery_semaphore.core.admin"):
+        against(scenario, limit=1, claim_timeout=5.0, on_handoff=published)
+
+
+def test_the_admin_s_live_limit_hands_off_and_logs_alike(
+    against: Callable[..., None],
+    redis_server: RedisServer,
+    published: Published,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker = Semaphore(redis_server.url, limit=1)
+
+    async def scenario(sem: Any) -> None:
+        holder = await settle(sem.acquire("k"))
+        assert isinstance(worker.room.park("k", "w", b"p"), Parked)
+        assert await settle(sem.admin.set_limit("k", 2, by="ops")) is None
+        assert "live limit set to 2 (was none) by ops" in caplog.text
+        assert published.waiters == ["w"]  # the raise handed the new slot to the parked run
+        assert await settle(sem.acquire("k")) is None  # the reservation holds it
+        with pytest.raises(SemaphoreValidationError):
+            await settle(sem.admin.set_limit("k", 2, by=""))
+        assert await settle(sem.admin.set_limit("k", None)) == 2
+        assert "live limit cleared (was 2) by " in caplog.text
+        assert await settle(holder.release()) is True
+
+    with caplog.at_level(logging.INFO, "celery_semaphore.core.live"):
+        against(scenario, limit=1, on_handoff=published)
+    assert isinstance(worker.room.claim("k", "w"), Slot)
+
+
+def test_the_admin_pauses_and_resumes_alike(
+    against: Callable[..., None],
+    redis_server: RedisServer,
+    published: Published,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    worker = Semaphore(redis_server.url, limit=1)
+
+    async def scenario(sem: Any) -> None:
+        assert await settle(sem.admin.pause("k", by="ops")) is False
+        assert await settle(sem.admin.pause("k", by="ops")) is True
+        assert "semaphore 'k': paused by ops" in caplog.text
+        assert "semaphore 'k': already paused (ops asked)" in caplog.text
+        paused = await settle(sem.admin.pause_of("k"))
+        assert paused.by == "ops"
+        assert await settle(sem.acquire("k")) is None
+        with pytest.raises(SemaphoreNotAcquiredError) as refused:
+            async with holding(sem.hold("k")):
+                pass
+        assert refused.value.reason is Refusal.PAUSED
+        assert isinstance(worker.room.park("k", "w", b"p"), Parked)
+        assert await settle(sem.admin.resume("k", by="ops")) is True
+        assert "semaphore 'k': resumed by ops" in caplog.text
+        assert await settle(sem.admin.pause_of("k")) is None
+        assert published.waiters == ["w"]  # the resume handed the free slot to the parked run
+
+    with caplog.at_level(logging.INFO, "celery_semaphore.core.live"):
+        against(scenario, limit=1, on_handoff=published)
+    assert isinstance(worker.room.claim("k", "w"), Slot)
 
 
 def test_a_slot_taken_away_is_lost_in_hold(against: Callable[..., None]) -> None:

@@ -11,42 +11,43 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import redis
 
 from . import validation as check
-from .calls import pause_call
+from .calls import (
+    Call,
+    force_release_all_call,
+    holders_call,
+    pause_call,
+    release_call,
+    set_limit_call,
+)
 from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
-from .live import (
-    limit_change,
-    live_limit_of,
-    log_limit_change,
-    log_pause_change,
-    pause_change,
-    pause_of,
-    text_of,
-)
-from .live_rates import log_rate_change, rate_change, set_rate_call
+from .live import live_limit_of, log_limit_change, log_pause_change, pause_of, setter, text_of
+from .live_rates import log_rate_change, set_rate_call
 from .names import Keys, Namespace
 from .process import holder_member, member_pattern, token_of
-from .rates import Rate
-from .recovery import recovering
-from .scripts import Scripts, backend_errors
+from .rates import Rate, check_rate_name
+from .recovery import recover_later
+from .replies import Handoff
+from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "semaphore"
 
-INDEX_EVERY = 2.0
-"""Seconds between two writes of one key to the room index by one process."""
-
 _GLOB = re.compile(r"([*?\[\]\\])")
+
+# release.lua's reply, and set_limit.lua's to a pause: a flag, and the hand-offs made.
+Released = tuple[bool, list[Handoff]]
 
 
 @dataclass(frozen=True)
@@ -110,11 +111,10 @@ class KeyScan:
         self.limit, self.found = limit, list[str]()
 
     def enough(self, raw: bytes | str) -> bool:
-        """Keep the key that the Redis key ``raw`` names, if it names one; True once
-        ``limit`` keys are kept."""
-        name = text_of(raw)
-        if name.startswith(self.head) and name.endswith(self.tail):
-            self.found.append(name[len(self.head) : -len(self.tail)])
+        """Keep the key that the Redis key ``raw`` names (SCAN matched it to :attr:`match`,
+        so it starts with the head and ends with the tail); True once ``limit`` keys are
+        kept."""
+        self.found.append(text_of(raw)[len(self.head) : -len(self.tail)])
         return len(self.found) >= self.limit
 
 
@@ -157,7 +157,128 @@ def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
     ]
 
 
-class SemaphoreAdmin(AdminMoved):
+R = TypeVar("R")
+A = TypeVar("A")
+
+
+@dataclass(frozen=True)
+class RoundTrip(Generic[R, A]):
+    """One round trip of an admin on ``key``, decided without I/O for the sync and the
+    asyncio twin alike (:class:`AdminTrips` makes them); each twin only does its I/O
+    (``_make``), in this order: write :attr:`before` to the room index (``ZADD XX LT``: see
+    :meth:`HandoffRoute.mark_before`), send :attr:`call`, write :attr:`after` (``ZADD XX``).
+    A redis-py error is handed to the twin's ``recover_later`` with :attr:`token` (None: the
+    call needs no recovery) and raised as a backend error of ``key`` and :attr:`limit`. Then
+    :attr:`read` makes of the reply the answer and the hand-offs to deliver, and logs what
+    changed."""
+
+    key: str
+    call: Call[R]
+    read: Callable[[R], tuple[A, list[Handoff]]]
+    before: dict[str, int] = field(default_factory=dict)
+    after: dict[str, int] = field(default_factory=dict)
+    token: str | None = None
+    limit: int | None = None
+
+
+class AdminTrips:
+    """What :class:`SemaphoreAdmin` and its asyncio twin decide, without I/O: the checks of
+    each of their round trips and the :class:`RoundTrip` to make; the twins make them."""
+
+    names: Namespace
+    handoffs: HandoffRoute
+
+    def keys_of(self, key: str) -> Keys:
+        """The Redis keys of ``key`` (see :meth:`Namespace.keys_of`).
+
+        Raises:
+            SemaphoreValidationError: ``key`` starts with ``}`` and the client is a cluster's.
+        """
+        return self.names.keys_of(key)
+
+    def _freeing(
+        self, key: str, call: Call[R], read: Callable[[R], tuple[A, list[Handoff]]],
+        token: str | None = "", limit: int | None = None, now: bool = False,
+    ) -> RoundTrip[R, A]:  # fmt: skip
+        """A round trip that may free slots of ``key``: its room's sweep brought on before
+        it (see :meth:`HandoffRoute.mark_before`), and when ``now``, due at once after it."""
+        _, before = self.handoffs.mark_before(self.keys_of(key), key)
+        return RoundTrip(key, call, read, before, {key: 0} if now else {}, token, limit)
+
+    def _holders_trip(self, key: str) -> RoundTrip[tuple[int, list[tuple[str, int, str]]],
+                                                   list[Holder]]:  # fmt: skip
+        key = check.check_key(key)
+        return RoundTrip(
+            key, holders_call(self.keys_of(key)),
+            lambda reply: ([holder_from_reply(*row, reply[0]) for row in reply[1]], []),
+        )  # fmt: skip
+
+    def _release_trip(self, key: str, member: str) -> RoundTrip[Released, bool]:
+        def read(reply: Released) -> Released:
+            if reply[0]:
+                logger.warning("semaphore %r: holder %s force-released", key, token_of(member))
+            return reply
+
+        # A reservation taken away is due in its room now (its waiter goes back in line), but
+        # the room's score says when its last sweep thought: bring it on.
+        return self._freeing(
+            key, release_call(self.keys_of(key), member, self.handoffs.release_claim_ms, None),
+            read, member, now=member.startswith("~"),
+        )  # fmt: skip
+
+    def _release_all_trip(self, key: str) -> RoundTrip[int, int]:
+        key = check.check_key(key)
+
+        def read(displaced: int) -> tuple[int, list[Handoff]]:
+            logger.warning("semaphore %r: every slot force-released, %d live holder(s) "
+                           "displaced", key, displaced)  # fmt: skip
+            return displaced, []
+
+        # The freed slots wait for the room's next sweep: bring it on. It hands nothing off:
+        # a lost answer leaves nothing to put right.
+        return self._freeing(key, force_release_all_call(self.keys_of(key)), read, None, now=True)
+
+    def _limit_trip(
+        self, key: str, limit: int | None, by: str | None
+    ) -> RoundTrip[tuple[int | None, int, list[Handoff]], int | None]:
+        key = check.check_key(key)
+        limit = None if limit is None else check.check_limit(limit)
+        who = setter(by)
+
+        def read(reply: tuple[int | None, int, list[Handoff]]) -> tuple[int | None, list[Handoff]]:
+            previous, _, handed = reply
+            log_limit_change(key, limit, previous, who)
+            return previous, handed
+
+        call = set_limit_call(self.keys_of(key), limit, who, self.handoffs.release_claim_ms)
+        return self._freeing(key, call, read, limit=limit)
+
+    def _pause_trip(self, key: str, paused: bool, by: str | None) -> RoundTrip[Released, bool]:
+        key, who = check.check_key(key), setter(by)
+
+        def read(reply: Released) -> Released:
+            log_pause_change(key, paused, reply[0], who)
+            return reply
+
+        call = pause_call(self.keys_of(key), paused, who, self.handoffs.release_claim_ms)
+        return self._freeing(key, call, read)
+
+    def _rate_trip(
+        self, key: str, rate: str | float | Rate | None, name: str, by: str | None
+    ) -> RoundTrip[tuple[str | None, int], str | None]:
+        key, name = check.check_key(key), check_rate_name(name, "rate ")
+        # A spelling stands for ``Rate(spelling, name=name)``; a Rate's own name wins.
+        new = rate if rate is None or isinstance(rate, Rate) else Rate(rate, name=name)
+        name, who = name if new is None else new.name, setter(by)
+
+        def read(reply: tuple[str | None, int]) -> tuple[str | None, list[Handoff]]:
+            log_rate_change(key, name, new, reply[0], who)
+            return reply[0], []
+
+        return RoundTrip(key, set_rate_call(self.keys_of(key), name, new, who), read)
+
+
+class SemaphoreAdmin(AdminTrips, AdminMoved):
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
     Args:
@@ -184,13 +305,22 @@ class SemaphoreAdmin(AdminMoved):
         self._scripts = scripts or Scripts(client)
         self.names = Namespace(self.prefix, isinstance(client, redis.RedisCluster))
 
-    def keys_of(self, key: str) -> Keys:
-        """The Redis keys of ``key`` (see :meth:`Namespace.keys_of`).
-
-        Raises:
-            SemaphoreValidationError: ``key`` starts with ``}`` and the client is a cluster's.
-        """
-        return self.names.keys_of(key)
+    def _make(self, trip: RoundTrip[R, A]) -> A:  # see RoundTrip; the asyncio twin's is alike
+        sent_at = time.monotonic()
+        try:
+            if trip.before:
+                self.client.zadd(self.names.room_index, trip.before, xx=True, lt=True)
+            reply = self._scripts.run(trip.call)
+            if trip.after:
+                self.client.zadd(self.names.room_index, trip.after, xx=True)
+        except REDIS_ERRORS as exc:
+            if trip.token is not None:
+                recover_later(self._scripts, self.keys_of(trip.key), trip.key, trip.token,
+                              self.handoffs, sent_at, exc)  # fmt: skip
+            raise backend_error(exc, trip.key, trip.limit) from exc
+        answer, handed = trip.read(reply)
+        self.handoffs.deliver(trip.key, handed, self._scripts)
+        return answer
 
     def scan_keys(
         self, limit: int = 10_000, rooms: bool = False, limits: bool = False
@@ -212,10 +342,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        with backend_errors(key):
-            now_ms, rows = self._scripts.holders(self.keys_of(key))
-        return [holder_from_reply(t, expires, info, now_ms) for t, expires, info in rows]
+        return self._make(self._holders_trip(key))
 
     def force_release(self, key: str, token: str) -> bool:
         """Free one holder's slot by its token (from :meth:`holders`), as an operator would.
@@ -227,23 +354,11 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` or ``token`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        check.check_key(token, "token")
-        keys = self.keys_of(key)
+        key, token = check.check_key(key), check.check_key(token, "token")
         with backend_errors(key):  # the views show a token; the store may know a member
-            found = self.client.zscan_iter(keys.slots, match=member_pattern(token))
-            token = holder_member(token, (text_of(member) for member, _ in found))
-        with backend_errors(key), recovering(self._scripts, keys, key, token, self.handoffs):
-            self._bring_on(keys, key)
-            live, handed = self._scripts.release(keys, token, self.handoffs.release_claim_ms, None)
-            if token.startswith("~"):
-                # A reservation taken away is due in its room now (its waiter goes back in
-                # line), but the room's score says when its last sweep thought: bring it on.
-                self.client.zadd(self.names.room_index, {key: 0}, xx=True)
-        self.handoffs.deliver(key, handed, self._scripts)
-        if live:
-            logger.warning("semaphore %r: holder %s force-released", key, token_of(token))
-        return live
+            found = self.client.zscan_iter(self.keys_of(key).slots, match=member_pattern(token))
+            member = holder_member(token, (text_of(member) for member, _ in found))
+        return self._make(self._release_trip(key, member))
 
     def force_release_all(self, key: str) -> int:
         """Free every slot of ``key`` at once (an operator's recovery tool).
@@ -258,16 +373,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        key = check.check_key(key)
-        with backend_errors(key):
-            self._bring_on(self.keys_of(key), key)
-            displaced = self._scripts.force_release_all(self.keys_of(key))
-            # The freed slots wait for the room's next sweep: bring it on.
-            self.client.zadd(self.names.room_index, {key: 0}, xx=True)
-        logger.warning(
-            "semaphore %r: every slot force-released, %d live holder(s) displaced", key, displaced
-        )
-        return displaced
+        return self._make(self._release_all_trip(key))
 
     def live_limit(self, key: str) -> LiveLimit | None:
         """The live limit of ``key``, or None when none is set (one round trip).
@@ -276,9 +382,8 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return live_limit_of(self.client.hgetall(keys.limits))
+            return live_limit_of(self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     def set_limit(self, key: str, limit: int | None, by: str | None = None) -> int | None:
         """Set the live limit of ``key``, which wins over the limit every caller gives until it
@@ -302,16 +407,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid (nothing is sent).
             SemaphoreBackendError: Redis failed.
         """
-        key, limit, who = limit_change(key, limit, by)
-        keys = self.keys_of(key)
-        with backend_errors(key, limit), recovering(self._scripts, keys, key, "", self.handoffs):
-            self._bring_on(keys, key)
-            previous, _, handed = self._scripts.set_limit(
-                keys, limit, who, self.handoffs.release_claim_ms
-            )
-        self.handoffs.deliver(key, handed, self._scripts)
-        log_limit_change(key, limit, previous, who)
-        return previous
+        return self._make(self._limit_trip(key, limit, by))
 
     def pause(self, key: str, by: str | None = None) -> bool:
         """Pause ``key`` for the whole fleet. While it is paused the limit
@@ -332,7 +428,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` or ``by`` is invalid (nothing is sent).
             SemaphoreBackendError: Redis failed.
         """
-        return self._pause(key, True, by)
+        return self._make(self._pause_trip(key, True, by))
 
     def resume(self, key: str, by: str | None = None) -> bool:
         """Resume ``key`` for the whole fleet. The free capacity is handed
@@ -353,24 +449,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` or ``by`` is invalid (nothing is sent).
             SemaphoreBackendError: Redis failed.
         """
-        return self._pause(key, False, by)
-
-    def _pause(self, key: str, paused: bool, by: str | None) -> bool:
-        key, who = pause_change(key, by)
-        keys = self.keys_of(key)
-        with backend_errors(key), recovering(self._scripts, keys, key, "", self.handoffs):
-            self._bring_on(keys, key)
-            was, handed = self._scripts.run(
-                pause_call(keys, paused, who, self.handoffs.release_claim_ms)
-            )
-        self.handoffs.deliver(key, handed, self._scripts)
-        log_pause_change(key, paused, was, who)
-        return was
-
-    def _bring_on(self, keys: Keys, key: str) -> None:
-        """Before a change that may free slots of ``key``: see :meth:`HandoffRoute.mark_before`."""
-        index, mark = self.handoffs.mark_before(keys, key)
-        self.client.zadd(index, mark, xx=True, lt=True)
+        return self._make(self._pause_trip(key, False, by))
 
     def pause_of(self, key: str) -> Pause | None:
         """Whether ``key`` is paused: who paused it and when, or None (one round trip).
@@ -379,9 +458,8 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: ``key`` is not a non-empty str.
             SemaphoreBackendError: Redis failed.
         """
-        keys = self.keys_of(check.check_key(key))
         with backend_errors(key):
-            return pause_of(self.client.hgetall(keys.limits))
+            return pause_of(self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     def set_rate(
         self, key: str, rate: str | float | Rate | None, *, name: str = "requests",
@@ -407,12 +485,7 @@ class SemaphoreAdmin(AdminMoved):
             SemaphoreValidationError: an argument is invalid (nothing is sent).
             SemaphoreBackendError: Redis failed.
         """
-        key, new, who = rate_change(key, rate, name, by)
-        name = name if new is None else new.name
-        with backend_errors(key):
-            previous, _ = self._scripts.run(set_rate_call(self.keys_of(key), name, new, who))
-        log_rate_change(key, name, new, previous, who)
-        return previous
+        return self._make(self._rate_trip(key, rate, name, by))
 
     def server_warnings(self) -> list[str]:
         """What about the server could break the semaphore's promise, for a start-up log:

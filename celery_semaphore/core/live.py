@@ -1,7 +1,8 @@
 """Live limits: a key's limit set in Redis by an operator, which wins over the limit its
 callers give until it is cleared, and a key's pause, which makes that limit 0 until it is
 resumed (``set_limit.lua``). What the sync and asyncio admins share
-about them: the record, reading it, checking a change and logging it; the round trips are
+about them: the record, reading it, who makes a change and logging it; a change is checked
+and decided by :class:`~celery_semaphore.core.admin.AdminTrips`, and the round trips are
 :meth:`SemaphoreAdmin.set_limit <celery_semaphore.core.admin.SemaphoreAdmin.set_limit>` and its
 asyncio twin's."""
 
@@ -55,8 +56,15 @@ def text_of(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def setter() -> str:
-    """Who is setting a limit from this process: ``user@host pid N``."""
+def setter(by: object = None) -> str:
+    """Who makes a change from this process: ``by``, as an operator gave it, else
+    ``user@host pid N``.
+
+    Raises:
+        SemaphoreValidationError: ``by`` is neither None nor a non-empty str.
+    """
+    if by is not None:
+        return check.check_key(by, "by")
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no login name in a bare container
@@ -78,19 +86,8 @@ def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
     """The pause a key's limits hash records, read from HGETALL's reply (bytes or text), or
     None when the key is not paused."""
     fields = {text_of(k): text_of(v) for k, v in raw.items()}
-    if "paused_at" not in fields:
-        return None
-    return Pause(int(fields["paused_at"]) / 1000, fields.get("paused_by", ""))
-
-
-def pause_change(key: object, by: object) -> tuple[str, str]:
-    """The arguments of a ``pause`` or ``resume`` (sync or asyncio) checked: the key and who
-    makes the change (``by``, else :func:`setter`).
-
-    Raises:
-        SemaphoreValidationError: ``key`` or ``by`` is invalid.
-    """
-    return check.check_key(key), setter() if by is None else check.check_key(by, "by")
+    at = fields.get("paused_at")
+    return None if at is None else Pause(int(at) / 1000, fields.get("paused_by", ""))
 
 
 def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
@@ -98,20 +95,8 @@ def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:
     if paused == was:
         logger.info("semaphore %r: already %s (%s asked)", key, "paused" if was else "running",
                     who)  # fmt: skip
-        return
-    logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
-
-
-def limit_change(key: object, limit: object, by: object) -> tuple[str, int | None, str]:
-    """The arguments of a ``set_limit`` (sync or asyncio) checked: the key, the new limit
-    (None clears it) and who sets it (``by``, else :func:`setter`).
-
-    Raises:
-        SemaphoreValidationError: ``key``, ``limit`` or ``by`` is invalid.
-    """
-    checked = check.check_key(key)
-    new = None if limit is None else check.check_limit(limit)
-    return checked, new, setter() if by is None else check.check_key(by, "by")
+    else:
+        logger.warning("semaphore %r: %s by %s", key, "paused" if paused else "resumed", who)
 
 
 def log_limit_change(key: str, limit: int | None, previous: int | None, who: str) -> None:

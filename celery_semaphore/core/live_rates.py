@@ -13,11 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import validation as check
 from .calls import Call, call_of
-from .live import setter, text_of
+from .live import text_of
 from .names import Keys
-from .rates import Rate, check_rate_name
+from .rates import Rate
 
 logger = logging.getLogger(__name__)
 
@@ -64,28 +63,21 @@ class RateState:
     due_in: float = 0.0
 
 
-def live_rates_of(raw: Mapping[Any, Any]) -> dict[str, LiveRate]:
-    """The live rates a key's limits hash holds (HGETALL's reply, bytes or text), by name."""
-    fields = {text_of(k): text_of(v) for k, v in raw.items()}
-    found = {}
-    for field, spec in fields.items():
-        if field.startswith("rate_spec:"):
-            name = field[len("rate_spec:") :]
-            at = int(fields.get("rate_at:" + name, 0)) / 1000
-            found[name] = LiveRate(name, spec, at, fields.get("rate_by:" + name, ""))
-    return found
-
-
 def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tuple[RateState, ...]:
     """Each start rate of a key: from its limits hash (HGETALL's reply: TATs and live
     rates) and ``declared``, the rates its room last recorded (``"!rates"``, None: none),
     at the server's ``now_ms``."""
     fields = {text_of(k): text_of(v) for k, v in raw.items()}
-    lives = live_rates_of(raw)
-    given: dict[str, tuple[float, int]] = {}
+    lives: dict[str, LiveRate] = {}  # an operator's live rates, by name
+    for field, spec in fields.items():
+        if field.startswith("rate_spec:"):
+            name = field[len("rate_spec:") :]
+            lives[name] = LiveRate(name, spec, int(fields.get("rate_at:" + name, 0)) / 1000,
+                                   fields.get("rate_by:" + name, ""))  # fmt: skip
     items = (declared or "").split()
-    for i in range(0, len(items) - 2, 3):
-        given[items[i]] = (float(items[i + 1]), int(items[i + 2]))
+    given = {
+        items[i]: (float(items[i + 1]), int(items[i + 2])) for i in range(0, len(items) - 2, 3)
+    }
     names = sorted({k[4:] for k in fields if k.startswith("tat:")} | set(given) | set(lives))
     found = []
     for name in names:
@@ -126,30 +118,12 @@ def read_rate_states(
             raw, declared = pipe.execute()
     else:
         declared = client.hget(keys.parked, "!rates")
-    names = (k if isinstance(k, bytes) else str(k).encode() for k in raw)
-    if not declared and not any(name.startswith((b"tat:", b"rate:")) for name in names):
+    if not declared and not any(text_of(k).startswith(("tat:", "rate:")) for k in raw):
         return ()
     seconds, micros = client.time()
     return rate_states(
         raw, text_of(declared) if declared else None, seconds * 1000 + micros // 1000
     )
-
-
-def rate_change(
-    key: object, rate: object, name: object, by: object
-) -> tuple[str, Rate | None, str]:
-    """The arguments of a ``set_rate`` (sync or asyncio) checked: the key, the new rate
-    (None clears it; a spelling stands for ``Rate(spelling, name=name)``) and who sets it.
-
-    Raises:
-        SemaphoreValidationError: ``key``, ``rate``, ``name`` or ``by`` is invalid.
-    """
-    checked = check.check_key(key)
-    name = check_rate_name(name, "rate ")
-    new = None
-    if rate is not None:
-        new = rate if isinstance(rate, Rate) else Rate(rate, name=name)  # type: ignore[arg-type]
-    return checked, new, setter() if by is None else check.check_key(by, "by")
 
 
 def set_rate_call(
@@ -162,11 +136,7 @@ def set_rate_call(
         if rate is None
         else (name, f"{rate.interval_ms:.6f} {rate.burst}", f"{rate.spec} burst {rate.burst}", by)
     )
-
-    def parse(reply: Any) -> tuple[str | None, int]:
-        return text_of(reply[0]) or None, int(reply[1])
-
-    return call_of("set_rate", keys, args, parse)
+    return call_of("set_rate", keys, args, lambda reply: (text_of(reply[0]) or None, int(reply[1])))
 
 
 def log_rate_change(key: str, name: str, rate: Rate | None, previous: str | None, who: str) -> None:

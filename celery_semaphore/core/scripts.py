@@ -292,20 +292,6 @@ class Scripts:
             )
         return found, handed
 
-    def set_limit(
-        self, keys: Keys, limit: int | None, by: str, claim_ms: int
-    ) -> tuple[int | None, int, list[Handoff]]:
-        """Set or clear the key's live limit (see :func:`set_limit_call`)."""
-        return self.run(calls.set_limit_call(keys, limit, by, claim_ms))
-
-    def holders(self, keys: Keys) -> tuple[int, list[tuple[str, int, str]]]:
-        """The server's time (epoch ms) and each live ``(token, expires_at_ms, info)``."""
-        return self.run(calls.holders_call(keys))
-
-    def force_release_all(self, keys: Keys) -> int:
-        """Delete the semaphore; how many live holders it had."""
-        return self.run(calls.force_release_all_call(keys))
-
 
 class AsyncScripts:
     """The same scripts, registered once on one ``redis.asyncio`` client (plain or cluster).
