@@ -164,7 +164,8 @@ def test_a_release_hands_off_to_the_hand_off_queue_and_a_sweep_to_the_runs_own_q
     # last worker stopped, or the setting turned off) must still reach a worker.
     task = app.tasks["csem.queued"]
     mute = Semaphore(app.conf.semaphore_url, limit=3)  # leaves freed slots to a sweep
-    held = [mute.acquire("queued") for _ in range(3)]
+    releaser = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
+    held = [mute.acquire("queued") for _ in range(2)] + [releaser.acquire("queued")]
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         runs = [task.delay(n, 0.0) for n in range(2)]
         assert wait_for(lambda: len(mute.room.waiters("queued")) == 2, timeout=30)
@@ -173,15 +174,11 @@ def test_a_release_hands_off_to_the_hand_off_queue_and_a_sweep_to_the_runs_own_q
     route = HandoffRoute(30.0, publisher_for(app, False))
     assert WaitingRoom(client, "semaphore", route).sweep("queued") == 1
     assert (client.llen(QUEUES[0]), client.llen(QUEUES[1])) == (1, 0)  # the run's own queue
-    held[1].release()  # type: ignore[union-attr]
-    releaser = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
-    slot = releaser.acquire("queued")  # a plain acquire takes the freed slot
-    assert slot is not None
-    slot.release()  # and its release hands it to the second run
+    held[2].release()  # type: ignore[union-attr]  # a release hands it to the second run
     assert (client.llen(QUEUES[0]), client.llen(QUEUES[1])) == (1, 1)  # the hand-off queue
     with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
         assert sorted(r.get(timeout=60) for r in runs) == [0, 1]
-    held[2].release()  # type: ignore[union-attr]
+    held[1].release()  # type: ignore[union-attr]
 
 
 def test_runs_handed_off_to_a_hand_off_queue_nobody_consumes_reach_a_worker_all_the_same(
