@@ -96,14 +96,12 @@ end
 if rates then rates_take(KEYS[3], rates, units, now_ms, now_ms) end
 -- The set outlives every live lease, so an abandoned semaphore disappears by itself (within
 -- two leases); the holders hash is kept alive by those whose records it holds (extend.lua).
--- Raising the TTL to twice the lease whenever it is below one lease makes the
--- PEXPIRE about once per lease on a busy key, instead of on every acquire, which
--- PTTL's millisecond steps would otherwise ask for. (PEXPIRE ... GT would save the PTTL,
--- but needs Redis 7, and would still write on every call.)
 -- A key nobody held (live is 0) was just made by the ZADD and has no TTL yet: no need to
 -- ask (an uncontended key is made anew by each acquire, its last release deleting it).
-if live == 0 or redis.call('PTTL', slots) < lease_ms then
+if live == 0 then
   redis.call('PEXPIRE', slots, 2 * lease_ms)
+else
+  keep_ttl(slots, lease_ms, 2 * lease_ms)
 end
 if live_limit then return {1, expires_at_ms, now_ms, limit} end
 return now_ms

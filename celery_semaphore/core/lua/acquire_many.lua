@@ -57,7 +57,7 @@ for i = 1, count do
     redis.call('ZADD', slots, expires_at_ms, token .. '#' .. w)
   end
   redis.call('HSET', holders, token, now_ms .. '|' .. metadata)
-  if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
-  if redis.call('PTTL', holders) < lease_ms then redis.call('PEXPIRE', holders, 2 * lease_ms) end
+  keep_ttl(slots, lease_ms, 2 * lease_ms)
+  keep_ttl(holders, lease_ms, 2 * lease_ms)
 end
 return {1, expires_at_ms, now_ms, unpack(limits)}

@@ -11,5 +11,5 @@
 local now = now_ms()
 local for_ms = tonumber(ARGV[2])
 redis.call('ZADD', KEYS[1], now + for_ms, ARGV[1])
-if redis.call('PTTL', KEYS[1]) < for_ms then redis.call('PEXPIRE', KEYS[1], for_ms) end
+keep_ttl(KEYS[1], for_ms, for_ms)
 return now

@@ -36,10 +36,8 @@ for i = 1, #KEYS / 2 do
     for w = 2, weight do redis.call('ZADD', slots, 'XX', expires_at_ms, token .. '#' .. w) end
     -- With the same headroom as acquire.lua, so that renewals rarely write the TTL; a
     -- holder whose record is in the holders hash, not in its member, keeps the hash alive.
-    if redis.call('PTTL', slots) < lease_ms then redis.call('PEXPIRE', slots, 2 * lease_ms) end
-    if not string.find(token, '|', 1, true) and redis.call('PTTL', holders) < lease_ms then
-      redis.call('PEXPIRE', holders, 2 * lease_ms)
-    end
+    keep_ttl(slots, lease_ms, 2 * lease_ms)
+    if not string.find(token, '|', 1, true) then keep_ttl(holders, lease_ms, 2 * lease_ms) end
     reply[#reply + 1] = expires_at_ms
   end
 end

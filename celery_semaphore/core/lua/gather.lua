@@ -66,8 +66,8 @@ for _, s in ipairs(sems) do
   record.waiting = nil
   room_reserve(s.slots, s.deadlines, s.parked, waiter, s.weight, now + claim_ms)
   redis.call('HSET', s.holders, '~' .. waiter, (at or now) .. '|' .. cjson.encode(record))
-  if redis.call('PTTL', s.slots) < claim_ms then redis.call('PEXPIRE', s.slots, claim_ms) end
-  if redis.call('PTTL', s.holders) < claim_ms then redis.call('PEXPIRE', s.holders, claim_ms) end
+  keep_ttl(s.slots, claim_ms, claim_ms)
+  keep_ttl(s.holders, claim_ms, claim_ms)
 end
 out[#out + 1] = waiter
 out[#out + 1] = payload

@@ -91,10 +91,8 @@ local function many_settle(sems, waiter, place, claim_ms, now, out)
       redis.call('HSET', s.holders, '~' .. waiter, now .. '|' .. cjson.encode(record))
       redis.call('HDEL', s.parked, '!p:' .. waiter)
       -- As room.lua's hand-off: each key on its own (a hash made after the set has no TTL).
-      if redis.call('PTTL', s.slots) < claim_ms then redis.call('PEXPIRE', s.slots, claim_ms) end
-      if redis.call('PTTL', s.holders) < claim_ms then
-        redis.call('PEXPIRE', s.holders, claim_ms)
-      end
+      keep_ttl(s.slots, claim_ms, claim_ms)
+      keep_ttl(s.holders, claim_ms, claim_ms)
       reserved[i] = true
     end
   end

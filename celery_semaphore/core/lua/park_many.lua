@@ -91,8 +91,8 @@ local function take_all(out)
     units_add(k(i, 1), token, sems[i].weight, expires_at_ms)
     redis.call('HSET', k(i, 2), token, now .. '|' .. metadata)
     -- Each on its own: a holders hash made after the set has no TTL of its own yet.
-    if redis.call('PTTL', k(i, 1)) < lease_ms then redis.call('PEXPIRE', k(i, 1), 2 * lease_ms) end
-    if redis.call('PTTL', k(i, 2)) < lease_ms then redis.call('PEXPIRE', k(i, 2), 2 * lease_ms) end
+    keep_ttl(k(i, 1), lease_ms, 2 * lease_ms)
+    keep_ttl(k(i, 2), lease_ms, 2 * lease_ms)
   end
   local reply = {1, expires_at_ms, now, 0}
   for _, value in ipairs(out) do reply[#reply + 1] = value end

@@ -260,11 +260,9 @@ local function room_hand_off(slots, holders, room, parked, deadlines, limit, cla
   -- the room may be scored for later than that (a still room's sweep comes a quarter TTL
   -- on): bring it on.
   if first then room_bring_on(slots, parked, first + claim_ms, out) end
-  if redis.call('PTTL', slots) < claim_ms then redis.call('PEXPIRE', slots, claim_ms) end
+  keep_ttl(slots, claim_ms, claim_ms)
   -- The reservations' records: a holders hash made here has no TTL of its own yet.
-  if first and redis.call('PTTL', holders) < claim_ms then
-    redis.call('PEXPIRE', holders, claim_ms)
-  end
+  if first then keep_ttl(holders, claim_ms, claim_ms) end
 end
 
 -- Wake one caller blocked on the wake list, if any (a slot was freed and the room did not
