@@ -49,7 +49,7 @@ SCRIPT_KEYS = {
     "extend": _PAIR,
     "count": slice(0, 1), "held": slice(0, 1), "holders": _PAIR,
     "force_release_all": _PAIR, "park": slice(0, 9), "claim": slice(0, 9),
-    "take": slice(0, 5), "park_many": slice(0, 9),
+    "take": slice(0, 5), "park_many": slice(0, 9), "claim_many": slice(0, 9),
     "release": ROOM_KEYS,
     "sweep": ROOM_KEYS, "cancel": ROOM_KEYS, "set_limit": ROOM_KEYS, "recover": ROOM_KEYS,
     "gather": slice(0, 6), "block": slice(6, 7), "set_rate": slice(2, 3),
@@ -261,15 +261,16 @@ def park_many_call(
     max_queued: int, claim_only: bool, deadline_ms: int, delivery: str = "",
 ) -> Call[tuple[Admitted | Parked | RoomFull | NotWaiting, list[Handoff]]]:  # fmt: skip
     """Take a slot of every ``(keys, limit, weight)`` in arrival order, or park in the room
-    of the first that cannot take it yet (see park_many.lua's contract). A
-    :class:`Parked` answer's ``index`` says which."""
+    of the first that cannot take it yet (see park_many.lua's contract); with
+    ``claim_only``, claim what a hand-off reserved (claim_many.lua). A :class:`Parked`
+    answer's ``index`` says which room."""
     keys = [name for k, _, _ in groups for name in k[SCRIPT_KEYS["park_many"]]]
     how = {"arrival_ms": arrival_ms, "claim_ms": claim_ms, "ttl_ms": room_ttl_ms,
-           "max_queued": max_queued, "claim": claim_only, "deadline_ms": deadline_ms,
+           "max_queued": max_queued, "deadline_ms": deadline_ms,
            "delivery": delivery}  # fmt: skip
     sizes = [value for _, limit, weight in groups for value in (limit, weight)]
     args = (lease_ms, token, metadata, waiter, payload, json.dumps(how), json.dumps(sizes))
-    return Call("park_many", keys, args, parse_park_many)
+    return Call("claim_many" if claim_only else "park_many", keys, args, parse_park_many)
 
 
 def waiting_call(

@@ -1,0 +1,12 @@
+-- claim_many: a handed-off run of several semaphores starts: it takes every one with the
+-- units reserved for it, or waits in their rooms again, as it stands (many_turn.lua).
+--
+-- KEYS and ARGV as park_many.lua's, with ARGV[5] (payload) "" and "delivery" in ARGV[6] the
+-- id of the message this run came in, recorded with the claim (see claim.lua)
+--
+-- Returns {1, expires_at_ms, now_ms, 0, hand-offs...}    the run holds a slot of each
+--         {0, position, now_ms, i, hand-offs...}         it waits again (see park_many.lua)
+--         {-2, again, now_ms, 0}                          nothing is reserved or parked for
+--                                                        it: again as claim.lua's
+--! uses: many_turn
+return many_turn(true)
