@@ -5,6 +5,10 @@ store restarted under parked runs, is in tests/test_room_faults.py.)"""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import pwd
+import tempfile
 import threading
 import time
 import uuid
@@ -13,13 +17,16 @@ from pathlib import Path
 import pytest
 import redis
 from celery import Celery
+from celery.contrib.testing.worker import start_worker
 from kombu.serialization import dumps
 
 from celery_semaphore.integration.settings import app_settings, journal_for
 from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
-from celery_semaphore.integration.waiting_room.journal import Journal
+from celery_semaphore.integration.waiting_room.journal import Journal, default_directories
 from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
+from celery_semaphore.testing import RedisServer
 
+from .celery_apps import make_app
 from .helpers import queued
 
 KEY = "journaled"
@@ -113,3 +120,72 @@ def test_many_threads_of_a_process_share_its_one_journal_connection(tmp_path: Pa
         thread.join()
     assert len({entry.waiter for entry in journal.entries()}) == 400
     assert len({id(db) for db in opened}) == 1
+
+
+def test_a_home_that_is_no_directory_puts_the_journal_in_the_temporary_directory(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Proves: with the default setting and a HOME that is a file (a locked-down container),
+    the journal goes to a directory of the user's own in the temporary directory."""
+    home = tmp_path / "home"
+    home.write_text("")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    app = make_app(redis_server.url, semaphore_journal=True)
+    journal = journal_for(app)
+    assert journal is not None
+    assert journal.path.parent == Path(tempfile.gettempdir()) / f"celery-semaphore-{os.getuid()}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="takes an arbitrary uid, as root can")
+def test_a_user_with_no_home_and_no_passwd_entry_gets_a_journal_directory() -> None:
+    """Proves: an arbitrary uid with no passwd entry and no HOME (OpenShift's) is given a
+    directory, where ``Path.home()`` raises."""
+    uid = next(n for n in range(54_321, 60_000) if not _has_passwd_entry(n))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: that uid, no HOME
+        try:
+            os.environ.pop("HOME", None)
+            os.environ.pop("XDG_STATE_HOME", None)
+            os.setuid(uid)
+            os.write(write, json.dumps([str(p) for p in default_directories()]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as answer:
+        found = answer.read()
+    os.waitpid(pid, 0)
+    assert json.loads(found) == [str(Path(tempfile.gettempdir()) / f"celery-semaphore-{uid}")]
+
+
+def _has_passwd_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
+
+
+def test_a_journal_that_cannot_be_written_is_said_once_and_no_park_says_it_again(
+    redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Proves: a journal directory that cannot be made (even by root: it would sit under a
+    file) is said in one WARNING line when the worker starts, the start-up line says there
+    is no journal, and the runs that park say nothing more."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    app = make_app(redis_server.url, semaphore_journal=str(blocker / "journals"))
+    with (
+        caplog.at_level(logging.INFO, logger="celery_semaphore"),
+        start_worker(app, pool="threads", concurrency=4, perform_ping_check=False),
+    ):
+        runs = [app.tasks["csem.queued"].delay(n, 0.3) for n in range(8)]  # limit 3: some park
+        assert sorted(r.get(timeout=60) for r in runs) == list(range(8))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "journal" in r.getMessage()]
+    warned = [m for level, m in said if level >= logging.WARNING]
+    assert len(warned) == 1, said
+    assert warned[0].startswith("semaphore_journal: no journal of parked runs can be written")
+    assert str(blocker / "journals") in warned[0]
+    assert any("no journal of parked runs can be written on this host (see the warning" in m
+               for _, m in said), said  # fmt: skip

@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import redis
@@ -59,7 +58,7 @@ from ..errors import SemaphoreValidationError
 from .limits import LimitSpec, declared_semaphores
 from .policy import POLICY_FIELDS, Policy, one_budget
 from .store import Store, resolve_store
-from .waiting_room.journal import Journal, default_directory, journal_path
+from .waiting_room.journal import Journal, open_journal
 
 DEFAULT_SWEEP_INTERVAL = 2.0
 """Seconds between two sweeps of one waiting room by the whole fleet, unless
@@ -91,7 +90,7 @@ class AppSettings:
             for that long expires, one that is still drained or swept never does.
         journal (str | None): ``semaphore_journal``: the directory of the hosts' journals of
             parked runs (see :mod:`~celery_semaphore.integration.waiting_room.journal`);
-            None when it is turned off (``False``).
+            "" for the default places, None when it is turned off (``False``).
         sweep_interval (float): ``semaphore_sweep_interval``: seconds between two sweeps of
             one waiting room by the whole fleet, and between a worker's checks of its store
             (see :mod:`~celery_semaphore.integration.waiting_room.sweeps`).
@@ -173,10 +172,11 @@ def _sweep_interval(value: object, where: str) -> float:
 
 
 def _journal(value: object, where: str) -> str | None:
-    """``semaphore_journal`` checked: True (the default directory), False (off), or a
-    directory (a str or path-like)."""
+    """``semaphore_journal`` checked: True ("": the default places, see
+    :func:`~.waiting_room.journal.default_directories`), False (off), or a directory (a str
+    or path-like)."""
     if value is True:
-        return str(default_directory())
+        return ""
     if value is False:
         return None
     if isinstance(value, (str, os.PathLike)) and str(value):
@@ -228,8 +228,10 @@ def client_for(app: Celery) -> redis.Redis:
 
 
 def journal_for(app: Celery) -> Journal | None:
-    """This host's journal of the app's parked runs (made once per app), or None when
-    ``semaphore_journal`` is False.
+    """This host's journal of the app's parked runs (found once per app and process, or
+    inherited from the process that forked it), or None when ``semaphore_journal`` is False
+    or no journal can be written (said once, see
+    :func:`~.waiting_room.journal.open_journal`).
 
     Raises:
         SemaphoreValidationError: as :func:`app_settings`.
@@ -237,10 +239,10 @@ def journal_for(app: Celery) -> Journal | None:
     settings = app_settings(app)
     if settings.journal is None:
         return None
-    journal: Journal | None = app.__dict__.get("_semaphore_journal")
-    if journal is None:
-        path = journal_path(Path(settings.journal), settings.store.url, settings.prefix)
-        journal = app.__dict__["_semaphore_journal"] = Journal(path)
+    if "_semaphore_journal" not in app.__dict__:
+        found = open_journal(settings.journal, settings.store.url, settings.prefix)
+        app.__dict__["_semaphore_journal"] = found
+    journal: Journal | None = app.__dict__["_semaphore_journal"]
     return journal
 
 

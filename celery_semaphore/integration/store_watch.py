@@ -113,7 +113,10 @@ class StoreWatch:
         if self.parks:
             journal = journal_for(self.app)
             note = persistence_note(client_for(self.app), self._store())
-            logger.info("%s; %s", note, journal_note(None if journal is None else journal.path))
+            off = app_settings(self.app).journal is None
+            logger.info(
+                "%s; %s", note, journal_note(None if journal is None else journal.path, off)
+            )
         if self.on_first_reach is not None:
             try:
                 self.on_first_reach()
@@ -165,12 +168,18 @@ def persistence_note(client: Any, store: str) -> str:
     )
 
 
-def journal_note(path: object) -> str:
+def journal_note(path: object, off: bool = False) -> str:
     """What the host's journal adds to the store's persistence: the runs this host parked
     are sent again if the store loses them (see :mod:`.waiting_room.journal`), or, with
-    ``semaphore_journal = False``, not."""
-    if path is None:
+    ``semaphore_journal = False`` (``off``) or no journal that can be written (``path``
+    None), not."""
+    if off:
         return "semaphore_journal is off: what the store loses of the waiting rooms is lost"
+    if path is None:
+        return (
+            "no journal of parked runs can be written on this host (see the warning above): "
+            "what the store loses of the waiting rooms is lost"
+        )
     return (
         f"this host's journal ({path}) sends the runs its worker parked again if the store "
         "loses them, while a worker of this host runs or restarts with it"

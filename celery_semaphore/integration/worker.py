@@ -41,7 +41,7 @@ from . import stats
 from .broker import survive_broker_restarts
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
 from .runner import refusal_of, runner_of
-from .settings import app_settings, forget, task_policy
+from .settings import app_settings, forget, journal_for, task_policy
 from .store import broker_visibility_timeout
 from .upkeep import Upkeep, start_upkeep
 from .waiting_room.queues import (
@@ -287,9 +287,11 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             if added:
                 logger.info("consuming hand-off queues %s", ", ".join(added))
         # Before the pool forks: each pool process then meets the broker as it starts, and
-        # writes its last counts as it ends.
+        # writes its last counts as it ends; and finds the journal this process found (or
+        # that none can be written, said once here, not once per process).
         self._warm: Any = None
         if self.queues:
+            journal_for(app)
 
             def warm(**_: Any) -> None:
                 warm_publisher(app)

@@ -26,9 +26,11 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import socket
 import sqlite3
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -43,12 +45,57 @@ _SCHEMA = (
 )
 
 
-def default_directory() -> Path:
-    """Where journals go unless ``semaphore_journal`` names a directory: the user's state
-    directory (``$XDG_STATE_HOME``, else ``~/.local/state``), ``celery-semaphore`` in it; it
-    outlives a worker's restart, unlike most temporary directories after a reboot."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "celery-semaphore"
+def default_directories() -> list[Path]:
+    """Where journals may go unless ``semaphore_journal`` names a directory, in the order
+    they are tried: ``celery-semaphore`` in the user's state directory (``$XDG_STATE_HOME``,
+    else ``~/.local/state``), which outlives a worker's restart, unlike most temporary
+    directories after a reboot; then, for a user with no home or an unwritable one (an
+    arbitrary uid in a container, a read-only ``HOME``), ``celery-semaphore-<uid>`` in the
+    system's temporary directory."""
+    found = []
+    base = os.environ.get("XDG_STATE_HOME")
+    if not base:
+        with contextlib.suppress(RuntimeError, KeyError):  # no HOME, no passwd entry
+            base = str(Path.home() / ".local" / "state")
+    if base:
+        found.append(Path(base) / "celery-semaphore")
+    return [*found, Path(tempfile.gettempdir()) / f"celery-semaphore-{os.getuid()}"]
+
+
+JOURNAL_OFF = (
+    "semaphore_journal: no journal of parked runs can be written on this host (%s): the "
+    "runs its worker parks have no second copy, and a restart of the semaphore store that "
+    "loses its waiting rooms loses them; set semaphore_journal to a writable directory "
+    "(or to False, to say so)"
+)
+
+
+def open_journal(directory: str, store_url: str, prefix: str) -> Journal | None:
+    """This host's journal for one store and prefix, in ``directory`` ("": the first of
+    :func:`default_directories` that can be written), opened once to be sure it can be
+    written; or None, said in one WARNING line (:data:`JOURNAL_OFF`), when none can."""
+    failed = []
+    for place in [Path(directory)] if directory else default_directories():
+        journal = Journal(journal_path(place, store_url, prefix))
+        try:
+            with journal._db():
+                return journal
+        except (sqlite3.Error, OSError) as exc:
+            failed.append(f"{place}: {exc}")
+    logger.warning(JOURNAL_OFF, "; ".join(failed))
+    return None
+
+
+def warn_now_and_then(what: str, *args: object) -> None:
+    """Log ``what % args`` at WARNING unless the same ``what`` was logged less than a minute
+    ago: a journal that fails keeps failing, and its every park or sweep must not say so."""
+    now = time.monotonic()
+    if now - _SAID.get(what, -math.inf) >= 60.0:
+        _SAID[what] = now
+        logger.warning(what, *args)
+
+
+_SAID: dict[str, float] = {}
 
 
 def journal_path(directory: Path, store_url: str, prefix: str) -> Path:
@@ -79,8 +126,9 @@ class Entry:
 
 
 class Journal:
-    """A host's journal file (see the module). Every method but :meth:`page` never raises: a
-    journal that cannot be written is logged, and the run is no worse off than without one.
+    """A host's journal file (see the module). Every method that writes never raises: a
+    journal that cannot be written is logged (at most once a minute), and the run is no
+    worse off than without one.
 
     Args:
         path (Path): the SQLite file; its directory is made if missing.
@@ -156,7 +204,7 @@ class Journal:
             with self._db() as db:
                 db.execute(sql, args)
         except (sqlite3.Error, OSError) as exc:
-            logger.warning("could not write the waiting room's journal %s: %s", self.path, exc)
+            warn_now_and_then("could not write the waiting room's journal %s: %s", self.path, exc)
 
     def page(self, after: int, limit: int) -> list[Entry]:
         """Up to ``limit`` entries after row ``after``, in row order.

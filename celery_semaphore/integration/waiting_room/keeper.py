@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sqlite3
 import time
 
 from celery import Celery
@@ -22,7 +23,7 @@ from ..settings import app_settings, client_for, journal_for
 from .endings import has_ended, message_of
 from .headers import HANDOFF_HEADERS
 from .incarnation import checked_incarnation, incarnation_of, marker_key
-from .journal import Entry, Journal
+from .journal import Entry, Journal, warn_now_and_then
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class JournalKeeper:
             self._keep(journal)
         except (*REDIS_ERRORS, SemaphoreBackendError) as exc:  # the store's watch reports it
             logger.warning("could not look up the waiting room's journal: %s", exc)
+        except (sqlite3.Error, OSError) as exc:  # the file's own trouble: said, not traced
+            warn_now_and_then("could not read the waiting room's journal %s: %s", journal.path,
+                              exc)  # fmt: skip
         except Exception:
             logger.warning("could not look up the waiting room's journal", exc_info=True)
 
