@@ -29,6 +29,7 @@ from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
 
 from . import history
+from .celery_apps import make_app
 from .helpers import Published, wait_for
 from .history import BODIES, History
 
@@ -254,6 +255,49 @@ def test_a_rate_holds_a_worker_to_its_starts(
     assert max(sum(1 for s in starts if t <= s < t + 1.0) for t in starts) <= 21
     assert sem.room.waiters("rated") == []
     recorder.close()
+
+
+def test_a_rate_hand_off_held_past_the_brokers_visibility_timeout_runs_once(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """A hand-off for a start rate's instant is published with that ETA; a Redis broker
+    restores a message held unacked past its visibility timeout, so a copy of it comes while
+    the first waits or runs (in a public report each body ran 2-3 times). Each body must run
+    once: a copy finds the run its message started holding its slot, or ended."""
+    # The broker looks for messages held past their visibility timeout every second (kombu's
+    # default is every 10 s, or 100 s for kombu 5.6's throttled scan).
+    options = {"visibility_timeout": 2, "unacked_restore_interval": 1,
+               "unacked_restore_throttle": 1}  # fmt: skip
+    app = make_app(redis_server.url, broker_transport_options=options)
+    recorder = redis.Redis.from_url(redis_server.url)
+
+    @app.task(base=SemaphoreTask, semaphore="vt", limit=5, rate="20/m", shared=False,
+              name="rates.vt")  # fmt: skip
+    def call(n: int) -> int:
+        with history.run(recorder, BODIES, "vt", data={"n": n}):
+            time.sleep(0.5)
+        return n
+
+    with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+        # Starts 3 s apart: hand-offs due at 3, 6 and 9 s, held unacked meanwhile, and
+        # restored by the broker once held past 2 s.
+        results = [call.delay(n) for n in range(4)]
+        assert sorted(r.get(timeout=60) for r in results) == list(range(4))
+
+        # Let the restored copies come and go: nothing left queued, unacked or running.
+        def settled() -> bool:
+            queues = ("celery", "celery.semaphore-handoffs", "unacked")
+            return (
+                not any(client.exists(q) for q in queues)
+                and not History.load(client, BODIES).unfinished
+            )
+
+        settle = wait_for(settled, timeout=30)
+    ran = sorted(run.data["n"] for run in History.load(client, BODIES).runs)
+    assert settle, ran
+    assert ran == [0, 1, 2, 3], ran
+    recorder.close()
+    app.close()
 
 
 def test_the_rates_state_expires_but_an_operators_setting_beside_it_does_not(

@@ -85,6 +85,10 @@ class NotWaiting:
 
     again: bool = False
     recorded: bool = True
+    running: bool = False
+    """With ``again``: the run that delivery started still holds its slot, so this is a copy
+    of the message (a Redis broker restores one held past its visibility timeout), not a
+    lost run."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,7 @@ def parse_claim(reply: Any) -> tuple[Admitted | Parked | NotWaiting | Early, lis
         return Parked(value, now_ms, limit), _handoffs(reply, 4)
     if int(reply[4]) > 0:
         return Early(int(reply[4])), []
-    return NotWaiting(again=value == 1, recorded=value != 2), []
+    return NotWaiting(again=value in (1, 3), recorded=value != 2, running=value == 3), []
 
 
 def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:

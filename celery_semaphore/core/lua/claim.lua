@@ -18,8 +18,10 @@
 --                                                        claim of it is on record, 1 when
 --                                                        this very delivery claimed a slot
 --                                                        before (the broker delivered it
---                                                        again: its run was lost), 0 for
---                                                        another copy (a duplicate)
+--                                                        again: its run was lost, or
+--                                                        ended), 3 when it did and its
+--                                                        run still holds that slot (a
+--                                                        copy), 0 for another copy
 -- limit is the one that applied; hand-offs as park.lua's.
 --! uses: waiter
 local w = waiter_of(ARGV[6])
@@ -29,7 +31,15 @@ local at = place_of(w.parked, w.waiter)
 if not at then
   local claimed = redis.call('HGET', w.claims, w.waiter)
   local again = 2  -- no claim of the waiter on record (the store may have lost it)
-  if claimed then again = (w.delivery ~= '' and claimed == w.delivery) and 1 or 0 end
+  if claimed then
+    local by, token = string.match(claimed, '^([^\n]*)\n?(.*)$')
+    again = (w.delivery ~= '' and by == w.delivery) and 1 or 0
+    -- The same message again while the run it started holds its slot: a copy, not a
+    -- lost run.
+    if again == 1 and (tonumber(redis.call('ZSCORE', w.slots, token)) or 0) > w.now then
+      again = 3
+    end
+  end
   return {-2, again, w.now, w.limit, 0}
 end
 -- Parked with no reservation: it stands in the room at its place again (a plain acquire

@@ -35,7 +35,8 @@
 --   blocked  sorted set: token of a caller blocked in BLPOP on "wake" -> when it stops (ms)
 --   wake     list: one element pushed per freed slot that no parked waiter took, to wake one
 --            blocked caller (Semaphore.acquire with wait=...)
---   claims   hash: waiter id -> the id of the message whose run claimed its hand-off (park.lua
+--   claims   hash: waiter id -> the id of the message whose run claimed its hand-off, and
+--            "\n<token>" the slot that run took (waiter.lua; a waiter of several keys: the id
 --            only), so a redelivery of that message is told from a duplicate copy
 --
 -- A reservation holds a slot for one waiter, so the limit counts it like any holder; the

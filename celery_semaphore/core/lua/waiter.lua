@@ -48,10 +48,12 @@ local function waiter_take(w, member, units)
     redis.call('HDEL', w.holders, member)
   end
   if waited then
-    -- Which message took the waiter's turn ("~": one that asked in person): if the broker
-    -- delivers that one again, its run was lost; any other copy is a duplicate; and no
-    -- record at all means the store lost it (a restart).
-    redis.call('HSET', w.claims, waiter, w.delivery ~= '' and w.delivery or '~')
+    -- Which message took the waiter's turn ("~": one that asked in person), and the token
+    -- its run holds: if the broker delivers that message again while the token is held,
+    -- it is a copy (a Redis broker restores a message held past its visibility timeout:
+    -- for its ETA, say); after, its run was lost or ended; any other copy is a duplicate;
+    -- and no record at all means the store lost it (a restart).
+    redis.call('HSET', w.claims, waiter, (w.delivery ~= '' and w.delivery or '~') .. '\n' .. w.token)
     redis.call('PEXPIRE', w.claims, w.ttl_ms)
   end
   redis.call('ZREM', w.room, waiter)

@@ -129,8 +129,10 @@ def claim_or_end(
         Slot | SlotGroup | None: the reserved slot; or None when this very message claimed the slot
         before and the broker delivers it again (its run was lost after the claim, say a
         worker killed with ``acks_late``): it is a new run, and asks for a slot as any run
-        does. Another copy of a hand-off (a stranded prefetch, a sweep's second publish)
-        carries another id, and ends quietly.
+        does. The same message while that run still holds its slot, or once its result is
+        stored, is a copy (a Redis broker's visibility timeout), and ends quietly; so does
+        another copy of a hand-off (a stranded prefetch, a sweep's second publish), which
+        carries another id.
 
     Raises:
         celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
@@ -153,11 +155,16 @@ def claim_or_end(
     if isinstance(result, NotWaiting):
         # The broker delivers a message again when the run it started was lost (its worker
         # died): the claim it made is then on record, unless the store lost the record in a
-        # restart, when the broker's own word is all there is, and the result backend's: a
-        # run that ended (another copy of the hand-off ran it) is not run twice.
+        # restart, when the broker's own word is all there is. A Redis broker also restores
+        # a message held past its visibility timeout (for a start rate's instant, say): a
+        # copy whose run still holds its slot (``running``), or ended since (the result
+        # backend says so), is not run twice.
         redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
-        if result.again or (redelivered and not result.recorded
-                            and not has_ended(task.app, task.request.id)):  # fmt: skip
+        if (
+            not result.running
+            and (result.again or (redelivered and not result.recorded))
+            and not has_ended(task.app, task.request.id)
+        ):
             return None
         logger.info(
             "%sa hand-off of semaphore %r finds nothing to claim (another copy claimed it, "
