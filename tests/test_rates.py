@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from click.testing import CliRunner
+from kombu.serialization import dumps
 
 from celery_semaphore import (
     Semaphore,
@@ -24,13 +27,14 @@ from celery_semaphore import (
 )
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.rates import Rate
+from celery_semaphore.core.replies import Handoff
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
 
 from . import history
 from .celery_apps import make_app
-from .helpers import Published, wait_for
+from .helpers import AMQP_URL, Published, rabbitmq_up, wait_for
 from .history import BODIES, History
 
 
@@ -489,3 +493,37 @@ def test_a_several_keys_task_on_a_key_declared_with_a_rate_is_refused_at_bind(
         def plain(t: str) -> None: ...
 
     assert client.keys("*") == []
+
+
+@pytest.mark.skipif(not rabbitmq_up(), reason="no RabbitMQ on 127.0.0.1:5672")
+def test_a_hand_off_due_within_a_second_reaches_a_quorum_queue(
+    redis_server: RedisServer, client: redis.Redis
+) -> None:
+    """Celery's native delayed delivery (quorum queues and a topic exchange) turns an eta
+    into whole seconds and refuses 0: a rate hand-off due in less than a second was never
+    published, and its run started only after the claim timeout. It goes without an eta."""
+    queue = f"csem-quorum-{uuid.uuid4().hex[:8]}"
+    app = make_app(
+        redis_server.url, broker_url=AMQP_URL, task_default_queue=queue,
+        task_default_queue_type="quorum", task_default_exchange_type="topic",
+    )  # fmt: skip
+    try:
+        with app.connection_for_write() as connection:  # the queue, bound as a worker would
+            app.amqp.queues[queue](connection.default_channel).declare()
+        task_id = str(uuid.uuid4())
+        signature = app.signature("csem.queued", args=(1,), task_id=task_id)
+        content_type, encoding, body = dumps(dict(signature), serializer="json")  # type: ignore[no-untyped-call]
+        payload = f"{content_type}\n{encoding}\n".encode() + body.encode(encoding)
+        due = _store_ms(client) + 500
+        publisher_for(app, False)("k", [Handoff(task_id, payload, start_ms=due)])
+        with app.connection_for_read() as connection:
+            channel = connection.default_channel
+            got: list[Any] = []
+            assert wait_for(lambda: got.append(channel.basic_get(queue, no_ack=True)) or got[-1],
+                            timeout=10)  # fmt: skip
+        assert got[-1].headers["id"] == task_id
+    finally:
+        with app.connection_for_write() as connection:
+            connection.default_channel.queue_delete(queue)
+            connection.default_channel.exchange_delete(queue)
+        app.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -88,7 +89,11 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
                 headers[GIVE_UP_HEADER] = True
             if priority is not None:
                 signature.options["priority"] = priority
-            if handoff.start_ms:  # a start rate's instant: the worker holds it until then
+            # A start rate's instant: the worker holds the run until then. One less than a
+            # second away goes without an eta: native delayed delivery (quorum queues) turns
+            # an eta into whole seconds and refuses 0, and the claim waits for the instant
+            # by the store's clock all the same.
+            if handoff.start_ms > time.time() * 1000 + 1000:
                 signature.options.pop("countdown", None)
                 signature.options["eta"] = datetime.fromtimestamp(
                     handoff.start_ms / 1000, timezone.utc
