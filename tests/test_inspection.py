@@ -22,7 +22,12 @@ from celery.contrib.testing.worker import start_worker
 
 from celery_semaphore import Semaphore, SemaphoreLeaseLostError, SemaphoreValidationError
 from celery_semaphore import signals as sem_signals
+from celery_semaphore.core.calls import acquire_call
+from celery_semaphore.core.names import Namespace
+from celery_semaphore.core.process import member_of
 from celery_semaphore.core.replies import Parked
+from celery_semaphore.core.scripts import Scripts
+from celery_semaphore.integration.remote import held_by_worker, worker_report
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
@@ -291,3 +296,34 @@ def test_a_worker_will_not_start_with_countdowns_beyond_the_visibility_timeout(
         start_worker(app, pool="solo", perform_ping_check=False),
     ):
         pass
+
+
+def _held_keys(url: str, count: int, worker: str) -> None:
+    """``count`` keys with a holder each, recorded as held by ``worker``, in a few round
+    trips (10,000 acquires one by one would take seconds)."""
+    client = redis.Redis.from_url(url)
+    scripts, names = Scripts(client), Namespace("semaphore", False)
+    member = member_of(json.dumps({"worker": worker, "task_id": "t", "pid": 1}))
+    for start in range(0, count, 1000):
+        calls = [acquire_call(names.keys_of(f"many:{n}"), 1, 600_000, member)
+                 for n in range(start, min(count, start + 1000))]  # fmt: skip
+        assert all(not isinstance(r, Exception) for r in scripts.run_many(calls))
+    client.close()
+
+
+def test_a_workers_report_at_ten_thousand_keys_is_whole_or_says_it_is_truncated(
+    redis_server: RedisServer,
+) -> None:
+    """Celery's ``inspect`` waits 1 s for replies: a worker of a store with 10,000 keys
+    reads them a page per round trip, and a report the time cut short says so."""
+    app = make_app(redis_server.url)
+    _held_keys(redis_server.url, 10_000, "other@host")
+    sem = Semaphore(redis_server.url, limit=1)
+    mine = sem.acquire("mine", metadata={"worker": "me@host", "task_id": "m"})
+    assert mine is not None
+    report = worker_report(app, "me@host")
+    assert (report["truncated"], [h["task_id"] for h in report["held"]]) == (False, ["m"])
+    held, truncated = held_by_worker(app, "me@host", within=0.0)
+    assert (held, truncated) == ([], True)
+    mine.release()
+    app.close()
