@@ -321,8 +321,11 @@ def test_a_workers_report_at_ten_thousand_keys_is_whole_or_says_it_is_truncated(
     sem = Semaphore(redis_server.url, limit=1)
     mine = sem.acquire("mine", metadata={"worker": "me@host", "task_id": "m"})
     assert mine is not None
-    report = worker_report(app, "me@host")
-    assert (report["truncated"], [h["task_id"] for h in report["held"]]) == (False, ["m"])
+    report = worker_report(app, "me@host")  # whole, or said to be cut short (a busy machine)
+    listed = [h["task_id"] for h in report["held"]]
+    assert listed == ["m"] or (report["truncated"] and listed == []), report
+    held, truncated = held_by_worker(app, "me@host", within=120.0)
+    assert ([h["task_id"] for h in held], truncated) == (["m"], False)
     held, truncated = held_by_worker(app, "me@host", within=0.0)
     assert (held, truncated) == ([], True)
     mine.release()

@@ -85,10 +85,11 @@ class NotWaiting:
 
     again: bool = False
     recorded: bool = True
-    running: bool = False
-    """With ``again``: the run that delivery started still holds its slot, so this is a copy
-    of the message (a Redis broker restores one held past its visibility timeout), not a
-    lost run."""
+    holder: str = ""
+    """With ``again``: the token of the slot the run that delivery started took, while it is
+    still held: a copy of the message (a Redis broker restores one held past its visibility
+    timeout) if that run renews it, a redelivery after the run was lost if it lapses or is
+    freed (see :meth:`.room.WaitingRoom.outlives`)."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,8 @@ def parse_claim(reply: Any) -> tuple[Admitted | Parked | NotWaiting | Early, lis
         return Parked(value, now_ms, limit), _handoffs(reply, 4)
     if int(reply[4]) > 0:
         return Early(int(reply[4])), []
-    return NotWaiting(again=value in (1, 3), recorded=value != 2, running=value == 3), []
+    holder = _text(reply[5]) if value == 3 else ""
+    return NotWaiting(again=value in (1, 3), recorded=value != 2, holder=holder), []
 
 
 def parse_set_limit(reply: Any) -> tuple[int | None, int, list[Handoff]]:

@@ -425,6 +425,30 @@ class WaitingRoom:
         args = (self._scripts, self.names, self.handoffs, self.index, keys, idle, taken_ms)
         return sweep_rooms(*args)
 
+    def outlives(self, key: str, holder: str) -> bool:
+        """Whether the run holding ``key``'s slot ``holder`` (a claim's
+        :attr:`NotWaiting.holder`) is alive: True once it renews the slot, False once the
+        slot is released, freed or lapses (its run ended, or was lost). Looks four times a
+        second, so it waits at most one renewal interval for a live run, and one lease for a
+        lost one.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        slots = self.names.keys_of(check.check_key(key)).slots
+        with backend_errors(key):
+            first = self.client.zscore(slots, holder)
+            while first is not None:
+                seconds, micros = self.client.time()
+                score = self.client.zscore(slots, holder)
+                if score is None or score <= seconds * 1000 + micros // 1000:
+                    return False
+                if score > first:
+                    return True
+                time.sleep(0.25)
+        return False
+
     def waiters(self, key: str) -> list[Waiter]:
         """The waiters parked on ``key``, oldest first (not those holding a reservation, nor
         waiters of several keys that let it serve others first). Errors as :meth:`head`."""

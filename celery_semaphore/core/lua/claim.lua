@@ -19,9 +19,11 @@
 --                                                        this very delivery claimed a slot
 --                                                        before (the broker delivered it
 --                                                        again: its run was lost, or
---                                                        ended), 3 when it did and its
---                                                        run still holds that slot (a
---                                                        copy), 0 for another copy
+--                                                        ended), 3 when it did and that
+--                                                        slot is still held (then the
+--                                                        reply ends with its token: see
+--                                                        WaitingRoom.outlives), 0 for
+--                                                        another copy
 -- limit is the one that applied; hand-offs as park.lua's.
 --! uses: waiter
 local w = waiter_of(ARGV[6])
@@ -37,7 +39,7 @@ if not at then
     -- The same message again while the run it started holds its slot: a copy, not a
     -- lost run.
     if again == 1 and (tonumber(redis.call('ZSCORE', w.slots, token)) or 0) > w.now then
-      again = 3
+      return {-2, 3, w.now, w.limit, 0, token}
     end
   end
   return {-2, again, w.now, w.limit, 0}

@@ -15,6 +15,7 @@ own state.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -35,15 +36,22 @@ def message_of(payload: bytes) -> dict[str, Any]:
     return message
 
 
-def has_ended(app: Celery, task_id: str) -> bool:
+def has_ended(app: Celery, task_id: str, within: float = 0.0) -> bool:
     """Whether ``app``'s result backend holds a final state (SUCCESS, FAILURE, REVOKED) for
-    ``task_id``: a run that ran, or was ended, somewhere. False when there is no backend,
-    when it fails, or for a task that stores no result: the caller must then assume it did
-    not run. Never raises."""
-    try:
-        return app.backend.get_state(task_id) in states.READY_STATES
-    except Exception:  # NotImplementedError with no backend, or any backend's error
-        return False
+    ``task_id``: a run that ran, or was ended, somewhere; asked again for up to ``within``
+    seconds (a run that just gave its slot back stores its result a moment later). False
+    when there is no backend, when it fails, or for a task that stores no result: the
+    caller must then assume it did not run. Never raises."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            if app.backend.get_state(task_id) in states.READY_STATES:
+                return True
+        except Exception:  # NotImplementedError with no backend, or any backend's error
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def expires_at(expires: object) -> float | None:

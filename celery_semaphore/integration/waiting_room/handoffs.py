@@ -134,10 +134,11 @@ def claim_or_end(
         Slot | SlotGroup | None: the reserved slot; or None when this very message claimed the slot
         before and the broker delivers it again (its run was lost after the claim, say a
         worker killed with ``acks_late``): it is a new run, and asks for a slot as any run
-        does. The same message while that run still holds its slot, or once its result is
-        stored, is a copy (a Redis broker's visibility timeout), and ends quietly; so does
-        another copy of a hand-off (a stranded prefetch, a sweep's second publish), which
-        carries another id.
+        does. The same message while that run still holds its slot and renews it, or once
+        its result is stored, is a copy (a Redis broker's visibility timeout), and ends
+        quietly (it waits in this process for the slot's next renewal or end: at most one
+        renewal interval, or a lease for a lost run); so does another copy of a hand-off (a
+        stranded prefetch, a sweep's second publish), which carries another id.
 
     Raises:
         celery.exceptions.Ignore: the reservation lapsed and the run is parked again (its
@@ -165,10 +166,16 @@ def claim_or_end(
         # copy whose run still holds its slot (``running``), or ended since (the result
         # backend says so), is not run twice.
         redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
+        # The same message while the slot its first delivery's run took is still held: a
+        # copy, if that run renews it (it ends here); a redelivery after that run was lost,
+        # if the slot lapses or is freed (a dead pool process's, say).
+        copy = bool(result.holder) and semaphore.room.outlives(key, result.holder)
+        # A run that gave its slot back stores its result a moment later: wait for it.
+        settle = 3.0 if result.holder else 0.0
         if (
-            not result.running
+            not copy
             and (result.again or (redelivered and not result.recorded))
-            and not has_ended(task.app, task.request.id)
+            and not has_ended(task.app, task.request.id, settle)
         ):
             return None
         logger.info(
