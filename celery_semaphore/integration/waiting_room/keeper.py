@@ -10,12 +10,17 @@ journal is gone through a page per tick, from the start again once it reaches th
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import sqlite3
 import time
+from typing import Any
 
 from celery import Celery
 
+from ...core.admin import SemaphoreAdmin
+from ...core.live import setter, text_of
+from ...core.rates import Rate
 from ...core.room_reads import parked_or_claimed
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
@@ -51,6 +56,38 @@ def resend(app: Celery, entry: Entry) -> None:
     signature.apply_async()
 
 
+def put_back(admin: SemaphoreAdmin, field: str, entry: list[Any]) -> None:
+    """Make the operator's decision of the decisions hash's ``field`` (``[value, by, at_ms]``,
+    see :func:`~celery_semaphore.core.live.decision_of`) the key's again, in the name of
+    whoever made it, and say so in one ERROR line if this call changed something (the
+    workers of a fleet that all put it back say it once).
+
+    Raises:
+        SemaphoreBackendError: the store failed.
+    """
+    decision, key = field.split(" ", 1)
+    value, by, at = entry
+    if decision == "pause":
+        changed = admin.resume(key, by) if value is None else not admin.pause(key, by)
+        what = "pause"
+    elif decision == "limit":
+        changed = admin.set_limit(key, value, by) != value
+        what = "live limit" + ("" if value is None else f" {value}")
+    else:
+        name = decision[len("rate:") :]
+        rate = None if value is None else Rate(value[0], value[1], name)
+        spelling = None if rate is None else f"{rate.spec} burst {rate.burst}"
+        changed = admin.set_rate(key, rate, name=name, by=by) != spelling
+        what = f"live {name} rate" + ("" if spelling is None else f" {spelling}")
+    if changed:
+        logger.error(
+            "semaphore %r: a restart of the store lost its %s, %s by %s at %s; %s by %s", key,
+            what, "cleared" if value is None else "set", by,
+            time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at / 1000)),
+            "cleared again" if value is None else "put back", setter(),
+        )  # fmt: skip
+
+
 class JournalKeeper:
     """Keeps ``app``'s journal on this host (a worker's upkeep thread calls :meth:`keep`).
 
@@ -61,27 +98,33 @@ class JournalKeeper:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self._after = 0  # the last row looked up; the next tick goes on from there
+        # The store's incarnation and decisions hash at the last tick: a copy in memory, not
+        # in the journal file, which may have missed a clear while its worker was down.
+        self._seen: tuple[str, dict[str, str]] | None = None
 
     def keep(self) -> None:
-        """Look up the next page of journaled runs. Never raises: a store or journal that
-        fails is logged, and the page is looked up again at the next tick."""
+        """Put back the operators' decisions a restart of the store lost (see
+        :meth:`_keep_decisions`), and look up the next page of journaled runs. Never raises:
+        a store or journal that fails is logged, and the tick's work is done again at the
+        next."""
         journal = journal_for(self.app)
-        if journal is None:
-            return
         try:
             self._keep(journal)
         except (*REDIS_ERRORS, SemaphoreBackendError) as exc:  # the store's watch reports it
             logger.warning("could not look up the waiting room's journal: %s", exc)
         except (sqlite3.Error, OSError) as exc:  # the file's own trouble: said, not traced
-            warn_now_and_then("could not read the waiting room's journal %s: %s", journal.path,
-                              exc)  # fmt: skip
+            warn_now_and_then("could not read the waiting room's journal %s: %s",
+                              journal and journal.path, exc)  # fmt: skip
         except Exception:
             logger.warning("could not look up the waiting room's journal", exc_info=True)
 
-    def _keep(self, journal: Journal) -> None:
+    def _keep(self, journal: Journal | None) -> None:
         client = client_for(self.app)
         prefix = app_settings(self.app).prefix
         current = checked_incarnation(client, prefix)
+        self._keep_decisions(client, prefix, current)
+        if journal is None:
+            return
         entries = journal.page(self._after, PAGE)
         if not entries:
             self._after = 0
@@ -115,6 +158,24 @@ class JournalKeeper:
                 "or from an older snapshot); sent them again from this host's journal", key,
                 count,
             )  # fmt: skip
+
+    def _keep_decisions(self, client: Any, prefix: str, current: str) -> None:
+        """Copy the store's decisions hash; when the store's incarnation changed since the
+        last copy, first put back each decision of that copy newer than the store's (one
+        ``HGETALL`` and one ``GET`` a tick, sized by the keys with decisions)."""
+        admin = SemaphoreAdmin(client, prefix)
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(admin.names.decisions)
+            pipe.get(marker_key(prefix))
+            raw, marker = pipe.execute()
+        if incarnation_of(marker) != current:
+            return  # it restarted since ``current`` was read: the next tick sees it
+        store = {text_of(field): text_of(value) for field, value in raw.items()}
+        if self._seen is not None and self._seen[0] != current:
+            for field, value in self._seen[1].items():
+                if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
+                    put_back(admin, field, json.loads(value))
+        self._seen = (current, store)
 
     def _resend(self, journal: Journal, entry: Entry) -> bool:
         """Send a run the store lost again; True when sent. The host's workers share its
