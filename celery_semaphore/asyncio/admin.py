@@ -74,7 +74,7 @@ class AsyncSemaphoreAdmin(AdminTrips):
             if trip.after:
                 await self.client.zadd(self.names.room_index, trip.after, xx=True)
             if trip.decision:
-                await self.client.hset(self.names.decisions, *trip.decision)
+                await self.client.hset(f"{self.prefix}:decisions", *trip.decision)
         except REDIS_ERRORS as exc:
             if trip.token is not None:
                 recover_later(self._scripts, self.keys_of(trip.key), trip.key, trip.token,

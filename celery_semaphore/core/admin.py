@@ -32,7 +32,6 @@ from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
 from .live import (
-    decision_of,
     live_limit_of,
     log_limit_change,
     log_pause_change,
@@ -165,6 +164,15 @@ def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
     ]
 
 
+def decision_of(decision: str, key: str, value: object, by: str) -> tuple[str, str]:
+    """The entry an operator's change writes to the hash ``<prefix>:decisions``, which the
+    workers copy to put back what a restart of the store loses: the field
+    ``"<decision> <key>"`` (``pause``, ``limit`` or ``rate:<name>``) and ``[value, by,
+    at_ms]`` in JSON, at this host's clock; a clear keeps its entry with value None, so a
+    copy older than it is never put back."""
+    return f"{decision} {key}", json.dumps([value, by, int(time.time() * 1000)])
+
+
 R = TypeVar("R")
 A = TypeVar("A")
 
@@ -289,9 +297,9 @@ class AdminTrips:
             log_rate_change(key, name, new, reply[0], who)
             return reply[0], []
 
-        spec = None if new is None else [new.spec, new.burst]
         return RoundTrip(key, set_rate_call(self.keys_of(key), name, new, who), read,
-                         decision=decision_of(f"rate:{name}", key, spec, who))  # fmt: skip
+                         decision=decision_of(f"rate:{name}", key, new and [new.spec, new.burst],
+                                              who))  # fmt: skip
 
 
 class SemaphoreAdmin(AdminTrips, AdminMoved):
@@ -330,7 +338,7 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
             if trip.after:
                 self.client.zadd(self.names.room_index, trip.after, xx=True)
             if trip.decision:
-                self.client.hset(self.names.decisions, *trip.decision)
+                self.client.hset(f"{self.prefix}:decisions", *trip.decision)
         except REDIS_ERRORS as exc:
             if trip.token is not None:
                 recover_later(self._scripts, self.keys_of(trip.key), trip.key, trip.token,

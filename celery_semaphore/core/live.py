@@ -9,11 +9,9 @@ asyncio twin's."""
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import os
 import socket
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,14 +88,6 @@ def pause_of(raw: Mapping[Any, Any]) -> Pause | None:
     fields = {text_of(k): text_of(v) for k, v in raw.items()}
     at = fields.get("paused_at")
     return None if at is None else Pause(int(at) / 1000, fields.get("paused_by", ""))
-
-
-def decision_of(decision: str, key: str, value: object, by: str) -> tuple[str, str]:
-    """The entry an operator's change writes to the decisions hash (see
-    :attr:`~.names.Namespace.decisions`): the field ``"<decision> <key>"`` (``pause``,
-    ``limit`` or ``rate:<name>``) and ``[value, by, at_ms]`` in JSON, at this host's clock;
-    a clear keeps its entry with value None, so a copy older than it is never put back."""
-    return f"{decision} {key}", json.dumps([value, by, int(time.time() * 1000)])
 
 
 def log_pause_change(key: str, paused: bool, was: bool, who: str) -> None:

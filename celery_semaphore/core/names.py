@@ -142,13 +142,6 @@ class Namespace:
         return f"{self.prefix}:rooms"
 
     @property
-    def decisions(self) -> str:
-        """The hash of every operator's decision (``"<decision> <key>"`` -> JSON ``[value,
-        by, at_ms]``, value None once cleared: see :func:`~.live.decision_of`), which the
-        workers copy to put back what a restart of the store loses."""
-        return f"{self.prefix}:decisions"
-
-    @property
     def room_scan(self) -> str:
         """The fleet's lease on the next full scan of the keyspace for rooms missing from
         the index (a string: who took it; it lapses by itself)."""

@@ -14,7 +14,6 @@ import json
 import logging
 import sqlite3
 import time
-from typing import Any
 
 from celery import Celery
 
@@ -41,48 +40,32 @@ just before it parks, and its park may still be on its way to the store (a slow 
 one that restarts meanwhile)."""
 
 
-def resend(app: Celery, entry: Entry) -> None:
-    """Publish a journaled run's message again, to its own queue, as a new arrival: without
-    the marks of the hand-off it was parked for (a run that finds nothing to claim ends), and
-    with the headers that keep its first arrival and its budget.
-
-    Raises:
-        Exception: the message cannot be read or published.
-    """
-    signature = app.signature(message_of(entry.payload))
-    headers = signature.options.setdefault("headers", {})
-    for mark in HANDOFF_HEADERS:
-        headers.pop(mark, None)
-    signature.apply_async()
-
-
-def put_back(admin: SemaphoreAdmin, field: str, entry: list[Any]) -> None:
-    """Make the operator's decision of the decisions hash's ``field`` (``[value, by, at_ms]``,
-    see :func:`~celery_semaphore.core.live.decision_of`) the key's again, in the name of
-    whoever made it, and say so in one ERROR line if this call changed something (the
-    workers of a fleet that all put it back say it once).
+def put_back(admin: SemaphoreAdmin, field: str, entry: str) -> None:
+    """Make the operator's decision of the decisions hash's ``field`` (``entry`` is its
+    ``[value, by, at_ms]``, see :func:`~celery_semaphore.core.admin.decision_of`) the key's
+    again, in the name of whoever made it, and say so in one ERROR line if this call changed
+    something (so the workers of a fleet that all put it back say it once).
 
     Raises:
         SemaphoreBackendError: the store failed.
     """
     decision, key = field.split(" ", 1)
-    value, by, at = entry
+    value, by, at = json.loads(entry)
+    name = decision[len("rate:") :]  # a rate's name ("" for a pause or a limit)
+    shown = value if not name or value is None else f"{value[0]} burst {value[1]}"
     if decision == "pause":
         changed = admin.resume(key, by) if value is None else not admin.pause(key, by)
-        what = "pause"
     elif decision == "limit":
         changed = admin.set_limit(key, value, by) != value
-        what = "live limit" + ("" if value is None else f" {value}")
     else:
-        name = decision[len("rate:") :]
         rate = None if value is None else Rate(value[0], value[1], name)
-        spelling = None if rate is None else f"{rate.spec} burst {rate.burst}"
-        changed = admin.set_rate(key, rate, name=name, by=by) != spelling
-        what = f"live {name} rate" + ("" if spelling is None else f" {spelling}")
+        changed = admin.set_rate(key, rate, name=name, by=by) != shown
     if changed:
         logger.error(
-            "semaphore %r: a restart of the store lost its %s, %s by %s at %s; %s by %s", key,
-            what, "cleared" if value is None else "set", by,
+            "semaphore %r: a restart of the store lost its %s%s, %s by %s at %s; %s by %s", key,
+            {"pause": "pause", "limit": "live limit"}.get(decision, f"live {name} rate"),
+            "" if value is None or decision == "pause" else f" {shown}",
+            "cleared" if value is None else "set", by,
             time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at / 1000)),
             "cleared again" if value is None else "put back", setter(),
         )  # fmt: skip
@@ -122,7 +105,20 @@ class JournalKeeper:
         client = client_for(self.app)
         prefix = app_settings(self.app).prefix
         current = checked_incarnation(client, prefix)
-        self._keep_decisions(client, prefix, current)
+        # The decisions hash, copied every tick (one HGETALL, sized by the keys with
+        # decisions); after a restart, what the copy holds newer than the store is put back.
+        admin = SemaphoreAdmin(client, prefix)
+        raw = client.hgetall(f"{prefix}:decisions")
+        # Read after it: a store that restarted in between answered from its new hash.
+        marker = client.get(marker_key(prefix))
+        if incarnation_of(marker) != current:
+            return  # it restarted since ``current`` was read: the next tick sees it
+        store = {text_of(field): text_of(value) for field, value in raw.items()}
+        if self._seen is not None and self._seen[0] != current:
+            for field, value in self._seen[1].items():
+                if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
+                    put_back(admin, field, value)
+        self._seen = (current, store)
         if journal is None:
             return
         entries = journal.page(self._after, PAGE)
@@ -159,24 +155,6 @@ class JournalKeeper:
                 count,
             )  # fmt: skip
 
-    def _keep_decisions(self, client: Any, prefix: str, current: str) -> None:
-        """Copy the store's decisions hash; when the store's incarnation changed since the
-        last copy, first put back each decision of that copy newer than the store's (one
-        ``HGETALL`` and one ``GET`` a tick, sized by the keys with decisions)."""
-        admin = SemaphoreAdmin(client, prefix)
-        with client.pipeline(transaction=False) as pipe:
-            pipe.hgetall(admin.names.decisions)
-            pipe.get(marker_key(prefix))
-            raw, marker = pipe.execute()
-        if incarnation_of(marker) != current:
-            return  # it restarted since ``current`` was read: the next tick sees it
-        store = {text_of(field): text_of(value) for field, value in raw.items()}
-        if self._seen is not None and self._seen[0] != current:
-            for field, value in self._seen[1].items():
-                if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
-                    put_back(admin, field, json.loads(value))
-        self._seen = (current, store)
-
     def _resend(self, journal: Journal, entry: Entry) -> bool:
         """Send a run the store lost again; True when sent. The host's workers share its
         journal, so only the one that strikes the entry out sends it. One that cannot be read
@@ -186,8 +164,14 @@ class JournalKeeper:
             return False
         if has_ended(self.app, entry.waiter):
             return False  # served on another host before the restart, whose claim it lost
-        try:
-            resend(self.app, entry)
+        try:  # to its own queue, as a new arrival: without the marks of the hand-off it was
+            # parked for (a run that finds nothing to claim ends), and with the headers that
+            # keep its first arrival and its budget
+            signature = self.app.signature(message_of(entry.payload))
+            headers = signature.options.setdefault("headers", {})
+            for mark in HANDOFF_HEADERS:
+                headers.pop(mark, None)
+            signature.apply_async()
         except (ValueError, KeyError, TypeError) as exc:
             error = SemaphoreRunLostError(
                 f"semaphore {entry.key!r}: the store lost parked run {entry.waiter}, and its "
