@@ -43,8 +43,9 @@ one that restarts meanwhile)."""
 def put_back(admin: SemaphoreAdmin, field: str, entry: str) -> None:
     """Make the operator's decision of the decisions hash's ``field`` (``entry`` is its
     ``[value, by, at_ms]``, see :func:`~celery_semaphore.core.admin.decision_of`) the key's
-    again, in the name of whoever made it, and say so in one ERROR line if this call changed
-    something (so the workers of a fleet that all put it back say it once).
+    again, in the name of whoever made it, with its entry as it was, and say so in one ERROR
+    line if this call changed something (so the workers of a fleet that all put it back say
+    it once).
 
     Raises:
         SemaphoreBackendError: the store failed.
@@ -60,6 +61,8 @@ def put_back(admin: SemaphoreAdmin, field: str, entry: str) -> None:
     else:
         rate = None if value is None else Rate(value[0], value[1], name)
         changed = admin.set_rate(key, rate, name=name, by=by) != shown
+    # Its entry as it was: a worker whose copy is newer still finds the store's older.
+    admin.client.hset(f"{admin.prefix}:decisions", field, entry)
     if changed:
         logger.error(
             "semaphore %r: a restart of the store lost its %s%s, %s by %s at %s; %s by %s", key,
