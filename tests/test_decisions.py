@@ -139,6 +139,30 @@ def test_a_decision_made_after_the_restart_is_left_alone(
     assert len(_lost_lines(caplog)) == 1
 
 
+def test_the_newest_copy_of_the_fleet_wins_whichever_worker_puts_back_first(
+    store: RedisServer, store_app: Celery
+) -> None:
+    """Proves: a worker whose copy is older (it last ticked before the limit's last change)
+    puts back its value first, and a worker with the newest copy still puts back the newest:
+    a put-back decision keeps its entry (and its time) as it was."""
+    admin = _admin(store)
+    stale, fresh = JournalKeeper(store_app), JournalKeeper(store_app)
+    admin.set_limit("dec:limited", 5, by="ops")
+    stale.keep()
+    admin.set_limit("dec:limited", 7, by="ops2")
+    fresh.keep()
+    _restart(store, "none")
+    stale.keep()
+    live = admin.live_limit("dec:limited")
+    assert live is not None
+    assert live.limit == 5
+    fresh.keep()
+    stale.keep()
+    live = admin.live_limit("dec:limited")
+    assert live is not None
+    assert (live.limit, live.by) == (7, "ops2")
+
+
 def test_the_admins_record_each_decision_and_its_clear(store: RedisServer) -> None:
     """Proves: the sync and the asyncio admin record each decision in the decisions hash,
     and a clear as a value of None, with who and when."""
