@@ -1,9 +1,11 @@
 """The journal's keeper: once a sweep interval, in each worker's upkeep thread, look up a page
 of the host's journaled runs in the store, strike out the ones served elsewhere, and send
-again the ones the store lost.
+again the ones the store lost; and copy the operators' decisions, putting back those a
+restart of the store lost (:func:`put_back`).
 
 The cost of a tick is one page (:data:`PAGE` entries, one pipelined round trip, two
-``HEXISTS`` each) and two reads of the incarnation marker, whatever the backlog: a host's
+``HEXISTS`` each), three reads of the incarnation marker and one ``HGETALL`` of the
+decisions hash (sized by the keys that ever had a decision), whatever the backlog: a host's
 journal is gone through a page per tick, from the start again once it reaches the end.
 """
 
