@@ -207,7 +207,9 @@ def test_set_limit_and_status_from_the_command_line(redis_server: RedisServer) -
     for bad in (["set-limit", "openai"], ["set-limit", "openai", "0"],
                 ["set-limit", "openai", "5", "--clear"]):  # fmt: skip
         assert run(*bad).exit_code == 2, bad
-    assert redis.Redis.from_url(redis_server.url).keys("semaphore:*") == []
+    # Only the decisions hash stays, with the clear in it (a copy older than it is never
+    # put back after a restart of the store).
+    assert redis.Redis.from_url(redis_server.url).keys("semaphore:*") == [b"semaphore:decisions"]
     app.close()
 
 

@@ -22,9 +22,10 @@ What is checked, by the bodies' own records (tests/history.py):
 
 * No run starts above the limit in effect at its start, counting every slot still held. A
   raise applies from when it is sent; a lowering from a grace after its answer (a slot handed
-  off just before is claimed up to the claim timeout later); a restart forgets live limits;
-  a slot granted before a restart counts only until it (guarantees.md: "New runs are admitted
-  at once"; its holder learns at its next renewal).
+  off just before is claimed up to the claim timeout later); a restart forgets live limits
+  until the workers put back the last they saw; a slot granted before a restart counts only
+  until it (guarantees.md: "New runs are admitted at once"; its holder learns at its next
+  renewal).
 * Every task completes a run, but for those a restart took, as guarantees.md says it does
   (parked in a room, handed a slot, or redelivered after it with a hand-off claimed before
   it), and at most one per worker killed whole: the message it had just taken off the queue
@@ -109,6 +110,9 @@ FREEZE = 1.5 * SOAK_LEASE
 """How long the store is frozen: every lease lapses."""
 DOWN = 0.5
 """How long the store stays down in a restart (runs that ask meanwhile are shed)."""
+SWEEP_INTERVAL = float(os.environ.get("CSEM_TEST_SWEEP_INTERVAL", 2.0))
+"""The workers' ``semaphore_sweep_interval`` (tests/celery_apps.py), at which each puts back
+the live limits a restart of the store lost."""
 GRACE = SOAK_CLAIM_TIMEOUT + 1.0
 """How long the limit a change replaced may still apply (see :func:`limit_schedule`)."""
 DECK = ["worker killed", "pool process killed", "pool process killed", "worker stopped",
@@ -402,10 +406,17 @@ class Chaos:
         time.sleep(DOWN)  # the fault: down for a moment
         self.store.start()
         self.wipes.append(wipe)
-        for key, live in self.live.items():
-            if live is not None:  # the live limit went with everything else
-                self.changes[key].append((wipe[0], time.monotonic(), SOAK_LIMITS[key]))
-                self.live[key] = None
+        # The live limits went with everything else, and the workers put back the last they
+        # saw (an older one, or none, if the last change came within a sweep of the restart):
+        # every worker has ticked twice by then. From the restart on, the code's limit or the
+        # one put back applies; then the one put back.
+        time.sleep(3 * SWEEP_INTERVAL)
+        for key in self.live:
+            back = self.sem.admin.live_limit(key)
+            answered = time.monotonic()
+            self.changes[key].append((wipe[0], answered, SOAK_LIMITS[key]))
+            self.changes[key].append((wipe[0], answered, back.limit if back else SOAK_LIMITS[key]))
+            self.live[key] = back.limit if back else None
 
     # -- live limits -------------------------------------------------------------------------
 

@@ -73,6 +73,8 @@ class AsyncSemaphoreAdmin(AdminTrips):
             reply = await self._scripts.run(trip.call)
             if trip.after:
                 await self.client.zadd(self.names.room_index, trip.after, xx=True)
+            if trip.decision:
+                await self.client.hset(f"{self.prefix}:decisions", *trip.decision)
         except REDIS_ERRORS as exc:
             if trip.token is not None:
                 recover_later(self._scripts, self.keys_of(trip.key), trip.key, trip.token,

@@ -31,7 +31,14 @@ from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
-from .live import live_limit_of, log_limit_change, log_pause_change, pause_of, setter, text_of
+from .live import (
+    live_limit_of,
+    log_limit_change,
+    log_pause_change,
+    pause_of,
+    setter,
+    text_of,
+)
 from .live_rates import log_rate_change, set_rate_call
 from .names import Keys, Namespace
 from .process import holder_member, member_pattern, token_of
@@ -157,6 +164,15 @@ def eviction_warnings(config: Mapping[Any, Any]) -> list[str]:
     ]
 
 
+def decision_of(decision: str, key: str, value: object, by: str) -> tuple[str, str]:
+    """The entry an operator's change writes to the hash ``<prefix>:decisions``, which the
+    workers copy to put back what a restart of the store loses: the field
+    ``"<decision> <key>"`` (``pause``, ``limit`` or ``rate:<name>``) and ``[value, by,
+    at_ms]`` in JSON, at this host's clock; a clear keeps its entry with value None, so a
+    copy older than it is never put back."""
+    return f"{decision} {key}", json.dumps([value, by, int(time.time() * 1000)])
+
+
 R = TypeVar("R")
 A = TypeVar("A")
 
@@ -166,7 +182,9 @@ class RoundTrip(Generic[R, A]):
     """One round trip of an admin on ``key``, decided without I/O for the sync and the
     asyncio twin alike (:class:`AdminTrips` makes them); each twin only does its I/O
     (``_make``), in this order: write :attr:`before` to the room index (``ZADD XX LT``: see
-    :meth:`HandoffRoute.mark_before`), send :attr:`call`, write :attr:`after` (``ZADD XX``).
+    :meth:`HandoffRoute.mark_before`), send :attr:`call`, write :attr:`after` (``ZADD XX``)
+    and an operator's :attr:`decision` to the decisions hash (in a slot of its own on a
+    cluster, so not from the script).
     A redis-py error is handed to the twin's ``recover_later`` with :attr:`token` (None: the
     call needs no recovery) and raised as a backend error of ``key`` and :attr:`limit`. Then
     :attr:`read` makes of the reply the answer and the hand-offs to deliver, and logs what
@@ -179,6 +197,7 @@ class RoundTrip(Generic[R, A]):
     after: dict[str, int] = field(default_factory=dict)
     token: str | None = None
     limit: int | None = None
+    decision: tuple[str, str] | None = None
 
 
 class AdminTrips:
@@ -199,11 +218,12 @@ class AdminTrips:
     def _freeing(
         self, key: str, call: Call[R], read: Callable[[R], tuple[A, list[Handoff]]],
         token: str | None = "", limit: int | None = None, now: bool = False,
+        decision: tuple[str, str] | None = None,
     ) -> RoundTrip[R, A]:  # fmt: skip
         """A round trip that may free slots of ``key``: its room's sweep brought on before
         it (see :meth:`HandoffRoute.mark_before`), and when ``now``, due at once after it."""
         _, before = self.handoffs.mark_before(self.keys_of(key), key)
-        return RoundTrip(key, call, read, before, {key: 0} if now else {}, token, limit)
+        return RoundTrip(key, call, read, before, {key: 0} if now else {}, token, limit, decision)
 
     def _holders_trip(self, key: str) -> RoundTrip[tuple[int, list[tuple[str, int, str]]],
                                                    list[Holder]]:  # fmt: skip
@@ -251,7 +271,8 @@ class AdminTrips:
             return previous, handed
 
         call = set_limit_call(self.keys_of(key), limit, who, self.handoffs.release_claim_ms)
-        return self._freeing(key, call, read, limit=limit)
+        return self._freeing(key, call, read, limit=limit,
+                             decision=decision_of("limit", key, limit, who))  # fmt: skip
 
     def _pause_trip(self, key: str, paused: bool, by: str | None) -> RoundTrip[Released, bool]:
         key, who = check.check_key(key), setter(by)
@@ -261,7 +282,8 @@ class AdminTrips:
             return reply
 
         call = pause_call(self.keys_of(key), paused, who, self.handoffs.release_claim_ms)
-        return self._freeing(key, call, read)
+        return self._freeing(key, call, read, decision=decision_of("pause", key, paused or None,
+                                                                   who))  # fmt: skip
 
     def _rate_trip(
         self, key: str, rate: str | float | Rate | None, name: str, by: str | None
@@ -275,7 +297,9 @@ class AdminTrips:
             log_rate_change(key, name, new, reply[0], who)
             return reply[0], []
 
-        return RoundTrip(key, set_rate_call(self.keys_of(key), name, new, who), read)
+        return RoundTrip(key, set_rate_call(self.keys_of(key), name, new, who), read,
+                         decision=decision_of(f"rate:{name}", key, new and [new.spec, new.burst],
+                                              who))  # fmt: skip
 
 
 class SemaphoreAdmin(AdminTrips, AdminMoved):
@@ -313,6 +337,8 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
             reply = self._scripts.run(trip.call)
             if trip.after:
                 self.client.zadd(self.names.room_index, trip.after, xx=True)
+            if trip.decision:
+                self.client.hset(f"{self.prefix}:decisions", *trip.decision)
         except REDIS_ERRORS as exc:
             if trip.token is not None:
                 recover_later(self._scripts, self.keys_of(trip.key), trip.key, trip.token,

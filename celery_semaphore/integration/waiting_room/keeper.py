@@ -1,21 +1,27 @@
 """The journal's keeper: once a sweep interval, in each worker's upkeep thread, look up a page
 of the host's journaled runs in the store, strike out the ones served elsewhere, and send
-again the ones the store lost.
+again the ones the store lost; and copy the operators' decisions, putting back those a
+restart of the store lost (:func:`put_back`).
 
 The cost of a tick is one page (:data:`PAGE` entries, one pipelined round trip, two
-``HEXISTS`` each) and two reads of the incarnation marker, whatever the backlog: a host's
+``HEXISTS`` each), three reads of the incarnation marker and one ``HGETALL`` of the
+decisions hash (sized by the keys that ever had a decision), whatever the backlog: a host's
 journal is gone through a page per tick, from the start again once it reaches the end.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import sqlite3
 import time
 
 from celery import Celery
 
+from ...core.admin import SemaphoreAdmin
+from ...core.live import setter, text_of
+from ...core.rates import Rate
 from ...core.room_reads import parked_or_claimed
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
@@ -36,19 +42,38 @@ just before it parks, and its park may still be on its way to the store (a slow 
 one that restarts meanwhile)."""
 
 
-def resend(app: Celery, entry: Entry) -> None:
-    """Publish a journaled run's message again, to its own queue, as a new arrival: without
-    the marks of the hand-off it was parked for (a run that finds nothing to claim ends), and
-    with the headers that keep its first arrival and its budget.
+def put_back(admin: SemaphoreAdmin, field: str, entry: str) -> None:
+    """Make the operator's decision of the decisions hash's ``field`` (``entry`` is its
+    ``[value, by, at_ms]``, see :func:`~celery_semaphore.core.admin.decision_of`) the key's
+    again, in the name of whoever made it, with its entry as it was, and say so in one ERROR
+    line if this call changed something (so the workers of a fleet that all put it back say
+    it once).
 
     Raises:
-        Exception: the message cannot be read or published.
+        SemaphoreBackendError: the store failed.
     """
-    signature = app.signature(message_of(entry.payload))
-    headers = signature.options.setdefault("headers", {})
-    for mark in HANDOFF_HEADERS:
-        headers.pop(mark, None)
-    signature.apply_async()
+    decision, key = field.split(" ", 1)
+    value, by, at = json.loads(entry)
+    name = decision[len("rate:") :]  # a rate's name ("" for a pause or a limit)
+    shown = value if not name or value is None else f"{value[0]} burst {value[1]}"
+    if decision == "pause":
+        changed = admin.resume(key, by) if value is None else not admin.pause(key, by)
+    elif decision == "limit":
+        changed = admin.set_limit(key, value, by) != value
+    else:
+        rate = None if value is None else Rate(value[0], value[1], name)
+        changed = admin.set_rate(key, rate, name=name, by=by) != shown
+    # Its entry as it was: a worker whose copy is newer still finds the store's older.
+    admin.client.hset(f"{admin.prefix}:decisions", field, entry)
+    if changed:
+        logger.error(
+            "semaphore %r: a restart of the store lost its %s%s, %s by %s at %s; %s by %s", key,
+            {"pause": "pause", "limit": "live limit"}.get(decision, f"live {name} rate"),
+            "" if value is None or decision == "pause" else f" {shown}",
+            "cleared" if value is None else "set", by,
+            time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at / 1000)),
+            "cleared again" if value is None else "put back", setter(),
+        )  # fmt: skip
 
 
 class JournalKeeper:
@@ -61,27 +86,46 @@ class JournalKeeper:
     def __init__(self, app: Celery) -> None:
         self.app = app
         self._after = 0  # the last row looked up; the next tick goes on from there
+        # The store's incarnation and decisions hash at the last tick: a copy in memory, not
+        # in the journal file, which may have missed a clear while its worker was down.
+        self._seen: tuple[str, dict[str, str]] | None = None
 
     def keep(self) -> None:
-        """Look up the next page of journaled runs. Never raises: a store or journal that
-        fails is logged, and the page is looked up again at the next tick."""
+        """Put back the operators' decisions a restart of the store lost (see
+        :meth:`_keep_decisions`), and look up the next page of journaled runs. Never raises:
+        a store or journal that fails is logged, and the tick's work is done again at the
+        next."""
         journal = journal_for(self.app)
-        if journal is None:
-            return
         try:
             self._keep(journal)
         except (*REDIS_ERRORS, SemaphoreBackendError) as exc:  # the store's watch reports it
             logger.warning("could not look up the waiting room's journal: %s", exc)
         except (sqlite3.Error, OSError) as exc:  # the file's own trouble: said, not traced
-            warn_now_and_then("could not read the waiting room's journal %s: %s", journal.path,
-                              exc)  # fmt: skip
+            warn_now_and_then("could not read the waiting room's journal %s: %s",
+                              journal and journal.path, exc)  # fmt: skip
         except Exception:
             logger.warning("could not look up the waiting room's journal", exc_info=True)
 
-    def _keep(self, journal: Journal) -> None:
+    def _keep(self, journal: Journal | None) -> None:
         client = client_for(self.app)
         prefix = app_settings(self.app).prefix
         current = checked_incarnation(client, prefix)
+        # The decisions hash, copied every tick (one HGETALL, sized by the keys with
+        # decisions); after a restart, what the copy holds newer than the store is put back.
+        admin = SemaphoreAdmin(client, prefix)
+        raw = client.hgetall(f"{prefix}:decisions")
+        # Read after it: a store that restarted in between answered from its new hash.
+        marker = client.get(marker_key(prefix))
+        if incarnation_of(marker) != current:
+            return  # it restarted since ``current`` was read: the next tick sees it
+        store = {text_of(field): text_of(value) for field, value in raw.items()}
+        if self._seen is not None and self._seen[0] != current:
+            for field, value in self._seen[1].items():
+                if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
+                    put_back(admin, field, value)
+        self._seen = (current, store)
+        if journal is None:
+            return
         entries = journal.page(self._after, PAGE)
         if not entries:
             self._after = 0
@@ -125,8 +169,14 @@ class JournalKeeper:
             return False
         if has_ended(self.app, entry.waiter):
             return False  # served on another host before the restart, whose claim it lost
-        try:
-            resend(self.app, entry)
+        try:  # to its own queue, as a new arrival: without the marks of the hand-off it was
+            # parked for (a run that finds nothing to claim ends), and with the headers that
+            # keep its first arrival and its budget
+            signature = self.app.signature(message_of(entry.payload))
+            headers = signature.options.setdefault("headers", {})
+            for mark in HANDOFF_HEADERS:
+                headers.pop(mark, None)
+            signature.apply_async()
         except (ValueError, KeyError, TypeError) as exc:
             error = SemaphoreRunLostError(
                 f"semaphore {entry.key!r}: the store lost parked run {entry.waiter}, and its "
