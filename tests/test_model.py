@@ -860,10 +860,11 @@ class SemaphoreMachine(RuleBasedStateMachine):
         if read is None:
             return
         _, (ttls, leases) = read
-        live_limits = {redis_keys(PREFIX, key).limits for key in KEYS}
+        # An operator's live limit stays until it is cleared, by design, and so does the
+        # record of operators' decisions the workers put back after a restart.
+        operators = {redis_keys(PREFIX, key).limits for key in KEYS} | {f"{PREFIX}:decisions"}
         for name, ttl in ttls.items():
-            # An operator's live limit stays until it is cleared, by design.
-            assert ttl != -1 or name in live_limits, f"Redis key {name!r} has no TTL"
+            assert ttl != -1 or name in operators, f"Redis key {name!r} has no TTL"
         for name, (ttl, latest) in leases.items():
             assert ttl >= latest - 50, (
                 f"Redis key {name!r} expires in {ttl} ms, before its live lease ({latest} ms)"

@@ -189,6 +189,7 @@ SURFACE: dict[str, list[str]] = {
         "lease",
         "limit",
         "names",
+        "outlives",
         "park",
         "park_many",
         "sweep",
