@@ -23,6 +23,7 @@ from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
+from .test_asyncio import close
 
 KEEPER = "celery_semaphore.integration.waiting_room.keeper"
 
@@ -174,7 +175,7 @@ def test_the_admins_record_each_decision_and_its_clear(store: RedisServer) -> No
             await admin.pause("dec:async", by="ops")
             await admin.set_rate("dec:async", "3/s", by="ops")
         finally:
-            await client.aclose()
+            await close(client)
 
     asyncio.run(decide())
     _admin(store).set_limit("dec:sync", 4, by="ops")
