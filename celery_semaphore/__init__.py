@@ -14,7 +14,7 @@ import importlib
 from importlib.metadata import version
 from typing import TYPE_CHECKING, Any
 
-from .core import Holder, Rate, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
+from .core import Adaptive, BackOff, Holder, Rate, Semaphore, SemaphoreAdmin, Slot, WaitingRoom
 from .errors import (
     LeaseInterrupted,
     Refusal,
@@ -41,6 +41,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Adaptive",
+    "BackOff",
     "Holder",
     "LeaseInterrupted",
     "Rate",

@@ -119,10 +119,9 @@ class Acquirer:
         """Release ``token``, a slot nobody holds. Never raises: a failure is logged, and
         the slot lapses with its lease."""
         try:
-            _, handed = await self.run(
-                key, release_call(keys, token, self.handoffs.release_claim_ms, None)
-            )
-            await deliver(self.handoffs, key, handed, self.scripts)
+            call = release_call(keys, token, self.handoffs.release_claim_ms, None)
+            released = await self.run(key, call)
+            await deliver(self.handoffs, key, released.handed, self.scripts)
         except SemaphoreBackendError:
             logger.warning("could not give back a slot of %r that nobody holds; it lapses", key)
 

@@ -27,7 +27,15 @@ from ..core.admin import (
     eviction_warnings,
 )
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
-from ..core.live import LiveLimit, Pause, live_limit_of, pause_of, text_of
+from ..core.live import (
+    Feedback,
+    LiveLimit,
+    Pause,
+    feedback_of,
+    live_limit_of,
+    pause_of,
+    text_of,
+)
 from ..core.names import Namespace
 from ..core.process import holder_member, member_pattern
 from ..core.rates import Rate
@@ -169,6 +177,17 @@ class AsyncSemaphoreAdmin(AdminTrips):
         :meth:`SemaphoreAdmin.resume <celery_semaphore.core.admin.SemaphoreAdmin.resume>`;
         the hand-offs it makes are published in a worker thread."""
         return await self._make(self._pause_trip(key, False, by))
+
+    async def feedback(self, key: str) -> Feedback | None:
+        """What the provider's answers decided for ``key`` (its adaptive limit, its
+        cool-down, its back-offs), or None when they decided nothing yet (one round trip).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        with backend_errors(key):
+            return feedback_of(await self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     async def pause_of(self, key: str) -> Pause | None:
         """Whether ``key`` is paused: who paused it and when, or None (one round trip).

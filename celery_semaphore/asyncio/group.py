@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..core.calls import held_call
+from ..core.feedback import BackOff
 from ..core.group import GroupRecord, held_pairs
 from ..core.scripts import backend_errors
 from .slot import AsyncSlot, notify
@@ -94,11 +95,21 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
         """
         return all(await _each([slot.release() for slot in self.slots]))
 
+    async def back_off(self, retry_after: object = None, key: str | None = None) -> float:
+        """Give every slot back, the one of ``key`` (None: the first key) with a back-off;
+        see :meth:`SlotGroup.back_off <celery_semaphore.core.group.SlotGroup.back_off>`."""
+        ends = await self._backing_off(key).back_off(retry_after)
+        await self.release()
+        return ends
+
     async def __aenter__(self) -> AsyncSlotGroup:
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.release()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, BackOff):
+            await self.back_off(exc.retry_after, exc.key)
+        else:
+            await self.release()
 
 
 async def _each(calls: Sequence[Awaitable[bool]]) -> list[bool]:

@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+from ..core.feedback import BackOff
 from ..core.lease import RenewErrorCallback
 from ..errors import SemaphoreBackendError
 from .group import AsyncSlotGroup
@@ -89,10 +90,13 @@ async def guard(
             beat.add(member, interval, on_renew_error)
     task = asyncio.current_task()
     stop = _Interrupt(slot, task) if interrupt and task is not None else None
-    failed = True
+    failed, outcome = True, None
     try:
         yield slot
         failed = False
+    except BackOff as exc:
+        outcome = exc
+        raise
     except asyncio.CancelledError:
         if stop is None or not stop.disarm():
             raise
@@ -105,7 +109,7 @@ async def guard(
                 beat.remove(member)
         slot._check_deadline()
         try:
-            await slot.release()
+            await slot.__aexit__(type(outcome), outcome, None)  # a release, or a back-off
         except SemaphoreBackendError:
             # The lease runs out by itself; a failed release must not mask the outcome.
             logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)

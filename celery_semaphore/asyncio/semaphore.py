@@ -24,6 +24,7 @@ from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..core.calls import count_call
 from ..core.deprecated import AsyncSemaphoreMoved
+from ..core.feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
@@ -59,7 +60,9 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
             client (plain, Sentinel-managed or cluster), or a URL to make one from (see
             :func:`~celery_semaphore.asyncio.async_client_from_url`). A client made from a
             URL is closed by :meth:`aclose`; one passed in is left to its owner.
-        limit (int): how many holders at once, per key. Required; >= 1.
+        limit (int | Adaptive): how many holders at once, per key. Required; >= 1. An
+            :class:`~celery_semaphore.core.feedback.Adaptive` limit starts at its
+            ``initial`` and then adapts to the provider's answers, fleet-wide.
         lease (float): default seconds a slot lives without an extend. Default 60.0.
         prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
             ``"semaphore"``; must be non-empty and free of braces.
@@ -71,6 +74,8 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
             workers' sweep.
         handoff_grace (float): seconds a reservation is kept for its run alone. Default 1.0.
         rate (RateSpec): start rates of every key, as for :class:`Semaphore`. Default None.
+        max_cool_down (float): seconds: the longest cool-down a back-off may ask for; a
+            longer hint is clamped and logged. Default 300.0.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -95,16 +100,19 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
     def __init__(
         self,
         redis: AsyncClient | str,
-        limit: int,
+        limit: int | Adaptive,
         lease: float = DEFAULT_LEASE,
         prefix: str = DEFAULT_PREFIX,
         claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
         rate: RateSpec = None,
+        max_cool_down: float = DEFAULT_MAX_COOL_DOWN,
     ) -> None:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
-        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
+        adaptive = limit if isinstance(limit, Adaptive) else None
+        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace, adaptive,
+                                     max_cool_down)  # fmt: skip
         self.rates = rates_of(rate)
         self.client = client = async_client_of(redis)
         self._owns_client = isinstance(redis, str)

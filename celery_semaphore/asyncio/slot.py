@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..core.calls import held_call, release_call
+from ..core.feedback import BackOff
 from ..core.handoff import HandoffRoute, delivery
 from ..core.lease import LeaseRecord
 from ..core.lease import notify as notify  # the asyncio group's, too
@@ -185,28 +186,48 @@ class AsyncSlot(LeaseRecord[AsyncScripts]):
             SemaphoreBackendError: the round trip failed; the slot lapses within its lease
                 (a later call tries again).
         """
+        return await self._give_back_once(self._verdict())
+
+    async def back_off(self, retry_after: object = None) -> float:
+        """Give the slot back saying the provider refused its run as over its limit; see
+        :meth:`Slot.back_off <celery_semaphore.core.slot.Slot.back_off>`.
+
+        Returns:
+            float: when the key's cool-down ends (epoch seconds, Redis clock); 0.0 for a
+            slot released before.
+
+        Raises:
+            SemaphoreValidationError: ``retry_after`` is unreadable (nothing is sent).
+            SemaphoreBackendError: the round trip failed.
+        """
         if self._released is None:
-            self._released = asyncio.ensure_future(self._give_back())
+            await self._give_back_once(self._verdict(True, retry_after))
+        return self.cooling_until
+
+    async def _give_back_once(self, verdict: tuple[str, ...]) -> bool:
+        if self._released is None:
+            self._released = asyncio.ensure_future(self._give_back(verdict))
             self._released.add_done_callback(self._released_or_failed)
         return await asyncio.shield(self._released)
 
-    async def _give_back(self) -> bool:
+    async def _give_back(self, verdict: tuple[str, ...]) -> bool:
         sent_at = time.monotonic()
         index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
         try:
             if mark:
                 await self._scripts.client.zadd(index, mark, xx=True, lt=True)
-            owned, handed = await self._scripts.run(
-                release_call(self._keys, self._member, self._handoffs.release_claim_ms, self.weight)
-            )
+            call = release_call(self._keys, self._member, self._handoffs.release_claim_ms,
+                                self.weight, verdict)  # fmt: skip
+            released = await self._scripts.run(call)
         except REDIS_ERRORS as exc:
             # It may have run: its hand-off, or the slot, must not wait for a lease.
             recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
                           sent_at, exc)  # fmt: skip
             raise backend_error(exc, self.key, self.limit) from exc
         self._on_release(self)
-        owned = self._given_back(owned)
-        await deliver(self._handoffs, self.key, handed, self._scripts)
+        self.cooling_until = released.cooling_until_ms / 1000
+        owned = self._given_back(released.owned)
+        await deliver(self._handoffs, self.key, released.handed, self._scripts)
         return owned
 
     def _released_or_failed(self, release: asyncio.Future[bool]) -> None:
@@ -216,5 +237,8 @@ class AsyncSlot(LeaseRecord[AsyncScripts]):
     async def __aenter__(self) -> AsyncSlot:
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.release()
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, BackOff):
+            await self.back_off(exc.retry_after)
+        else:
+            await self.release()

@@ -4,12 +4,14 @@ Nothing here imports Celery. The layers, bottom up: ``validation`` and ``options
 checks), ``clients`` (redis-py clients from URLs), ``names``, ``calls``, ``replies``,
 ``scripts`` and ``lua/`` (one atomic script per operation), ``slot`` (a held lease),
 ``heartbeat`` (renewal), ``guard`` (a slot held for a block), ``admin`` (holders, force
-release and live limits, without a limit), ``handoff``, ``room`` and ``room_reads`` (the
+release and live limits, without a limit), ``feedback`` (back-offs and adaptive limits),
+``handoff``, ``room`` and ``room_reads`` (the
 waiting room), ``wake`` (acquire's wait), ``semaphore`` (acquire, hold, run), ``tracing``.
 """
 
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin
 from .clients import client_from_url
+from .feedback import Adaptive, BackOff
 from .handoff import HandoffRoute
 from .rates import Rate
 from .room import WaitingRoom
@@ -19,6 +21,8 @@ from .slot import Slot
 __all__ = [
     "DEFAULT_LEASE",
     "DEFAULT_PREFIX",
+    "Adaptive",
+    "BackOff",
     "HandoffRoute",
     "Holder",
     "Rate",

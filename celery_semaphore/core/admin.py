@@ -29,9 +29,11 @@ from .calls import (
 )
 from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
+from .live import Feedback as Feedback
 from .live import LiveLimit as LiveLimit
 from .live import Pause as Pause
 from .live import (
+    feedback_of,
     live_limit_of,
     log_limit_change,
     log_pause_change,
@@ -44,7 +46,7 @@ from .names import Keys, Namespace
 from .process import holder_member, member_pattern, token_of
 from .rates import Rate, check_rate_name
 from .recovery import recover_later
-from .replies import Handoff
+from .replies import Handoff, Released
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 logger = logging.getLogger(__name__)
@@ -53,8 +55,8 @@ DEFAULT_PREFIX = "semaphore"
 
 _GLOB = re.compile(r"([*?\[\]\\])")
 
-# release.lua's reply, and set_limit.lua's to a pause: a flag, and the hand-offs made.
-Released = tuple[bool, list[Handoff]]
+# What a force release and a pause answer: a flag, and the hand-offs made.
+Freed = tuple[bool, list[Handoff]]
 
 
 @dataclass(frozen=True)
@@ -234,10 +236,10 @@ class AdminTrips:
         )  # fmt: skip
 
     def _release_trip(self, key: str, member: str) -> RoundTrip[Released, bool]:
-        def read(reply: Released) -> Released:
-            if reply[0]:
+        def read(reply: Released) -> Freed:
+            if reply.owned:
                 logger.warning("semaphore %r: holder %s force-released", key, token_of(member))
-            return reply
+            return reply.owned, reply.handed
 
         # A reservation taken away is due in its room now (its waiter goes back in line), but
         # the room's score says when its last sweep thought: bring it on.
@@ -274,10 +276,10 @@ class AdminTrips:
         return self._freeing(key, call, read, limit=limit,
                              decision=decision_of("limit", key, limit, who))  # fmt: skip
 
-    def _pause_trip(self, key: str, paused: bool, by: str | None) -> RoundTrip[Released, bool]:
+    def _pause_trip(self, key: str, paused: bool, by: str | None) -> RoundTrip[Freed, bool]:
         key, who = check.check_key(key), setter(by)
 
-        def read(reply: Released) -> Released:
+        def read(reply: Freed) -> Freed:
             log_pause_change(key, paused, reply[0], who)
             return reply
 
@@ -476,6 +478,17 @@ class SemaphoreAdmin(AdminTrips, AdminMoved):
             SemaphoreBackendError: Redis failed.
         """
         return self._make(self._pause_trip(key, False, by))
+
+    def feedback(self, key: str) -> Feedback | None:
+        """What the provider's answers decided for ``key`` (its adaptive limit, its
+        cool-down, its back-offs), or None when they decided nothing yet (one round trip).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not a non-empty str.
+            SemaphoreBackendError: Redis failed.
+        """
+        with backend_errors(key):
+            return feedback_of(self.client.hgetall(self.keys_of(check.check_key(key)).limits))
 
     def pause_of(self, key: str) -> Pause | None:
         """Whether ``key`` is paused: who paused it and when, or None (one round trip).

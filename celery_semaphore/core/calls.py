@@ -21,6 +21,7 @@ from .replies import (
     Handoff,
     NotWaiting,
     Parked,
+    Released,
     RoomFull,
     parse_acquire,
     parse_acquire_many,
@@ -148,21 +149,26 @@ def extend_call(renewals: Sequence[Renewal]) -> Call[list[int | None]]:
     return Call("extend", keys, args, parse_extend)
 
 
-def release_argv(token: str, claim_ms: int, weight: int | None) -> tuple[str | bytes | int, ...]:
-    """release.lua's ARGV (the weight only when it is not 1; "" when unknown)."""
-    if weight == 1:
+def release_argv(
+    token: str, claim_ms: int, weight: int | None, verdict: tuple[str, ...] = ()
+) -> tuple[str | bytes | int, ...]:
+    """release.lua's ARGV (the weight only when it is not 1, or a verdict follows; "" when
+    unknown), then the ``verdict`` on how the run went (see ``LeaseRecord._verdict``)."""
+    if weight == 1 and not verdict:
         return token, b"%d" % claim_ms
-    return token, b"%d" % claim_ms, "" if weight is None else weight
+    return token, b"%d" % claim_ms, "" if weight is None else weight, *verdict
 
 
 def release_call(
-    keys: Keys, token: str, claim_ms: int, weight: int | None = 1
-) -> Call[tuple[bool, list[Handoff]]]:
-    """Remove ``token`` (of ``weight`` units; None: as many as it has): whether it was still
-    a live holder until now (for a holder of one unit on a key with no room and nobody
-    blocked: whether it was there at all, its lease left to the caller's own deadline), and
-    the hand-offs of the units it freed (to the oldest parked waiters)."""
-    return call_of("release", keys, release_argv(token, claim_ms, weight), parse_release)
+    keys: Keys, token: str, claim_ms: int, weight: int | None = 1, verdict: tuple[str, ...] = ()
+) -> Call[Released]:
+    """Remove ``token`` (of ``weight`` units; None: as many as it has), telling the store how
+    its run went (``verdict``): whether it was still a live holder until now (for a holder of
+    one unit on a key with no room and nobody blocked: whether it was there at all, its
+    lease left to the caller's own deadline), the hand-offs of the units it freed (to the
+    oldest parked waiters), and after a back-off when the cool-down ends."""
+    return call_of("release", keys, release_argv(token, claim_ms, weight, verdict),
+                   parse_release)  # fmt: skip
 
 
 def set_limit_call(
@@ -309,7 +315,7 @@ def gather_call(handoff: Handoff, claim_ms: int) -> Call[list[Handoff]]:
 
 def recover_call(
     keys: Keys, token: str, claim_ms: int, since_ms: int
-) -> Call[tuple[bool, list[Handoff]]]:
+) -> Call[Released]:
     """After a call of ``token`` ("" for none) sent ``since_ms`` ago whose answer was lost:
     whether the token still held a slot (it is given back now), and the hand-offs to
     publish: the reservations made since, and the slots handed off now (see recover.lua)."""

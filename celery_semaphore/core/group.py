@@ -16,8 +16,14 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Generic, Protocol, TypeVar
 
-from ..errors import Refusal, SemaphoreLeaseLostError, SemaphoreNotAcquiredError
+from ..errors import (
+    Refusal,
+    SemaphoreLeaseLostError,
+    SemaphoreNotAcquiredError,
+    SemaphoreValidationError,
+)
 from .calls import held_call
+from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .names import Keys
 from .options import ManyPlan, many_args
@@ -82,6 +88,17 @@ class GroupRecord(Generic[M]):
         self._callbacks: list[Callable[[Any], object]] = []
         for slot in self.slots:
             slot.when_lost(self._member_lost)
+
+    def _backing_off(self, key: str | None) -> M:
+        """The slot a back-off of ``key`` (None: the first key) is about.
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not one of the group's.
+        """
+        for slot in self.slots:
+            if key is None or slot.key == key:
+                return slot
+        raise SemaphoreValidationError(f"back-off names key {key!r}, not one of {self.key!r}")
 
     def _member_lost(self, _: M) -> None:
         with self._lock:
@@ -207,11 +224,27 @@ class SlotGroup(GroupRecord[Slot]):
         """
         return all([slot.release() for slot in self.slots])
 
+    def back_off(self, retry_after: object = None, key: str | None = None) -> float:
+        """Give every slot back, the one of ``key`` (None: the first key) with a back-off
+        (see :meth:`Slot.back_off`); returns when that key's cool-down ends (epoch seconds).
+
+        Raises:
+            SemaphoreValidationError: ``key`` is not one of the group's, or ``retry_after``
+                is unreadable (nothing is sent).
+            SemaphoreBackendError: a round trip failed.
+        """
+        ends = self._backing_off(key).back_off(retry_after)
+        self.release()
+        return ends
+
     def __enter__(self) -> SlotGroup:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, BackOff):
+            self.back_off(exc.retry_after, exc.key)
+        else:
+            self.release()
 
 
 def take_group(

@@ -58,14 +58,14 @@ class guard(Generic[S]):
             self._beat = beat
         return self.slot
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         slot = self.slot
         if self._beat is not None:
             for member in self._members():
                 self._beat.remove(member)
         slot._check_deadline()
         try:
-            slot.release()
+            slot.__exit__(exc_type, exc, tb)  # a release, or a back-off
         except Exception:
             # The lease runs out by itself; a failed release must not mask the body's outcome.
             logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator, Sequence
 
 from . import validation as check
 from .calls import Call, gather_call
+from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from .names import Keys, room_index_of
 from .replies import Handoff, SweepDue
 from .scripts import REDIS_ERRORS, Scripts
@@ -89,7 +90,8 @@ def delivery(key: str, handoffs: Sequence[Handoff], claim_ms: int, gather: bool)
 
 
 class HandoffRoute:
-    """Where the hand-offs of one semaphore go.
+    """Where the hand-offs of one semaphore's releases go, and what its releases tell the
+    store of how their runs went (see :meth:`LeaseRecord._verdict`).
 
     Args:
         claim_timeout (float): seconds a reservation waits for its run.
@@ -98,10 +100,12 @@ class HandoffRoute:
         grace (float): seconds a reservation is kept for its run alone; after that, a run
             that asks for a slot in person (parks) takes it instead, and the passed-over
             waiter stays at the head of the room. 0: never.
+        adaptive (Adaptive | None): the semaphore's adaptive limit, if it has one.
+        max_cool_down (float): seconds: the longest cool-down a back-off may ask for.
 
     Raises:
-        SemaphoreValidationError: ``claim_timeout`` is not a positive number of seconds,
-            or ``grace`` is negative.
+        SemaphoreValidationError: ``claim_timeout`` or ``max_cool_down`` is not a positive
+            number of seconds, or ``grace`` is negative.
     """
 
     def __init__(
@@ -109,10 +113,14 @@ class HandoffRoute:
         claim_timeout: float,
         publisher: Publisher | None,
         grace: float = DEFAULT_HANDOFF_GRACE,
+        adaptive: Adaptive | None = None,
+        max_cool_down: float = DEFAULT_MAX_COOL_DOWN,
     ) -> None:
         self.claim_ms = check.lease_ms(claim_timeout, "claim_timeout")
         self.publisher = check.check_callback(publisher, "on_handoff")
         self.grace_ms = round(check.check_delay(grace, "handoff_grace") * 1000)
+        self.adaptive = "" if adaptive is None else adaptive.spec
+        self.max_cool_down_ms = check.lease_ms(max_cool_down, "max_cool_down")
 
     @property
     def release_claim_ms(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -23,11 +24,12 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 
 from ..errors import SemaphoreBackendError, SemaphoreLeaseLostError
+from . import process
 from . import validation as check
 from .calls import Call, Renewal, extend_call
+from .feedback import retry_after_seconds
 from .handoff import HandoffRoute
 from .names import Keys
-from .process import token_of
 from .replies import Admitted
 from .scripts import REDIS_ERRORS, backend_error
 
@@ -106,7 +108,7 @@ class LeaseRecord(Generic[C]):
         # The store knows the holder by its member (process.py): the token and, for a plain
         # acquire, the holder's record after it; views and operators know it by its token.
         self._member = token
-        self.token = token_of(token)
+        self.token = process.token_of(token)
         self.lease = lease
         self.acquired_at = admitted.now_ms / 1000
         self.expires_at = admitted.expires_at_ms / 1000
@@ -126,6 +128,7 @@ class LeaseRecord(Generic[C]):
         self._keys = keys
         self._handoffs = handoffs
         self._released = None
+        self.cooling_until = 0.0  # set by a back-off's answer
         self.lost = self._new_lost()
         self._callbacks_lock = self._new_lock()
 
@@ -234,6 +237,29 @@ class LeaseRecord(Generic[C]):
         if not self.released:
             self._mark_lost("extend found the slot gone")
         return False
+
+    def _verdict(self, back_off: bool = False, retry_after: object = None) -> tuple[str, ...]:
+        """What a release tells release.lua of how the run went (see adapt.lua): a run of an
+        adaptive key that did not back off ended well, whatever it returned or raised (only
+        a back-off says the provider is over its limit); a back-off carries its hint in ms
+        (-1: none), clamped to the longest cool-down (and logged), and when the slot was
+        taken. Nothing for a run of a fixed limit that did not back off.
+
+        Raises:
+            SemaphoreValidationError: ``retry_after`` is negative or unreadable.
+        """
+        spec, route = self._handoffs.adaptive, self._handoffs
+        if not back_off:
+            return (spec,) if spec else ()
+        hint = retry_after_seconds(retry_after)
+        cap_ms = route.max_cool_down_ms
+        if hint is not None and hint * 1000 > cap_ms:
+            logger.warning("semaphore %r: back-off hint of %gs clamped to %gs",
+                           self.key, hint, cap_ms / 1000)  # fmt: skip
+            hint = cap_ms / 1000
+        hint_ms = -1 if hint is None else round(hint * 1000)
+        by = f"{socket.gethostname()}:{process.pid()}"
+        return spec, f"{hint_ms} {cap_ms} {round(self.acquired_at * 1000)}", by
 
     def _given_back(self, owned: bool) -> bool:
         """What a release's answer (``owned``: the store still had the slot) means: ours

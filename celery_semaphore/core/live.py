@@ -9,6 +9,7 @@ asyncio twin's."""
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import os
 import socket
@@ -49,6 +50,55 @@ class Pause:
 
     paused_at: float
     by: str
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What the provider's answers decided for a key (see
+    :class:`~celery_semaphore.core.feedback.BackOff` and
+    :class:`~celery_semaphore.core.feedback.Adaptive`).
+
+    Attributes:
+        limit (int | None): the adaptive limit now; None: the key's limit is not adaptive
+            (or no run of it has ended since the store last lost its state).
+        min (int | None): its lowest value; max (int | None): its highest.
+        cooling_until (float): when the last cool-down ends or ended (epoch seconds, Redis
+            clock); 0.0: no back-off yet.
+        back_offs (int): back-offs so far (while the state lasts).
+        last_by (str): who backed off last (``host:pid``); last_at (float): when (epoch
+            seconds); last_hint (float | None): the cool-down it asked for (seconds).
+    """
+
+    limit: int | None
+    min: int | None
+    max: int | None
+    cooling_until: float
+    back_offs: int
+    last_by: str
+    last_at: float
+    last_hint: float | None
+
+    def cooling(self, now: float) -> bool:
+        """Whether the key is cooling down at ``now`` (epoch seconds, Redis clock)."""
+        return self.cooling_until > now
+
+
+def feedback_of(raw: Mapping[Any, Any]) -> Feedback | None:
+    """The provider's state a key's limits hash holds (adapt.lua's fields), read from
+    HGETALL's reply (bytes or text), or None when it holds none."""
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
+    if "a:limit" not in fields and "cool:until" not in fields:
+        return None
+    last = json.loads(fields.get("cool:last", "{}"))
+    hint = last.get("hint_ms", -1)
+
+    def number(name: str) -> int | None:
+        return int(float(fields[name])) if name in fields else None
+
+    return Feedback(number("a:limit"), number("a:min"), number("a:max"),
+                    int(fields.get("cool:until", 0)) / 1000, int(fields.get("cool:count", 0)),
+                    last.get("by", ""), last.get("at", 0) / 1000,
+                    None if hint < 0 else hint / 1000)  # fmt: skip
 
 
 def text_of(value: Any) -> str:

@@ -14,6 +14,7 @@ from ..errors import SemaphoreValidationError
 from . import process
 from . import validation as check
 from .calls import Call, acquire_many_call
+from .feedback import Adaptive
 from .names import Keys, Namespace
 from .rates import Rate, acquire_rates, refuse_for_many
 from .replies import Admitted, Full
@@ -25,14 +26,17 @@ DEFAULT_LEASE = 60.0
 """Seconds a slot lives without an extend, unless a semaphore or a call says otherwise."""
 
 
-def semaphore_options(limit: int, lease: float, prefix: str) -> tuple[int, float, str]:
-    """``(limit, lease, prefix)`` checked: an int >= 1, positive finite seconds, and a
-    non-empty str free of braces (they would break the keys' hash tag).
+def semaphore_options(
+    limit: int | Adaptive, lease: float, prefix: str
+) -> tuple[int, float, str]:
+    """``(limit, lease, prefix)`` checked: an int >= 1 (an :class:`Adaptive` limit's
+    ``initial``), positive finite seconds, and a non-empty str free of braces (they would
+    break the keys' hash tag).
 
     Raises:
         SemaphoreValidationError: any of them is invalid; the message names it.
     """
-    checked_limit = check.check_limit(limit)
+    checked_limit = limit.initial if isinstance(limit, Adaptive) else check.check_limit(limit)
     check.lease_ms(lease)
     checked_prefix = check.check_key(prefix, "prefix")
     if "{" in checked_prefix or "}" in checked_prefix:

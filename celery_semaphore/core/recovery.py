@@ -31,7 +31,7 @@ from . import process
 from .calls import Call, recover_call
 from .handoff import HandoffRoute
 from .names import Keys
-from .replies import Handoff
+from .replies import Handoff, Released
 from .scripts import REDIS_ERRORS, Scripts
 
 logger = logging.getLogger(__name__)
@@ -65,15 +65,15 @@ class Lost(Generic[S]):
     due: float
     backoff: float = FIRST_TRY
 
-    def call(self, now: float) -> Call[tuple[bool, list[Handoff]]]:
+    def call(self, now: float) -> Call[Released]:
         """The recover.lua call to send at ``now`` (``time.monotonic()``)."""
         claim_ms, since_ms = self.route.release_claim_ms, round((now - self.sent_at) * 1000)
         return recover_call(self.keys, self.token, claim_ms, since_ms)
 
-    def answered(self, reply: tuple[bool, list[Handoff]]) -> list[Handoff]:
+    def answered(self, reply: Released) -> list[Handoff]:
         """The hand-offs to deliver through :attr:`route` (with :attr:`scripts`) after the
         :meth:`call` answered ``reply``."""
-        released, handed = reply
+        released, handed, _ = reply
         if released or handed:
             logger.info(
                 "semaphore %r: put right a call whose answer was lost: %s, %d hand-off(s) "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -187,12 +187,23 @@ def parse_extend(reply: Any) -> list[int | None]:
     return [int(expiry) or None for expiry in reply[1:]]
 
 
-def parse_release(reply: Any) -> tuple[bool, list[Handoff]]:
-    """release.lua's (and recover.lua's) reply: the flag, and the hand-offs (release.lua
-    answers a bare flag when it handed nothing off)."""
+class Released(NamedTuple):
+    """release.lua's (and recover.lua's) reply: whether the slot was ours until now, the
+    hand-offs, and after a back-off when its cool-down ends (epoch ms; else 0)."""
+
+    owned: bool
+    handed: list[Handoff]
+    cooling_until_ms: int = 0
+
+
+def parse_release(reply: Any) -> Released:
+    """release.lua's (and recover.lua's) reply (see :class:`Released`): a bare flag when it
+    handed nothing off; after a back-off, the cool-down's end right after the flag."""
     if isinstance(reply, int):
-        return reply == 1, []
-    return int(reply[0]) == 1, _handoffs(reply, 1)
+        return Released(reply == 1, [])
+    if len(reply) % 2 == 0:  # the flag, the cool-down's end, then hand-offs in pairs
+        return Released(int(reply[0]) == 1, _handoffs(reply, 2), int(reply[1]))
+    return Released(int(reply[0]) == 1, _handoffs(reply, 1))
 
 
 def parse_cancel(reply: Any) -> tuple[bool, list[Handoff], tuple[str, ...]]:

@@ -33,6 +33,7 @@ from .replies import (
     Admitted,
     Full,
     Handoff,
+    Released,
     parse_acquire,
     parse_release,
 )
@@ -276,10 +277,11 @@ class Scripts:
         return self.run(calls.extend_call(renewals))
 
     def release(
-        self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1
-    ) -> tuple[bool, list[Handoff]]:
+        self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1,
+        verdict: tuple[str, ...] = (),
+    ) -> Released:  # fmt: skip
         """Remove ``token`` (see :func:`release_call`)."""
-        args = release_argv(token, claim_ms, weight)
+        args = release_argv(token, claim_ms, weight, verdict)
         return parse_release(self._send("release", self._encoded(keys).release + args))
 
     def cancel(self, keys: Keys, waiter: str, claim_ms: int) -> tuple[bool, list[Handoff]]:

@@ -26,6 +26,7 @@ from .admin import DEFAULT_PREFIX, SemaphoreAdmin
 from .calls import block_call, count_call
 from .clients import RedisClient, client_of
 from .deprecated import SemaphoreMoved
+from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from .group import SlotGroup, group_refused, take_group
 from .guard import guard as guard
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
@@ -58,7 +59,9 @@ class Semaphore(SemaphoreMoved):
         redis (redis.Redis | redis.RedisCluster | str): a redis-py client (plain,
             Sentinel-managed or cluster), or a URL to make one from (see
             :func:`client_from_url` for the URL forms and the timeouts such a client gets).
-        limit (int): how many holders at once, per key. Required; >= 1.
+        limit (int | Adaptive): how many holders at once, per key. Required; >= 1. An
+            :class:`~celery_semaphore.core.feedback.Adaptive` limit starts at its
+            ``initial`` and then adapts to the provider's answers, fleet-wide.
         lease (float): default seconds a slot lives without an extend. Default 60.0.
         prefix (str): namespace of the Redis keys, ``<prefix>:{<key>}``. Default
             ``"semaphore"``; must be non-empty and free of braces.
@@ -72,6 +75,9 @@ class Semaphore(SemaphoreMoved):
         rate (RateSpec): start rates of every key (``"500/m"``, a :class:`Rate`, or a list
             of them; see :mod:`.rates`): an acquire is refused, or waits, until every rate
             allows it. Default None: none.
+        max_cool_down (float): seconds: the longest cool-down a back-off
+            (:meth:`Slot.back_off`) may ask for; a longer hint is clamped and logged.
+            Default 300.0.
 
     Raises:
         SemaphoreValidationError: any argument is invalid (before any connection is made).
@@ -98,13 +104,14 @@ class Semaphore(SemaphoreMoved):
     def __init__(
         self,
         redis: RedisClient | str,
-        limit: int,
+        limit: int | Adaptive,
         lease: float = DEFAULT_LEASE,
         prefix: str = DEFAULT_PREFIX,
         claim_timeout: float = DEFAULT_CLAIM_TIMEOUT,
         on_handoff: Publisher | None = None,
         handoff_grace: float = DEFAULT_HANDOFF_GRACE,
         rate: RateSpec = None,
+        max_cool_down: float = DEFAULT_MAX_COOL_DOWN,
     ) -> None:
         self.limit, self.lease, self.prefix = semaphore_options(limit, lease, prefix)
         self.rates = rates_of(rate)
@@ -113,7 +120,9 @@ class Semaphore(SemaphoreMoved):
         # Scripts needs register_script and EVALSHA only, which RedisCluster routes by key.
         self._scripts = scripts = Scripts(cast(Redis, client))
         self.names = Namespace(self.prefix, isinstance(client, RedisCluster))
-        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace)
+        adaptive = limit if isinstance(limit, Adaptive) else None
+        self.handoffs = HandoffRoute(claim_timeout, on_handoff, handoff_grace, adaptive,
+                                     max_cool_down)  # fmt: skip
         self.admin = SemaphoreAdmin(cast(Redis, client), prefix, self.handoffs, scripts=scripts)
         self.room = WaitingRoom(cast(Redis, client), prefix, self.handoffs, limit=self.limit,
                                 lease=self.lease, scripts=scripts)  # fmt: skip

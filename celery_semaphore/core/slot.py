@@ -18,6 +18,7 @@ import time
 
 from ..errors import SemaphoreBackendError
 from .calls import held_call
+from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
@@ -41,10 +42,13 @@ class Slot(LeaseRecord[Scripts]):
             limit.
         acquired_at (float): epoch seconds, Redis clock.
         expires_at (float): epoch seconds, Redis clock, as of the last successful extend.
+        cooling_until (float): after :meth:`back_off`, when the key's cool-down ends (epoch
+            seconds, Redis clock); 0.0 before.
 
     A slot from :meth:`Semaphore.acquire` is not renewed in the background: call
     :meth:`extend` yourself, or use :meth:`Semaphore.hold` / :meth:`Semaphore.run`. A slot is
-    also a context manager that releases it on exit.
+    also a context manager that releases it on exit (backs off, when the block raises
+    :class:`~celery_semaphore.core.feedback.BackOff`).
     """
 
     lost: threading.Event
@@ -98,7 +102,9 @@ class Slot(LeaseRecord[Scripts]):
     def release(self) -> bool:
         """Give the slot back (one round trip; later calls repeat the first answer). When
         waiters are parked on the key, the same call reserves the freed slot for the oldest,
-        and its payload is published (see :mod:`celery_semaphore.core.room`).
+        and its payload is published (see :mod:`celery_semaphore.core.room`). On a key with
+        an :class:`~celery_semaphore.core.feedback.Adaptive` limit it counts as a run that
+        ended well.
 
         Returns:
             bool: True when the slot was ours up to now. False when it had lapsed or been
@@ -108,20 +114,48 @@ class Slot(LeaseRecord[Scripts]):
         Raises:
             SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
         """
+        return self._give_back(self._verdict())
+
+    def back_off(self, retry_after: object = None) -> float:
+        """Give the slot back saying the provider refused its run as over its limit: the key
+        cools down fleet-wide, and an adaptive limit is cut (see
+        :class:`~celery_semaphore.core.feedback.BackOff`). One round trip; nothing is sent
+        for a slot already released.
+
+        Args:
+            retry_after (float | int | str | None): the provider's hint: seconds, or an HTTP
+                date; None: none.
+
+        Returns:
+            float: when the key's cool-down ends (epoch seconds, Redis clock); 0.0 for a
+            slot released before.
+
+        Raises:
+            SemaphoreValidationError: ``retry_after`` is negative or unreadable (nothing
+                is sent).
+            SemaphoreBackendError: the round trip failed; the slot lapses within its lease.
+        """
+        if self._released is None:
+            self._give_back(self._verdict(True, retry_after))
+        return self.cooling_until
+
+    def _give_back(self, verdict: tuple[str, ...]) -> bool:
         if self._released is None:
             sent_at = time.monotonic()
             index, mark = self._handoffs.mark_before(self._keys, self.key, self.lease)
             try:
                 if mark:
                     self._scripts.client.zadd(index, mark, xx=True, lt=True)
-                owned, handed = self._scripts.release(
-                    self._keys, self._member, self._handoffs.release_claim_ms, self.weight
-                )
+                owned, handed, cooling_ms = self._scripts.release(
+                    self._keys, self._member, self._handoffs.release_claim_ms, self.weight,
+                    verdict,
+                )  # fmt: skip
             except REDIS_ERRORS as exc:
                 # It may have run: its hand-off, or the slot, must not wait for a lease.
                 recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
                               sent_at, exc)  # fmt: skip
                 raise backend_error(exc, self.key, self.limit) from exc
+            self.cooling_until = cooling_ms / 1000
             self._released = self._given_back(owned)
             if handed:
                 self._handoffs.deliver(self.key, handed, self._scripts)
@@ -139,5 +173,8 @@ class Slot(LeaseRecord[Scripts]):
     def __enter__(self) -> Slot:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.release()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if isinstance(exc, BackOff):
+            self.back_off(exc.retry_after)
+        else:
+            self.release()

@@ -3,14 +3,15 @@
 -- KEYS[1]  slots    sorted set: member = holder token, score = lease expiry (ms, Redis TIME)
 -- KEYS[2]  holders  hash: token -> "<acquired_at_ms>|<metadata JSON>" of holders that other
 --                   scripts took (several keys, hand-offs); this one only deletes from it
--- KEYS[3]  limits   hash: "limit" -> a live limit an operator set (set_limit.lua), if any;
---                   "paused_at" while an operator paused the key (the limit is then 0)
+-- KEYS[3]  limits   hash: what the store decides over ARGV[1] (limit.lua): an operator's
+--                   live limit or pause (the limit is then 0), an adaptive limit, or a
+--                   back-off's cool-down (no start before it ends)
 -- KEYS[4]  room     sorted set of the runs waiting in the key's room (room.lua): while any
 --                   waits, a free unit is theirs (the room hands it out in order), so this
 --                   call is refused as on a full key, and a stream of light callers cannot
 --                   starve a heavy run at the room's head
--- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless a
---                     live limit is set, which wins
+-- ARGV[1]  limit      how many live holders the semaphore admits (integer >= 1), unless the
+--                     limits hash decides another, which wins
 -- ARGV[2]  lease_ms   how long the new slot lives without an extend (integer >= 1)
 -- ARGV[3]  token      the holder's member, unique per acquisition, its record in itself:
 --                     "<token>|<acquired_at_ms>|<metadata JSON>" (process.py), so that a
@@ -25,14 +26,15 @@
 --
 -- Returns now_ms when the token took a new slot under ARGV[1] (it expires at now_ms +
 --         lease_ms), or
---         {1, expires_at_ms, now_ms, limit} when it holds a slot otherwise (a live limit
---         applied, or the token already held it), or
+--         {1, expires_at_ms, now_ms, limit} when it holds a slot otherwise (the limits
+--         hash's limit applied, or the token already held it), or
 --         {0, units_held, now_ms, first_expiry_ms, limit} when too few units are free;
 --         first_expiry_ms is when the soonest lease lapses (so a caller that waits for a
 --         slot knows when one frees itself), or 0 when no unit is held (a weight above a
 --         lowered live limit); limit is the one that applied; or
---         {0, units_held, now_ms, 0, limit, start_ms} when a rate allows no start before
---         start_ms (epoch ms), whether or not a slot is free.
+--         {0, units_held, now_ms, 0, limit, start_ms} when a rate or a back-off's
+--         cool-down allows no start before start_ms (epoch ms), whether or not a slot is
+--         free (limit 0: the cool-down).
 --
 -- The common answer is a bare integer because a client reads it several times faster
 -- than an array. Expired holders are pruned here when the key is full, so a crashed
@@ -40,12 +42,10 @@
 -- a live slot is answered with that slot and nothing more is taken, so a client that
 -- resends the call after a lost reply cannot leak a slot. Every reply element is an
 -- integer (RESP2/RESP3 safe).
---! uses: clock
+--! uses: clock limit
 local slots = KEYS[1]
 local holders = KEYS[2]
-local set = redis.call('HMGET', KEYS[3], 'limit', 'paused_at')
-local live_limit = set[2] and 0 or tonumber(set[1])
-local limit = live_limit or tonumber(ARGV[1])
+local limit, stored, cool = live_limit(KEYS[3], tonumber(ARGV[1]))
 local lease_ms = tonumber(ARGV[2])
 local token = ARGV[3]
 local weight = tonumber(ARGV[4]) or 1
@@ -54,6 +54,11 @@ local now_ms = now_ms()
 local expires_at_ms = now_ms + lease_ms
 
 local live = redis.call('ZCARD', slots)
+if cool then  -- a back-off's cool-down: no start before it ends, as a rate's instant
+  local mine = tonumber(redis.call('ZSCORE', slots, token))
+  if mine and mine > now_ms then return {1, mine, now_ms, limit} end
+  return {0, live, now_ms, 0, 0, cool}
+end
 local nrates, rates, units = tonumber(ARGV[5]) or 0, nil, nil
 if nrates > 0 then
   rates, units = rates_read(KEYS[3], ARGV, 6, nrates, 4, now_ms), {}
@@ -103,5 +108,5 @@ if live == 0 then
 else
   keep_ttl(slots, lease_ms, 2 * lease_ms)
 end
-if live_limit then return {1, expires_at_ms, now_ms, limit} end
+if stored then return {1, expires_at_ms, now_ms, limit} end
 return now_ms

@@ -15,15 +15,14 @@
 --
 -- Like acquire.lua: lapsed holders are pruned only where they stand in the way, and a token
 -- that already holds its slots (a resent call) is answered with them.
---! uses: clock
+--! uses: clock limit
 local now_ms = now_ms()
 local lease_ms, token, metadata = tonumber(ARGV[1]), ARGV[2], ARGV[3]
 local count = #KEYS / 3
 
 local limits = {}
 for i = 1, count do
-  local set = redis.call('HMGET', KEYS[3 * i], 'limit', 'paused_at')  -- paused: 0
-  limits[i] = set[2] and 0 or tonumber(set[1]) or tonumber(ARGV[2 * i + 2])
+  limits[i] = live_limit(KEYS[3 * i], tonumber(ARGV[2 * i + 2]))  -- paused, cooling: 0
 end
 
 local mine = tonumber(redis.call('ZSCORE', KEYS[1], token))

@@ -89,18 +89,25 @@ local function rates_slack(rates, units)
   return slack or 0
 end
 
+local STATE_TTL_MS = 86400000  -- how long a back-off's and an adaptive limit's state lasts
+
 -- A limits hash of TATs alone lives until its last TAT passes (a TAT in the past is the
--- same as none); one that holds an operator's setting (live limit, pause) has no TTL.
+-- same as none), and one with a provider's state (adapt.lua's "a:" and "cool:" fields) a
+-- day; one that holds an operator's setting (live limit, pause, live rate) has no TTL.
 -- set_limit.lua calls this after each change, rates_take when the hash has no TTL.
 local function rates_keep(limits, now)
   local last = nil
   local fields = redis.call('HGETALL', limits)
   for i = 1, #fields, 2 do
-    if string.sub(fields[i], 1, 4) ~= 'tat:' then
+    local kind = string.match(fields[i], '^(%a+):')
+    if kind == 'tat' then
+      last = math.max(last or now, tonumber(string.match(fields[i + 1], '^%S+')) or now)
+    elseif kind == 'a' or kind == 'cool' then
+      last = math.max(last or now, now + STATE_TTL_MS)
+    else
       redis.call('PERSIST', limits)
       return
     end
-    last = math.max(last or now, tonumber(string.match(fields[i + 1], '^%S+')) or now)
   end
   if last then redis.call('PEXPIRE', limits, math.ceil(last - now) + 1000) end
 end

@@ -9,8 +9,16 @@
 -- ARGV[3]  weight    the holder's weight when above 1 (absent: 1), or "" when the caller
 --                    does not know it (an operator's force release): then every
 --                    "<token>#i" member goes
+-- ARGV[4]  adaptive  with a verdict on how the run went, the key's adaptive limit as
+--                    "<initial> <min> <max>" ("": not adaptive); absent: no verdict
+-- ARGV[5]  back-off  absent: the run ended well (an adaptive limit may grow); else the
+--                    provider refused it: "<hint_ms> <cap_ms> <started_ms>", the cool-down
+--                    it asked for (-1: none), the longest one, and when the run took its
+--                    slot (epoch ms); see adapt.lua
+-- ARGV[6]  by        who backed off (text shown by the views)
 --
--- Returns owned, or {owned, hand-offs...} when the release handed slots off: owned is 1 when
+-- Returns owned, or {owned, hand-offs...} when the release handed slots off; after a
+-- back-off always {owned, cool_until_ms, hand-offs...}. owned is 1 when
 -- the slot was still ours up to this moment (present, expiry in the future), 0 when it had
 -- lapsed or been taken away (the bound did not hold for the whole body); hand-offs are
 -- {waiter, payload} pairs the caller publishes. A plain holder of a key with no room and
@@ -33,7 +41,7 @@ if ARGV[3] == nil and redis.call('EXISTS', KEYS[5], KEYS[7]) == 0 then
   if not string.find(token, '|', 1, true) then redis.call('HDEL', holders, token) end
   return 1
 end
---! uses: room
+--! uses: room adapt
 local limits, room, parked = KEYS[3], KEYS[4], KEYS[5]
 local blocked, wake = KEYS[7], KEYS[8]
 local claim_ms, weight = tonumber(ARGV[2]), tonumber(ARGV[3] or 1)
@@ -42,6 +50,14 @@ local now = now_ms()
 local score = redis.call('ZSCORE', slots, token)
 local owned = 0
 local reply = {}
+if ARGV[5] then
+  local hint, cap, started = string.match(ARGV[5], '^(%S+) (%S+) (%S+)$')
+  reply[1] = adapt_back_off(limits, ARGV[4], tonumber(hint), tonumber(cap), tonumber(started),
+    ARGV[6], now)
+elseif ARGV[4] and ARGV[4] ~= '' and score then
+  local waiting = redis.call('EXISTS', room, blocked) > 0
+  adapt_grow(limits, ARGV[4], redis.call('ZCARD', slots), waiting, now)
+end
 if score then
   if tonumber(score) > now then owned = 1 end
   units_remove(slots, token, weight)

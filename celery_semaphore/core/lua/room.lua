@@ -1,7 +1,7 @@
 -- room: the waiting room's shared steps, for the scripts that say "--! uses: room" (park,
 -- claim, release, sweep, cancel, set_limit, ...). Not a script of its own.
 --
---! uses: clock rates
+--! uses: clock rates limit
 --
 -- Keys of one semaphore (one hash tag, so one cluster slot):
 --   slots    sorted set: holder token -> lease expiry (ms); a reservation is "~<waiter>". A
@@ -11,7 +11,8 @@
 --   limits   hash: "limit" -> a live limit an operator set, "set_at" -> when (ms), "by" -> who;
 --            it overrides the callers' limit while it exists; "paused_at" -> when (ms) an
 --            operator paused the key, "paused_by" -> who: while paused, the limit that
---            applies is 0 (set_limit.lua)
+--            applies is 0 (set_limit.lua); a back-off's cool-down and an adaptive limit
+--            (adapt.lua, limit.lua); start rates' state (rates.lua)
 --   room     sorted set: waiter id -> arrival (ms); the oldest is served first
 --   parked   hash: waiter id -> "<arrival_ms>[#<weight>][@<place>][r<units>]|<payload>" (a
 --            weight above 1; the place of a waiter parked with a tenant or a head start,
@@ -54,14 +55,6 @@
 -- decides whether it keeps the units (many.lua) and hands it off once every key holds a
 -- reservation for it. A passive one is out of the room's order (not in `room`), keeping its
 -- place in the parked hash: the steps here pass it by.
-
--- The limit that applies: 0 while the key is paused, a live limit if one is set, else
--- `given` (a number or nil).
-local function live_limit(limits, given)
-  local set = redis.call('HMGET', limits, 'limit', 'paused_at')
-  if set[2] then return 0 end
-  return tonumber(set[1]) or given
-end
 
 -- The limit a release or sweep hands slots out by, or nil when the key has no room.
 local function room_limit(limits, parked)
@@ -224,6 +217,13 @@ end
 local function room_hand_off(slots, holders, room, parked, deadlines, limit, claim_ms, now,
                              out)
   if claim_ms <= 0 then return end
+  if limit == 0 then
+    -- Cooling down after a back-off: nothing is handed out before it ends, and nothing may
+    -- happen then to hand the slots out but a sweep of the room, which must come then.
+    local _, _, cool = live_limit(slots .. ':limits', nil)
+    if cool and redis.call('ZCARD', room) > 0 then room_bring_on(slots, parked, cool, out) end
+    return
+  end
   local first, rates = nil, nil
   while redis.call('ZCARD', slots) < limit do
     local head = redis.call('ZRANGE', room, 0, 0)

@@ -137,6 +137,8 @@ if redis.call('ZCARD', room) > 0 then
   first = redis.call('ZRANGE', slots, 0, 0, 'WITHSCORES')
   if first[2] then next_ms = math.min(next_ms, tonumber(first[2])) end
 end
+local _, _, cool = live_limit(limits, nil)
+if cool and redis.call('ZCARD', room) > 0 then next_ms = math.min(next_ms, cool) end
 next_ms = math.max(now, next_ms)
 redis.call('HSET', parked, '!due', next_ms)
 return {1, out, give_ups, next_ms}

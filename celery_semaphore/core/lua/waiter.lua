@@ -77,15 +77,17 @@ local function waiter_held(w)
   if mine then return {1, tonumber(mine), now, w.limit} end
   if not redis.call('ZSCORE', w.slots, '~' .. waiter) then return nil end
   if w.limit == 0 then
-    -- Paused since its hand-off (its message was on its way behind a backlog, or held for a
-    -- start rate's instant): nothing new starts, this run neither. It gives its reservation
+    -- Paused or cooling down since its hand-off (its message was on its way behind a
+    -- backlog, or held for a start rate's instant): nothing new starts, this run neither. It gives its reservation
     -- back and waits at its place; the resume hands it out again.
     local entry = redis.call('HGET', w.parked, waiter)
     units_remove(w.slots, '~' .. waiter, entry and weight_of(entry))
     redis.call('HDEL', w.holders, '~' .. waiter)
     redis.call('ZREM', w.deadlines, '~' .. waiter)
     room_requeue(w.room, w.parked, place_of(w.parked, waiter) or now, waiter)
-    return {0, redis.call('ZRANK', w.room, waiter), now, 0}
+    local reply = {0, redis.call('ZRANK', w.room, waiter), now, 0}
+    room_hand_off(w.slots, w.holders, w.room, w.parked, w.deadlines, 0, 1, now, reply)
+    return reply
   end
   -- A run that came early for its instant (its worker's clock ahead of this server's) waits.
   local record = redis.call('HGET', w.holders, '~' .. waiter) or ''
