@@ -70,6 +70,9 @@ class Refusal(str, enum.Enum):
     PAUSED = "paused"
     """An operator paused the key (``celery semaphore pause``, ``SemaphoreAdmin.pause``):
     nothing new starts on it until it is resumed."""
+    BACK_OFF = "backoff"
+    """The provider said it is over its limit (a body raised ``BackOff`` or one of its
+    ``back_off_on`` exceptions): with ``on_full="raise"``, or past ``max_back_offs``."""
 
     def __str__(self) -> str:
         return self.value

@@ -6,6 +6,7 @@ arguments.
 
 from .integration.signals import (
     semaphore_acquired,
+    semaphore_backed_off,
     semaphore_lease_lost,
     semaphore_parked,
     semaphore_refused,
@@ -16,6 +17,7 @@ from .integration.signals import (
 
 __all__ = [
     "semaphore_acquired",
+    "semaphore_backed_off",
     "semaphore_lease_lost",
     "semaphore_parked",
     "semaphore_refused",

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_semaphore import SemaphoreTask, SemaphoreValidationError, bounded
+from celery_semaphore import Adaptive, SemaphoreTask, SemaphoreValidationError, bounded
 from celery_semaphore.integration.policy import Policy, countdown
 from celery_semaphore.integration.runner import runner_of
 from celery_semaphore.integration.settings import app_settings
@@ -43,6 +43,11 @@ BAD_OPTIONS: list[tuple[str, dict[str, Any]]] = [
     ("queue_timeout", {"queue_timeout": float("nan")}),
     ("queue_timeout", {"queue_timeout": 10.0, "shed_timeout": 5.0}),
     ("interrupt", {"interrupt": 1}),
+    ("back_off_on", {"back_off_on": (ValueError, 3)}),
+    ("back_off_on", {"back_off_on": "ValueError"}),
+    ("max_back_offs", {"max_back_offs": -1}),
+    ("max_cool_down", {"max_cool_down": 0}),
+    ("Adaptive", {"limit": {"*": 2, "k": Adaptive(2, max=3)}}),
 ]
 
 

@@ -31,6 +31,8 @@ MODULES = ["celery_semaphore", "celery_semaphore.asyncio", "celery_semaphore.cor
 
 SURFACE: dict[str, list[str]] = {
     "celery_semaphore": [
+        "Adaptive",
+        "BackOff",
         "Holder",
         "LeaseInterrupted",
         "Rate",
@@ -49,6 +51,8 @@ SURFACE: dict[str, list[str]] = {
         "bounded",
         "current_slot",
     ],
+    "celery_semaphore.Adaptive": ["initial", "max", "min", "spec"],
+    "celery_semaphore.BackOff": ["from_error", "key", "retry_after"],
     "celery_semaphore.asyncio": [
         "AsyncSemaphore",
         "AsyncSemaphoreAdmin",
@@ -58,6 +62,8 @@ SURFACE: dict[str, list[str]] = {
         "async_client_like",
     ],
     "celery_semaphore.core": [
+        "Adaptive",
+        "BackOff",
         "DEFAULT_LEASE",
         "DEFAULT_PREFIX",
         "HandoffRoute",
@@ -80,7 +86,15 @@ SURFACE: dict[str, list[str]] = {
     ],
     "celery_semaphore.LeaseInterrupted": ["key", "limit", "message"],
     "celery_semaphore.Rate": ["burst", "interval_ms", "lua", "name", "spec", "units"],
-    "celery_semaphore.Refusal": ["BACKEND", "FULL", "PAUSED", "ROOM_FULL", "SHUTDOWN", "TIMEOUT"],
+    "celery_semaphore.Refusal": [
+        "BACKEND",
+        "BACK_OFF",
+        "FULL",
+        "PAUSED",
+        "ROOM_FULL",
+        "SHUTDOWN",
+        "TIMEOUT",
+    ],
     "celery_semaphore.Semaphore": [
         "acquire",
         "acquire_many",
@@ -111,6 +125,7 @@ SURFACE: dict[str, list[str]] = {
     "celery_semaphore.SemaphoreAdmin": [
         "cancel",
         "client",
+        "feedback",
         "force_release",
         "force_release_all",
         "handoffs",
@@ -137,6 +152,7 @@ SURFACE: dict[str, list[str]] = {
     "celery_semaphore.SemaphoreRunLostError": ["key", "limit", "message"],
     "celery_semaphore.SemaphoreTask": [
         "abstract",
+        "back_off_on",
         "claim_timeout",
         "fair_by",
         "handoff_grace",
@@ -145,6 +161,8 @@ SURFACE: dict[str, list[str]] = {
         "interrupt",
         "lease",
         "limit",
+        "max_back_offs",
+        "max_cool_down",
         "max_queued",
         "on_bound",
         "on_full",
@@ -163,6 +181,8 @@ SURFACE: dict[str, list[str]] = {
     "celery_semaphore.SemaphoreValidationError": ["key", "limit", "message"],
     "celery_semaphore.Slot": [
         "acquired_at",
+        "back_off",
+        "cooling_until",
         "deadline",
         "expires_at",
         "extend",
@@ -220,6 +240,7 @@ SURFACE: dict[str, list[str]] = {
     ],
     "celery_semaphore.asyncio.AsyncSemaphoreAdmin": [
         "client",
+        "feedback",
         "force_release",
         "force_release_all",
         "handoffs",
@@ -238,6 +259,8 @@ SURFACE: dict[str, list[str]] = {
     ],
     "celery_semaphore.asyncio.AsyncSlot": [
         "acquired_at",
+        "back_off",
+        "cooling_until",
         "deadline",
         "expires_at",
         "extend",
@@ -254,6 +277,7 @@ SURFACE: dict[str, list[str]] = {
         "when_lost",
     ],
     "celery_semaphore.asyncio.AsyncSlotGroup": [
+        "back_off",
         "extend",
         "is_held",
         "key",
@@ -269,11 +293,13 @@ SURFACE: dict[str, list[str]] = {
         "when_lost",
     ],
     "celery_semaphore.core.HandoffRoute": [
+        "adaptive",
         "claim_ms",
         "deliver",
         "gather",
         "grace_ms",
         "mark_before",
+        "max_cool_down_ms",
         "publish",
         "publisher",
         "release_claim_ms",

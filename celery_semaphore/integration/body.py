@@ -12,6 +12,7 @@ from typing import Any
 from celery import Task
 
 from ..core import validation as check
+from ..core.feedback import BackOff
 from ..core.group import SlotGroup
 from ..core.interrupt import Interrupter
 from ..core.semaphore import guard
@@ -54,6 +55,8 @@ def run_body(
 
     Raises:
         SemaphoreLeaseLostError: the slot was lost while the body ran, even if it returned.
+        BackOff: the body backed off (raised it, or one of ``policy.back_off_on``): the slot
+            is given back with the back-off.
         Exception: whatever the body raised.
     """
     interval = check.heartbeat_interval(policy.heartbeat, slot.lease)
@@ -72,7 +75,10 @@ def run_body(
             token = CURRENT.set(slot)
             try:
                 with interrupter:
-                    return fn(*args, **kwargs)
+                    try:
+                        return fn(*args, **kwargs)
+                    except policy.back_off_types as exc:  # the guard backs off on BackOff
+                        raise BackOff.from_error(exc) from exc
             finally:
                 CURRENT.reset(token)
     except SemaphoreLeaseLostError:

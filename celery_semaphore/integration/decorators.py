@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from celery import Celery, Task
 
+from ..core.feedback import Adaptive
 from ..errors import SemaphoreValidationError
 from .coroutines import CoroutineRunner
 from .runner import Runner
@@ -30,7 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def bounded(
     semaphore: str | Callable[..., str] | Sequence[tuple[Any, Any]],
-    limit: int | Callable[..., int] | Mapping[str, int] | None = None,
+    limit: int | Adaptive | Callable[..., int] | Mapping[str, int] | None = None,
     *,
     weight: int | Callable[..., int] | None = None,
     fair_by: str | Callable[..., str] | None = None,
@@ -65,7 +66,9 @@ def bounded(
             ``str.format`` template over the function's arguments, or a callable taking them;
             or a list of ``(key, limit)`` pairs, every key held at once (then no ``limit``;
             not on a coroutine function).
-        limit (int | Callable[..., int] | Mapping[str, int] | None): slots per key; or a
+        limit (int | Adaptive | Callable[..., int] | Mapping[str, int] | None): slots per
+            key (an :class:`~celery_semaphore.core.feedback.Adaptive` one adapts to the
+            provider's answers); or a
             callable of the function's arguments returning the limit of the run's key; or a
             mapping from key to limit, with ``"*"`` for every other key. None: the limit
             ``app.conf.semaphores`` of ``app`` (required then) declares for ``semaphore``.

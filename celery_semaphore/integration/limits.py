@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core import validation as check
+from ..core.feedback import Adaptive
 from ..errors import SemaphoreValidationError
 from .policy import OPTION_NAMES, POLICY_FIELDS, check_options
 
@@ -22,13 +23,15 @@ class LimitSpec:
     """The ``limit`` option of a bounded task, checked.
 
     * an int: every key's limit;
+    * an :class:`~celery_semaphore.core.feedback.Adaptive`: every key's limit, adapting to
+      the provider's answers from its ``initial``;
     * a callable: called with the task's own ``*args, **kwargs`` on each run, before the
       slot is asked for; it returns the run's key's limit (an int);
     * a mapping from rendered key to limit, with an optional ``"*"`` entry for every other
       key; a key it does not name, with no ``"*"``, is an error.
 
     Args:
-        spec (int | Callable[..., int] | Mapping[str, int]): the option's value.
+        spec (int | Adaptive | Callable[..., int] | Mapping[str, int]): the option's value.
 
     Raises:
         SemaphoreValidationError: ``spec`` is none of these, or a number in it is not an int
@@ -39,6 +42,7 @@ class LimitSpec:
         self._call: Callable[..., Any] | None = None
         self._table: dict[str, int] = {}
         self.fixed: int | None = None
+        self.adaptive: Adaptive | None = None
         if isinstance(spec, Mapping):
             if not spec:
                 raise SemaphoreValidationError("limit mapping must name at least one key")
@@ -47,6 +51,8 @@ class LimitSpec:
                 self._table[str(key)] = check.check_limit(value, f"limit[{key!r}]")
         elif callable(spec) and not isinstance(spec, type):
             self._call = spec
+        elif isinstance(spec, Adaptive):
+            self.fixed, self.adaptive = spec.initial, spec
         else:
             self.fixed = check.check_limit(spec)
 
@@ -64,7 +70,7 @@ class LimitSpec:
     def source(self) -> str:
         """The option as written, for views and log lines."""
         if self.fixed is not None:
-            return str(self.fixed)
+            return repr(self.adaptive) if self.adaptive else str(self.fixed)
         if self._call is not None:
             return f"{getattr(self._call, '__qualname__', self._call)}()"
         return repr(self._table)

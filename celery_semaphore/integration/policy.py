@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import validation as check
+from ..core.feedback import DEFAULT_MAX_COOL_DOWN, back_off_types
 from ..core.handoff import DEFAULT_HANDOFF_GRACE
 from ..core.rates import Rate, rates_of
 from ..core.semaphore import DEFAULT_LEASE
@@ -80,6 +81,14 @@ class Policy:
             only when every rate allows it. In the room (``"queue"``, ``"wait"``) it waits
             there and is handed its slot for the instant the rates allow; otherwise a run
             over the rate is refused as one that found every slot held. None: no rate.
+        back_off_on (type[BaseException] | tuple[type[BaseException], ...]): exceptions
+            that mean the provider is over its limit (a 429): a body that raises one backs
+            off as if it raised :class:`~celery_semaphore.core.feedback.BackOff`. Default:
+            none.
+        max_back_offs (int): how many times a run may back off before it fails with
+            :class:`SemaphoreNotAcquiredError` (reason ``backoff``). Default 10.
+        max_cool_down (float): seconds: the longest cool-down a back-off may ask for; a
+            longer hint is clamped and logged. Default 300.0.
     """
 
     lease: float = DEFAULT_LEASE
@@ -98,6 +107,9 @@ class Policy:
     wait_timeout: float = 5.0
     queue_timeout: float | None = None
     rate: Any = None
+    back_off_on: Any = ()
+    max_back_offs: int = 10
+    max_cool_down: float = DEFAULT_MAX_COOL_DOWN
 
     def __post_init__(self) -> None:
         check.lease_ms(self.lease)
@@ -117,6 +129,11 @@ class Policy:
         """A copy with ``options`` (task options; None values ignored) applied and checked."""
         given = {k: v for k, v in options.items() if v is not None}
         return dataclasses.replace(self, **given)
+
+    @functools.cached_property
+    def back_off_types(self) -> tuple[type[BaseException], ...]:
+        """The exceptions of the ``back_off_on`` option, checked."""
+        return back_off_types(self.back_off_on)
 
     @property
     def parks(self) -> bool:
@@ -208,6 +225,9 @@ _CHECKS: dict[str, Callable[[Any, str], object]] = {
     "handoff_grace": check.check_delay,
     "wait_timeout": check.check_delay,
     "queue_timeout": check.check_delay,
+    "back_off_on": lambda value, _: back_off_types(value),
+    "max_back_offs": check.check_retries,
+    "max_cool_down": check.lease_ms,
 }
 # The options None may leave unset (no limit); any other None is refused by its check.
 _OPTIONAL = frozenset({"shed_max_retries", "shed_timeout", "max_queued", "queue_timeout"})

@@ -41,6 +41,7 @@ from celery._state import get_current_app, get_current_task
 
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
+from ..core.feedback import BackOff
 from ..core.group import SlotGroup
 from ..core.refusals import is_paused, not_acquired
 from ..core.semaphore import Semaphore
@@ -59,8 +60,8 @@ from .keys import KeySet, KeyTemplate
 from .limits import HeadStartSpec, LimitSpec, WeightSpec
 from .policy import OPTION_NAMES, POLICY_FIELDS, Policy, check_options, warn_if_deprecated
 from .settings import app_settings, client_for, policy_and_limits, task_options, task_policy
-from .shedding import first_asked, shed
-from .signals import Names, report_refusal
+from .shedding import BACK_OFFS_HEADER, first_asked, shed
+from .signals import Names, report_back_off, report_refusal
 from .waiting_room.handoffs import claim_or_end, is_give_up, is_handoff, publisher_for
 from .waiting_room.parking import give_up_or_end, park_or_take
 from .waiting_room.queues import broadcast_queue_of, broadcast_refusal
@@ -199,9 +200,10 @@ class Runner:
                 prefix = DEFAULT_PREFIX if app is None else app_settings(app).prefix
                 client = self.redis if self.redis is not None else client_for(app)
                 semaphore = Semaphore(
-                    client, limits.default, policy.lease, prefix,
+                    client, limits.adaptive or limits.default, policy.lease, prefix,
                     claim_timeout=policy.claim_timeout, handoff_grace=policy.handoff_grace,
                     on_handoff=None if app is None else publisher_for(app), rate=policy.rates,
+                    max_cool_down=policy.max_cool_down,
                 )  # fmt: skip
                 found = Bound(semaphore, policy, limits)
                 warn_if_deprecated(policy, self.template.source)
@@ -276,27 +278,33 @@ class Runner:
         names = Names.of(ask.keys, self.template.sources)
         budget = policy.wait_budget()
         started = time.monotonic()
-        slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task, task.request))
-        if slot is None:
-            raise self._refused(
-                task,
-                SemaphoreNotAcquiredError(
-                    f"semaphore {ask.key!r} had all {ask.limit} slots held for {budget:g}s "
-                    f"(task {task.name} run outside a worker waits instead of being shed)",
-                    ask.key,
-                    ask.limit,
-                    Refusal.TIMEOUT,
-                ),
-                names,
-            )
-        waited = time.monotonic() - started
-        return run_body(task, slot, policy, waited, names, fn, args, kwargs)
+        back_offs = 0
+        while True:  # a run that backs off waits for a slot again, past the cool-down
+            slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task, task.request))
+            if slot is None:
+                raise self._refused(
+                    task,
+                    SemaphoreNotAcquiredError(
+                        f"semaphore {ask.key!r} had all {ask.limit} slots held for {budget:g}s "
+                        f"(task {task.name} run outside a worker waits instead of being shed)",
+                        ask.key,
+                        ask.limit,
+                        Refusal.TIMEOUT,
+                    ),
+                    names,
+                )
+            waited = time.monotonic() - started
+            try:
+                return run_body(task, slot, policy, waited, names, fn, args, kwargs)
+            except BackOff as exc:
+                back_offs += 1
+                self._backed_off(task, policy, names, slot, exc, back_offs)
 
     def _call_in_worker(
         self, task: Task, request: Any, fn: Callable[..., Any], args: Any, kwargs: Any
     ) -> Any:
         names = Names.of(self.keys_for(args, kwargs), self.template.sources)
-        key, started = names.key, time.monotonic()
+        key, started, asked = names.key, time.monotonic(), time.time()
         metadata = _task_metadata(task, request)
         limit = None
         try:
@@ -331,12 +339,15 @@ class Runner:
         first = first_asked(request)
         if first is not None:  # parked or shed before: the wait counts from the first ask
             waited = max(waited, time.time() - first)
-        try:
-            return run_body(task, slot, policy, waited, names, fn, args, kwargs)
-        except SemaphoreLeaseLostError:
-            if policy.on_lease_lost != "retry" or not slot.lost.is_set():
-                raise
-            self._shed(task, policy, names, slot.limit, "slot lost while running")
+        while True:
+            try:
+                return run_body(task, slot, policy, waited, names, fn, args, kwargs)
+            except SemaphoreLeaseLostError:
+                if policy.on_lease_lost != "retry" or not slot.lost.is_set():
+                    raise
+                self._shed(task, policy, names, slot.limit, "slot lost while running")
+            except BackOff as exc:
+                slot = self._back_in_line(task, bound, ask, metadata, names, slot, exc, asked)
 
     def _ask_for(self, task: Task, bound: Bound, args: Any, kwargs: Any) -> Ask:
         """This run's ask (see :func:`.asks.ask_for`). A run a hand-off started whose limit
@@ -369,6 +380,51 @@ class Runner:
             return slot
         return take(semaphore, ask, metadata=metadata)
 
+    def _backed_off(
+        self, task: Task, policy: Policy, names: Names, slot: Slot | SlotGroup, exc: BackOff,
+        back_offs: int,
+    ) -> float:  # fmt: skip
+        """Report a run's ``back_offs``-th back-off (its slot given back with it); returns
+        when the cool-down ends (epoch seconds).
+
+        Raises:
+            SemaphoreNotAcquiredError: past ``max_back_offs``, or with ``on_full="raise"``.
+        """
+        ends = report_back_off(task, slot, names, exc.retry_after, back_offs)
+        spent = back_offs > policy.max_back_offs
+        if spent or policy.on_full == "raise":
+            why = (f"backed off {back_offs} times (max_back_offs={policy.max_back_offs})"
+                   if spent else f"backed off ({exc}); on_full='raise'")  # fmt: skip
+            raise self._refused(task, SemaphoreNotAcquiredError(
+                f"semaphore {names.key!r} (limit {slot.limit}): the provider is over its "
+                f"limit; task {task.request.id} {why}", names.key, slot.limit,
+                Refusal.BACK_OFF), names) from exc  # fmt: skip
+        return ends
+
+    def _back_in_line(
+        self, task: Task, bound: Bound, ask: Ask, metadata: Any, names: Names,
+        slot: Slot | SlotGroup, exc: BackOff, asked: float,
+    ) -> Slot | SlotGroup:  # fmt: skip
+        """A worker's run backed off: it waits for a slot again as ``on_full`` says, keeping
+        its place (its first ask), its ``retries`` and ``max_retries``: parked in the room
+        (``Ignore``), or shed for the cool-down (``"retry"``). Returns a slot only when one
+        was free at once (a cool-down already over).
+
+        Raises:
+            SemaphoreNotAcquiredError: past ``max_back_offs``, or with ``on_full="raise"``.
+            celery.exceptions.Ignore: parked or shed.
+        """
+        request, policy = task.request, bound.policy
+        back_offs = int((request.headers or {}).get(BACK_OFFS_HEADER) or 0) + 1
+        ends = self._backed_off(task, policy, names, slot, exc, back_offs)
+        # The next message of this run (a shed's, or a parked payload) carries the count.
+        request.headers = {**(request.headers or {}), BACK_OFFS_HEADER: back_offs}
+        if policy.on_full == "retry":
+            self._shed(task, policy, names, slot.limit, "backed off", Refusal.BACK_OFF,
+                       at_least=ends - time.time())  # fmt: skip
+        return park_or_take(task, bound.semaphore, policy, ask, metadata, names,
+                            first_asked(request) or asked)  # fmt: skip
+
     def _refused(
         self, task: Task | None, error: SemaphoreNotAcquiredError, names: Names
     ) -> SemaphoreNotAcquiredError:
@@ -378,13 +434,13 @@ class Runner:
 
     def _shed(
         self, task: Task, policy: Policy, names: Names, limit: int | None, reason: str,
-        refusal: Refusal | None = None,
+        refusal: Refusal | None = None, at_least: float = 0.0,
     ) -> NoReturn:  # fmt: skip
         """Shed the running task (see :func:`.shedding.shed`), or fail it when its budget is
         spent (for ``refusal``, if given). ``limit`` is None when it could not be computed
         (Redis was unreachable first)."""
         try:
-            shed(task, policy, names, limit, reason, refusal)
+            shed(task, policy, names, limit, reason, refusal, at_least)
         except SemaphoreNotAcquiredError as exc:
             raise self._refused(task, exc, names) from None
 

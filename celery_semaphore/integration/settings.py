@@ -34,6 +34,9 @@ task option              app setting                  default    meaning
 ``queue_timeout``        ``semaphore_queue_timeout``  None       seconds parked, then fail
 ``interrupt``            ``semaphore_interrupt``      False      stop the body on lease loss
 ``rate``                 ``semaphore_rate``           None       starts per s/m/h/d, fleet-wide
+``back_off_on``          ``semaphore_back_off_on``    ()         exceptions that mean a 429
+``max_back_offs``        ``semaphore_max_back_offs``  10         back-offs of a run, then fail
+``max_cool_down``        ``semaphore_max_cool_down``  300.0      longest cool-down a hint asks, s
 ======================== ============================ ========== ==========================
 
 ``semaphore_url`` defaults to Celery's broker when that is Redis, else its result backend when

@@ -29,6 +29,8 @@ SHEDS_HEADER = "semaphore_sheds"
 """Message header: how many times this task was shed so far."""
 FIRST_SHED_HEADER = "semaphore_first_shed_at"
 """Message header: epoch seconds of the first shed, for the ``shed_timeout`` budget."""
+BACK_OFFS_HEADER = "semaphore_back_offs"
+"""Message header: how many times this run backed off so far (see ``max_back_offs``)."""
 SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
 """Message header: the ``request.retries`` the two above count for. Each attempt (each retry
 the task asks for itself) gets a fresh shed budget, so a user's ``self.retry()`` or
@@ -75,7 +77,7 @@ def first_asked(request: Any) -> float | None:
 
 def shed(
     task: Task, policy: Policy, names: Names, limit: int | None, reason: str,
-    refusal: Refusal | None = None,
+    refusal: Refusal | None = None, at_least: float = 0.0,
 ) -> NoReturn:  # fmt: skip
     """Publish the running task again with a countdown and end this run in state RETRY.
 
@@ -95,6 +97,7 @@ def shed(
         reason (str): why it is shed, for the log line and the signal.
         refusal (Refusal | None): the error's reason if the budget is spent; None: ``FULL``
             for a spent count (``shed_max_retries``), ``TIMEOUT`` for spent time.
+        at_least (float): the shortest countdown, seconds (a back-off's cool-down).
 
     Raises:
         celery.exceptions.Ignore: always, after storing RETRY and publishing.
@@ -122,7 +125,7 @@ def shed(
             limit,
             refusal or Refusal.FULL,
         )
-    delay = countdown(policy, sheds, random.random())
+    delay = max(at_least, countdown(policy, sheds, random.random()))
     headers.update(
         {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
     )

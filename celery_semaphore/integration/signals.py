@@ -25,18 +25,21 @@ signal                           keyword arguments (besides keys, templates)
 ``semaphore_refused``            key, limit, template, reason (a :class:`Refusal`), message
 ``semaphore_lease_lost``         key, limit, template, slot, reason
 ``semaphore_renew_failed``       key, limit, template, slot, error
+``semaphore_backed_off``         key, limit, template, slot, retry_after (s or None),
+                                 back_offs (of this run so far), cooling_until (epoch s)
 ================================ ==========================================================
 
 When the worker sends task events (``celery worker -E``, or ``worker_send_task_events``; a
 worker's ``-E`` is passed on to its pool processes when it starts), the same moments are
 also sent as ``task-semaphore-acquired``, ``task-semaphore-shed``,
-``task-semaphore-parked`` and ``task-semaphore-lost`` events, which Flower lists with the
-task and counts in its Prometheus event counter.
+``task-semaphore-parked``, ``task-semaphore-backed-off`` and ``task-semaphore-lost`` events,
+which Flower lists with the task and counts in its Prometheus event counter.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -66,6 +69,10 @@ semaphore_lease_lost = Signal(
 )
 semaphore_renew_failed = Signal(
     name="semaphore_renew_failed", providing_args=_COMMON | {"slot", "error"}
+)
+semaphore_backed_off = Signal(
+    name="semaphore_backed_off",
+    providing_args=_COMMON | {"slot", "retry_after", "back_offs", "cooling_until"},
 )
 
 
@@ -177,3 +184,26 @@ def report_refusal(task: Task | None, error: SemaphoreNotAcquiredError, names: N
         **names.fields(),
     )  # fmt: skip
     refusal_event(names.key, error.limit, error.reason.value)
+
+
+def report_back_off(
+    task: Task | None, slot: Slot | SlotGroup, names: Names, retry_after: float | None,
+    back_offs: int,
+) -> float:  # fmt: skip
+    """Log (WARNING), signal and send as a task event that a run backed off, its
+    ``back_offs``-th time; returns when its key's cool-down ends (epoch seconds)."""
+    members = slot.slots if isinstance(slot, SlotGroup) else (slot,)
+    cooling_until = max(member.cooling_until for member in members)
+    logger.warning(
+        "%ssemaphore %r (limit %s): backed off (%s), cooling down for %.1fs; back-off %d of "
+        "this run", task_label(task), names.key, slot.limit,
+        "no hint" if retry_after is None else f"retry after {retry_after:g}s",
+        max(0.0, cooling_until - time.time()), back_offs,
+    )  # fmt: skip
+    semaphore_backed_off.send(
+        sender=task, limit=slot.limit, slot=slot, retry_after=retry_after,
+        back_offs=back_offs, cooling_until=cooling_until, **names.fields(),
+    )  # fmt: skip
+    send_event(task, "backed-off", key=names.key, limit=slot.limit, retry_after=retry_after,
+               back_offs=back_offs, cooling_until=cooling_until)  # fmt: skip
+    return cooling_until

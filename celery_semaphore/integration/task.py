@@ -24,6 +24,7 @@ from typing import Any, ClassVar, NoReturn
 from celery import Celery, Task
 
 from ..core import validation as check
+from ..core.feedback import Adaptive
 from ..core.rates import RateSpec
 from ..errors import SemaphoreValidationError
 from .policy import OPTION_NAMES, POLICY_FIELDS
@@ -38,9 +39,12 @@ class SemaphoreTask(Task):  # type: ignore[misc]
             ``str.format`` template over the task's arguments (``"tenant:{tenant_id}"``) or a
             callable taking the task's arguments; or a list of ``(key, limit)`` pairs, every
             key held at once (then no ``limit``). Required.
-        limit (int | Callable[..., int] | Mapping[str, int]): how many runs may hold a slot
-            of one key at once; or a callable of the task's arguments that returns the run's
-            key's limit; or a mapping from key to limit, with ``"*"`` for every other key.
+        limit (int | Adaptive | Callable[..., int] | Mapping[str, int]): how many runs may
+            hold a slot of one key at once (an
+            :class:`~celery_semaphore.core.feedback.Adaptive` one adapts to the provider's
+            answers; see ``back_off_on``); or a callable of the task's arguments that
+            returns the run's key's limit; or a mapping from key to limit, with ``"*"``
+            for every other key.
             Leave it out when ``app.conf.semaphores`` declares the semaphore (then its
             declared options apply too, under the task's own).
         weight (int | Callable[..., int]): how many units of the limit each run takes (an
@@ -66,7 +70,7 @@ class SemaphoreTask(Task):  # type: ignore[misc]
 
     abstract = True
     semaphore: ClassVar[str | Callable[..., str] | Sequence[tuple[Any, Any]] | None] = None
-    limit: ClassVar[int | Callable[..., int] | Mapping[str, int] | None] = None
+    limit: ClassVar[int | Adaptive | Callable[..., int] | Mapping[str, int] | None] = None
     weight: ClassVar[int | Callable[..., int] | None] = None
     fair_by: ClassVar[str | Callable[..., str] | None] = None
     head_start: ClassVar[float | Callable[..., float] | None] = None
@@ -86,6 +90,9 @@ class SemaphoreTask(Task):  # type: ignore[misc]
     wait_timeout: ClassVar[float | None] = None
     queue_timeout: ClassVar[float | None] = None
     rate: ClassVar[RateSpec] = None
+    back_off_on: ClassVar[type[BaseException] | tuple[type[BaseException], ...] | None] = None
+    max_back_offs: ClassVar[int | None] = None
+    max_cool_down: ClassVar[float | None] = None
 
     @classmethod
     def on_bound(cls, app: Celery) -> None:

@@ -1,0 +1,164 @@
+"""Provider feedback with real workers: a run whose provider answers 429 backs off, the key
+cools down for the whole fleet, the run keeps its place and its ``max_retries``, and an
+adaptive limit is cut. On a real redis-server and in-process workers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+
+from celery_semaphore import (
+    Adaptive,
+    BackOff,
+    Refusal,
+    Semaphore,
+    SemaphoreNotAcquiredError,
+    SemaphoreTask,
+    SemaphoreValidationError,
+    bounded,
+)
+from celery_semaphore.signals import semaphore_backed_off
+
+
+class TooManyRequests(Exception):
+    """What a provider client raises on a 429, with the hint where httpx's error has it."""
+
+    def __init__(self, retry_after: str) -> None:
+        super().__init__("429")
+        self.response = type("Response", (), {"headers": {"Retry-After": retry_after}})()
+
+
+def _store_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1e6
+
+
+def test_a_429_cools_the_key_down_and_the_run_keeps_its_place_and_its_retries(
+    app: Celery, client: redis.Redis
+) -> None:
+    """The first run's provider answers 429 with Retry-After: 2. No run starts anywhere
+    until the cool-down ends (another process's acquire is refused too); then the run that
+    backed off is among the first handed a slot, ahead of the runs that came after it, with
+    retries still 0."""
+    log = "feedback:starts"
+
+    @app.task(base=SemaphoreTask, semaphore="provider", limit=Adaptive(4, max=8),
+              back_off_on=(TooManyRequests,), bind=True, max_retries=0, shared=False,
+              name="feedback.call")  # fmt: skip
+    def call(self: Any, n: int) -> dict[str, Any]:
+        client.rpush(log, f"{n} {_store_now(client)}")
+        if n == 0 and client.set("feedback:refused-once", 1, nx=True):
+            raise TooManyRequests("2")
+        time.sleep(0.3)
+        headers = self.request.headers or {}
+        return {"retries": self.request.retries, "back_offs": headers.get("semaphore_back_offs")}
+
+    backed: list[dict[str, Any]] = []
+    semaphore_backed_off.connect(lambda **kw: backed.append(kw), weak=False)
+    other = Semaphore(app.conf.semaphore_url, limit=4)
+    try:
+        with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
+            first = call.delay(0)
+            assert wait_until(lambda: backed)
+            later = [call.delay(n) for n in range(1, 6)]
+            assert other.acquire("provider") is None  # every caller: slots free, none given
+            results = [r.get(timeout=60) for r in [first, *later]]
+    finally:
+        semaphore_backed_off.receivers.clear()
+    assert results[0] == {"retries": 0, "back_offs": 1}
+    cooling_until = backed[0]["cooling_until"]
+    assert backed[0]["retry_after"] == 2.0 and backed[0]["key"] == "provider"
+    starts = [line.decode().split() for line in client.lrange(log, 0, -1)]
+    after = [(int(n), float(at)) for n, at in starts[1:]]
+    assert all(at >= cooling_until - 0.05 for _, at in after), (cooling_until, starts)
+    # The run that backed off kept its place: it is among the first two (the limit, cut
+    # from 4) that the room hands out together once the cool-down ends.
+    assert 0 in {n for n, _ in after[:2]}, starts
+    feedback = other.admin.feedback("provider")
+    assert feedback is not None and feedback.back_offs == 1 and feedback.limit is not None
+    assert (feedback.min, feedback.max) == (1, 8)
+
+
+def wait_until(predicate: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_run_that_backs_off_past_max_back_offs_fails_naming_the_key_and_the_count(
+    app: Celery,
+) -> None:
+    @app.task(base=SemaphoreTask, semaphore="stubborn", limit=2, max_back_offs=2,
+              shared=False, name="feedback.stubborn")  # fmt: skip
+    def stubborn() -> None:
+        raise BackOff(0.05)
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        with pytest.raises(SemaphoreNotAcquiredError) as failed:
+            stubborn.delay().get(timeout=60)
+    assert failed.value.reason == Refusal.BACK_OFF
+    assert "'stubborn'" in str(failed.value) and "backed off 3 times" in str(failed.value)
+
+
+def test_on_full_retry_sheds_for_the_cool_down_and_raise_fails_with_reason_backoff(
+    app: Celery, client: redis.Redis
+) -> None:
+    @app.task(base=SemaphoreTask, semaphore="shedding", limit=2, on_full="retry", bind=True,
+              max_retries=0, shared=False, name="feedback.shedding")  # fmt: skip
+    def shedding(self: Any) -> int:
+        if client.set("feedback:shed-once", 1, nx=True):
+            raise BackOff(retry_after=1.0)
+        return int(self.request.retries)
+
+    @app.task(base=SemaphoreTask, semaphore="raising", limit=2, on_full="raise",
+              shared=False, name="feedback.raising")  # fmt: skip
+    def raising() -> None:
+        raise BackOff()
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        sent = time.monotonic()
+        assert shedding.delay().get(timeout=60) == 0
+        assert time.monotonic() - sent >= 0.9
+        with pytest.raises(SemaphoreNotAcquiredError) as failed:
+            raising.delay().get(timeout=60)
+    assert failed.value.reason == Refusal.BACK_OFF
+
+
+def test_an_eager_run_waits_out_its_cool_down_and_runs_again(
+    app: Celery, client: redis.Redis
+) -> None:
+    app.conf.task_always_eager = True
+
+    @app.task(shared=False, name="feedback.legacy")
+    @bounded("legacy-api", Adaptive(2, max=4), back_off_on=TooManyRequests)
+    def legacy(n: int) -> int:
+        if client.set("feedback:eager-once", 1, nx=True):
+            raise TooManyRequests("1")
+        return n
+
+    started = time.monotonic()
+    assert legacy.delay(7).get(timeout=30) == 7
+    assert time.monotonic() - started >= 0.9
+    assert Semaphore(app.conf.semaphore_url, limit=1).admin.feedback("legacy-api") is not None
+
+
+def test_an_adaptive_limit_can_be_declared_in_app_conf_semaphores(app: Celery) -> None:
+    app.conf.semaphores = {"declared": {"limit": Adaptive(3, max=6), "max_back_offs": 1}}
+
+    @app.task(base=SemaphoreTask, semaphore="declared", shared=False, name="feedback.declared")
+    def declared() -> None:
+        raise BackOff(0.01)
+
+    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
+        with pytest.raises(SemaphoreNotAcquiredError, match="backed off 2 times"):
+            declared.delay().get(timeout=60)
+    feedback = Semaphore(app.conf.semaphore_url, limit=1).admin.feedback("declared")
+    assert feedback is not None and (feedback.min, feedback.max) == (1, 6)
