@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import os
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -30,7 +32,8 @@ def test_a_back_off_cools_the_key_down_for_every_caller_until_its_hint_runs_out(
 ) -> None:
     sem, other = make_semaphore(limit=3), make_semaphore(limit=3)
     running, backing = sem.acquire("k"), sem.acquire("k")
-    assert running is not None and backing is not None
+    assert running is not None
+    assert backing is not None
     before = _store_now(sem)
     ends = backing.back_off(retry_after=1.5)
     assert before + 1.4 < ends < _store_now(sem) + 1.6
@@ -44,8 +47,10 @@ def test_a_back_off_cools_the_key_down_for_every_caller_until_its_hint_runs_out(
     assert _store_now(sem) >= ends
     feedback = sem.admin.feedback("k")
     assert feedback is not None
-    assert feedback.back_offs == 1 and feedback.last_hint == 1.5 and feedback.limit is None
-    assert feedback.last_by.endswith(f":{__import__('os').getpid()}")
+    assert feedback.back_offs == 1
+    assert feedback.last_hint == 1.5
+    assert feedback.limit is None
+    assert feedback.last_by.endswith(f":{os.getpid()}")
 
 
 def test_with_no_hint_the_cool_down_starts_at_a_second_and_doubles_while_back_offs_follow(
@@ -79,7 +84,8 @@ def test_an_adaptive_limit_is_cut_once_per_cool_down_and_grows_back_under_succes
 ) -> None:
     sem = make_semaphore(limit=Adaptive(8, min=2, max=10))
     slots = [sem.acquire("k") for _ in range(8)]
-    assert all(slots) and sem.acquire("k") is None  # initial: 8
+    assert all(slots)
+    assert sem.acquire("k") is None
     first, *rest = slots
     assert first is not None
     first.back_off(0.2)
@@ -87,7 +93,9 @@ def test_an_adaptive_limit_is_cut_once_per_cool_down_and_grows_back_under_succes
         assert late is not None
         late.back_off(0.2)
     feedback = sem.admin.feedback("k")
-    assert feedback is not None and feedback.limit == 4 and feedback.back_offs == 4
+    assert feedback is not None
+    assert feedback.limit == 4
+    assert feedback.back_offs == 4
     for slot in rest[3:]:
         assert slot is not None
         slot.release()
@@ -103,7 +111,8 @@ def test_an_adaptive_limit_is_cut_once_per_cool_down_and_grows_back_under_succes
     assert feedback is not None
     # It climbs back to one under the limit the cut came at (8), and holds there until a
     # probe is due (10 s after the cool-down).
-    assert feedback.limit == 7 and (feedback.min, feedback.max) == (2, 10)
+    assert feedback.limit == 7
+    assert (feedback.min, feedback.max) == (2, 10)
 
 
 def test_an_operator_limit_wins_over_the_adaptive_one_until_cleared(
@@ -112,11 +121,13 @@ def test_an_operator_limit_wins_over_the_adaptive_one_until_cleared(
     sem = make_semaphore(limit=Adaptive(4, max=8))
     sem.admin.set_limit("k", 1)
     one = sem.acquire("k")
-    assert one is not None and sem.acquire("k") is None
+    assert one is not None
+    assert sem.acquire("k") is None
     one.release()
     sem.admin.set_limit("k", None)
     held = [sem.acquire("k") for _ in range(4)]
-    assert all(held) and sem.acquire("k") is None
+    assert all(held)
+    assert sem.acquire("k") is None
 
 
 def test_a_with_block_that_raises_back_off_backs_off_and_the_error_goes_on(
@@ -127,7 +138,8 @@ def test_a_with_block_that_raises_back_off_backs_off_and_the_error_goes_on(
         raise BackOff(retry_after="1")
     assert sem.acquire("k") is None
     feedback = sem.admin.feedback("k")
-    assert feedback is not None and feedback.cooling(_store_now(sem))
+    assert feedback is not None
+    assert feedback.cooling(_store_now(sem))
 
 
 def test_a_group_backs_off_the_key_its_back_off_names(make_semaphore: type[Semaphore]) -> None:
@@ -151,7 +163,8 @@ def test_the_asyncio_semaphore_obeys_and_gives_back_offs(redis_server: RedisServ
             assert await slot.back_off(1) > 0
             assert await sem.acquire("k") is None
             feedback = await sem.admin.feedback("k")
-            assert feedback is not None and feedback.limit == 1
+            assert feedback is not None
+            assert feedback.limit == 1
         finally:
             await close(sem.client)
 
@@ -171,7 +184,8 @@ def test_a_waiting_acquire_in_another_thread_is_held_back_by_the_cool_down(
     waiter.start()
     ends = slot.back_off(1.0)
     waiter.join(15)
-    assert got and got[0] >= ends
+    assert got
+    assert got[0] >= ends
 
 
 @pytest.mark.parametrize(
@@ -185,7 +199,8 @@ def test_retry_after_reads_seconds_and_http_dates(value: object, seconds: float 
 
 def test_retry_after_reads_an_http_date_in_the_future() -> None:
     found = retry_after_seconds(email.utils.formatdate(time.time() + 30, usegmt=True))
-    assert found is not None and 25 < found <= 31
+    assert found is not None
+    assert 25 < found <= 31
 
 
 @pytest.mark.parametrize("value", [-1, "soon", float("nan"), float("inf"), True, [1]])
@@ -199,7 +214,8 @@ def test_a_bad_hint_is_refused_before_anything_is_written(
     assert slot is not None
     with pytest.raises(SemaphoreValidationError, match="retry_after"):
         slot.back_off(value)
-    assert not slot.released and sem.admin.feedback("k") is None
+    assert not slot.released
+    assert sem.admin.feedback("k") is None
     assert slot.release()
 
 
@@ -215,7 +231,7 @@ def test_a_bad_adaptive_limit_is_refused(kwargs: dict[str, object]) -> None:
 
 def test_back_off_from_an_error_reads_its_hint_where_clients_put_it() -> None:
     class Response:
-        headers = {"Retry-After": "4"}
+        headers: ClassVar[dict[str, str]] = {"Retry-After": "4"}
 
     class RateLimited(Exception):
         response = Response()

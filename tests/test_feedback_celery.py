@@ -19,7 +19,6 @@ from celery_semaphore import (
     Semaphore,
     SemaphoreNotAcquiredError,
     SemaphoreTask,
-    SemaphoreValidationError,
     bounded,
 )
 from celery_semaphore.signals import semaphore_backed_off
@@ -72,7 +71,8 @@ def test_a_429_cools_the_key_down_and_the_run_keeps_its_place_and_its_retries(
         semaphore_backed_off.receivers.clear()
     assert results[0] == {"retries": 0, "back_offs": 1}
     cooling_until = backed[0]["cooling_until"]
-    assert backed[0]["retry_after"] == 2.0 and backed[0]["key"] == "provider"
+    assert backed[0]["retry_after"] == 2.0
+    assert backed[0]["key"] == "provider"
     starts = [line.decode().split() for line in client.lrange(log, 0, -1)]
     after = [(int(n), float(at)) for n, at in starts[1:]]
     assert all(at >= cooling_until - 0.05 for _, at in after), (cooling_until, starts)
@@ -80,7 +80,9 @@ def test_a_429_cools_the_key_down_and_the_run_keeps_its_place_and_its_retries(
     # from 4) that the room hands out together once the cool-down ends.
     assert 0 in {n for n, _ in after[:2]}, starts
     feedback = other.admin.feedback("provider")
-    assert feedback is not None and feedback.back_offs == 1 and feedback.limit is not None
+    assert feedback is not None
+    assert feedback.back_offs == 1
+    assert feedback.limit is not None
     assert (feedback.min, feedback.max) == (1, 8)
 
 
@@ -101,11 +103,14 @@ def test_a_run_that_backs_off_past_max_back_offs_fails_naming_the_key_and_the_co
     def stubborn() -> None:
         raise BackOff(0.05)
 
-    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-        with pytest.raises(SemaphoreNotAcquiredError) as failed:
-            stubborn.delay().get(timeout=60)
+    with (
+        start_worker(app, pool="threads", concurrency=2, perform_ping_check=False),
+        pytest.raises(SemaphoreNotAcquiredError) as failed,
+    ):
+        stubborn.delay().get(timeout=60)
     assert failed.value.reason == Refusal.BACK_OFF
-    assert "'stubborn'" in str(failed.value) and "backed off 3 times" in str(failed.value)
+    assert "'stubborn'" in str(failed.value)
+    assert "backed off 3 times" in str(failed.value)
 
 
 def test_on_full_retry_sheds_for_the_cool_down_and_raise_fails_with_reason_backoff(
@@ -157,8 +162,11 @@ def test_an_adaptive_limit_can_be_declared_in_app_conf_semaphores(app: Celery) -
     def declared() -> None:
         raise BackOff(0.01)
 
-    with start_worker(app, pool="threads", concurrency=1, perform_ping_check=False):
-        with pytest.raises(SemaphoreNotAcquiredError, match="backed off 2 times"):
-            declared.delay().get(timeout=60)
+    with (
+        start_worker(app, pool="threads", concurrency=1, perform_ping_check=False),
+        pytest.raises(SemaphoreNotAcquiredError, match="backed off 2 times"),
+    ):
+        declared.delay().get(timeout=60)
     feedback = Semaphore(app.conf.semaphore_url, limit=1).admin.feedback("declared")
-    assert feedback is not None and (feedback.min, feedback.max) == (1, 6)
+    assert feedback is not None
+    assert (feedback.min, feedback.max) == (1, 6)

@@ -313,9 +313,7 @@ def gather_call(handoff: Handoff, claim_ms: int) -> Call[list[Handoff]]:
     return Call("gather", names, (handoff.waiter, claim_ms), parse_gather)
 
 
-def recover_call(
-    keys: Keys, token: str, claim_ms: int, since_ms: int
-) -> Call[Released]:
+def recover_call(keys: Keys, token: str, claim_ms: int, since_ms: int) -> Call[Released]:
     """After a call of ``token`` ("" for none) sent ``since_ms`` ago whose answer was lost:
     whether the token still held a slot (it is given back now), and the hand-offs to
     publish: the reservations made since, and the slots handed off now (see recover.lua)."""

@@ -89,8 +89,10 @@ def retry_after_seconds(value: object) -> float | None:
                 raise SemaphoreValidationError(
                     f"retry_after must be seconds or an HTTP date, got {text!r:.80}"
                 ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        math.isfinite(value) and value >= 0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
     ):
         raise SemaphoreValidationError(
             f"retry_after must be seconds >= 0 or an HTTP date, got {value!r:.80}"

@@ -26,9 +26,7 @@ DEFAULT_LEASE = 60.0
 """Seconds a slot lives without an extend, unless a semaphore or a call says otherwise."""
 
 
-def semaphore_options(
-    limit: int | Adaptive, lease: float, prefix: str
-) -> tuple[int, float, str]:
+def semaphore_options(limit: int | Adaptive, lease: float, prefix: str) -> tuple[int, float, str]:
     """``(limit, lease, prefix)`` checked: an int >= 1 (an :class:`Adaptive` limit's
     ``initial``), positive finite seconds, and a non-empty str free of braces (they would
     break the keys' hash tag).
