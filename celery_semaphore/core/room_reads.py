@@ -17,7 +17,7 @@ from typing import Any
 import redis
 
 from .admin import Holder, SemaphoreAdmin
-from .live import LiveLimit, Pause, live_limit_of, pause_of, text_of
+from .live import Feedback, LiveLimit, Pause, feedback_of, live_limit_of, pause_of, text_of
 from .live_rates import RateState, rate_states, read_rate_states
 from .names import Namespace
 from .scripts import backend_errors
@@ -47,6 +47,7 @@ class Standing:
         paused (Pause | None): who paused the key and when.
         holders (tuple[Holder, ...]): the slots' holders, soonest expiry first.
         rates (tuple[RateState, ...]): the key's start rates: units free, next due instant.
+        feedback (Feedback | None): the provider's answers: an adaptive limit, a cool-down.
     """
 
     key: str
@@ -61,6 +62,7 @@ class Standing:
     paused: Pause | None = None
     holders: tuple[Holder, ...] = field(default_factory=tuple)
     rates: tuple[RateState, ...] = ()
+    feedback: Feedback | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field (holders with their metadata)."""
@@ -125,29 +127,44 @@ def _standing(admin: SemaphoreAdmin, key: str, waiter: str) -> Standing:
         )
     now = sec + usec / 1e6
     arrival = re.match(r"\d*", text_of(entry or "")).group(0)  # type: ignore[union-attr]
-    live, paused = live_limit_of(raw), pause_of(raw)
+    live, paused, feedback = live_limit_of(raw), pause_of(raw), feedback_of(raw)
+    adaptive = feedback.limit if feedback else None
     return Standing(
         key=key, state="reserved" if reserved is not None else "passive" if passive else "parked",
         position=None if rank is None else int(rank) + 1,
         queued=int(queued), waited=now - int(arrival) / 1000 if arrival.isdigit() else None,
         reserved_for=None if reserved is None else max(0.0, float(reserved) / 1000 - now),
         gives_up_in=None if deadline is None else float(deadline) / 1000 - now,
-        limit=0 if paused else live.limit if live else int(given) if given else None,
+        limit=in_force(paused, live, adaptive, int(given) if given else None),
         live=live, paused=paused, holders=tuple(admin.holders(key)),
         rates=rate_states(raw, text_of(declared) if declared else None, sec * 1000 + usec // 1000),
+        feedback=feedback,
     )  # fmt: skip
 
 
 def _holding(admin: SemaphoreAdmin, key: str) -> Standing:
     keys = admin.names.keys_of(key)
     raw = admin.client.hgetall(keys.limits)
-    live, paused = live_limit_of(raw), pause_of(raw)
+    live, paused, feedback = live_limit_of(raw), pause_of(raw), feedback_of(raw)
     holders = tuple(admin.holders(key))
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
+    adaptive = feedback.limit if feedback else None
     return Standing(key, "holding", None, int(admin.client.zcard(keys.room)), None, None, None,
-                    limit=0 if paused else live.limit if live else max(limits, default=None),
+                    limit=in_force(paused, live, adaptive, max(limits, default=None)),
                     live=live, paused=paused, holders=holders,
-                    rates=read_rate_states(admin.client, keys, raw))  # fmt: skip
+                    rates=read_rate_states(admin.client, keys, raw),
+                    feedback=feedback)  # fmt: skip
+
+
+def in_force(
+    paused: Pause | None, live: LiveLimit | None, adaptive: int | None, given: int | None
+) -> int | None:
+    """The limit in force, as limit.lua reads it: 0 while paused, else the live limit, else
+    the adaptive limit, else ``given`` (what the callers give; None: unknown). A cool-down
+    is shown apart (it ends by itself)."""
+    if paused:
+        return 0
+    return live.limit if live else adaptive or given
 
 
 def found_in_room(

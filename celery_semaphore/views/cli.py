@@ -103,6 +103,14 @@ def _live(sem: SemaphoreView | Standing) -> str:
         said += f" (live limit {sem.live.limit}, set by {sem.live.by} at {_when(sem.live.set_at)})"
     for rate in sem.rates:
         said += f"\n  rate {rate.name}: " + _rate(rate)
+    fed = sem.feedback
+    if fed is not None and fed.limit is not None:
+        said += f"\n  adaptive limit {fed.limit} (from {fed.min} to {fed.max})"
+    if fed is not None and fed.back_offs:
+        hint = "no hint" if fed.last_hint is None else f"hint {fed.last_hint:g}s"
+        said += (f"\n  {'COOLING until' if fed.cooling(time.time()) else 'cooled down at'} "
+                 f"{_when(fed.cooling_until)}; {fed.back_offs} back-off(s), the last by "
+                 f"{fed.last_by} at {_when(fed.last_at)} ({hint})")  # fmt: skip
     return said
 
 

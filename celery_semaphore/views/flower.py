@@ -359,7 +359,7 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
         namespace = self.get_template_namespace()
         namespace.update(
             url_prefix=self.application.options.url_prefix, semaphores=found, error=error,
-            seconds=seconds, utc=utc, refresh_ms=int(REFRESH_SECONDS * 1000),
+            seconds=seconds, utc=utc, refresh_ms=int(REFRESH_SECONDS * 1000), now=time.time(),
             limits_off=refusal(self.application.options, set_limit),
             limit_url=self.reverse_url("semaphore_limit"),
             why_url=self.reverse_url("semaphore_why"),
@@ -693,6 +693,14 @@ _PAGE = """{% extends "base.html" %}
       <div class="card-body py-2 d-flex flex-wrap gap-2 align-items-center small">
         {% if sem.paused %}<span class="semaphore-paused badge text-bg-warning">Paused by
           {{ sem.paused.by }} at {{ utc(sem.paused.paused_at) }}</span>{% end %}
+        {% set fed = sem.feedback %}{% if fed and fed.limit is not None %}<span
+          class="semaphore-adaptive">Adaptive limit <strong>{{ fed.limit }}</strong>
+          ({{ fed.min }} to {{ fed.max }})</span>{% end %}
+        {% if fed and fed.back_offs %}<span class="semaphore-cooling badge
+          {{ "text-bg-danger" if fed.cooling(now) else "text-bg-light" }}">{{ "Cooling
+          down until" if fed.cooling(now) else "Cooled down at" }} {{ utc(fed.cooling_until)
+          }}: {{ fed.back_offs }} back-off(s), the last by {{ fed.last_by }}
+          ({{ "no hint" if fed.last_hint is None else seconds(fed.last_hint) }})</span>{% end %}
         <span class="live-limit me-auto">{% if sem.live %}Live limit
           <strong>{{ sem.live.limit }}</strong>, set by {{ sem.live.by }}
           at {{ utc(sem.live.set_at) }}{% else %}No live limit: the callers' limit
@@ -896,6 +904,9 @@ _PAGE = """{% extends "base.html" %}
     var text = "limit " + (s.limit === null ? "?" : s.limit);
     if (s.live) { text += " (live limit set by " + s.live.by + ")"; }
     if (s.paused) { text += "; paused by " + s.paused.by; }
+    if (s.feedback && s.feedback.cooling_until * 1000 > Date.now()) {
+      text += "; cooling down after a back-off (" + s.feedback.last_by + ")";
+    }
     return text + "; " + s.holders.length + " holder(s)";
   }
   function line(text, className) {

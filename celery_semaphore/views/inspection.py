@@ -16,7 +16,7 @@ import redis
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
 from ..core.calls import waiting_call
-from ..core.live import Pause, live_limit_of, pause_of
+from ..core.live import Feedback, Pause, feedback_of, live_limit_of, pause_of
 from ..core.live_rates import RateState, read_rate_states
 from ..core.names import Namespace
 from ..core.replies import Waiter
@@ -50,6 +50,8 @@ class SemaphoreView:
             or None when it is not paused.
         rates (tuple[RateState, ...]): the key's start rates: units free now, when the
             next falls due, and a live rate with who set it (``celery semaphore set-rate``).
+        feedback (Feedback | None): what the provider's answers decided: the adaptive limit
+            with its bounds, the cool-down's end, the back-offs and the last one.
     """
 
     key: str
@@ -61,6 +63,7 @@ class SemaphoreView:
     waiting_total: int | None = None
     paused: Pause | None = None
     rates: tuple[RateState, ...] = ()
+    feedback: Feedback | None = None
 
     @property
     def queued(self) -> int:
@@ -79,7 +82,8 @@ class SemaphoreView:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: key, limit, live_limit (limit, set_at, by; or None), paused
-        (paused_at, by; or None), rates (each :class:`RateState`), declared_limit, in_use,
+        (paused_at, by; or None), rates (each :class:`RateState`), feedback (a
+        :class:`~celery_semaphore.core.live.Feedback`, or None), declared_limit, in_use,
         queued, oldest_wait, each holder's fields and each parked run's."""
         return {
             "key": self.key,
@@ -87,6 +91,7 @@ class SemaphoreView:
             "live_limit": None if self.live is None else asdict(self.live),
             "paused": None if self.paused is None else asdict(self.paused),
             "rates": [asdict(rate) for rate in self.rates],
+            "feedback": None if self.feedback is None else asdict(self.feedback),
             "declared_limit": self.declared,
             "in_use": self.in_use,
             "queued": self.queued,
@@ -176,9 +181,10 @@ def view(
     with backend_errors(key):
         raw = client.hgetall(admin.keys_of(key).limits)
         rates = read_rate_states(client, admin.keys_of(key), raw)
-    live, paused = live_limit_of(raw), pause_of(raw)
+    live, paused, feedback = live_limit_of(raw), pause_of(raw), feedback_of(raw)
     limits = [h.metadata["limit"] for h in holders if isinstance(h.metadata.get("limit"), int)]
-    limit = live.limit if live else max(limits) if limits else declared
+    given = max(limits) if limits else declared
+    limit = live.limit if live else feedback.limit if feedback and feedback.limit else given
     if waiting is None:
         parked, total = tuple(WaitingRoom(client, prefix).waiters(key)), None
     else:
@@ -186,7 +192,7 @@ def view(
         parked, total = page.waiting, page.total
     return SemaphoreView(key=key, limit=limit, holders=holders, waiting=parked, live=live,
                          declared=declared, waiting_total=total, paused=paused,
-                         rates=rates)  # fmt: skip
+                         rates=rates, feedback=feedback)  # fmt: skip
 
 
 def semaphore_keys(

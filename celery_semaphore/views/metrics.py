@@ -15,9 +15,11 @@ metric                               type      labels
 ``semaphore_parked_total``           counter   key (runs parked in the waiting room)
 ``semaphore_refused_total``          counter   key, reason (why a run got no slot and failed:
                                                ``full``/``timeout``/``backend``/
-                                               ``room_full``/``shutdown``)
+                                               ``room_full``/``shutdown``/``paused``/
+                                               ``backoff``)
 ``semaphore_lease_lost_total``       counter   key
 ``semaphore_renew_errors_total``     counter   key
+``semaphore_back_offs_total``        counter   key (runs that backed off: a 429)
 ``semaphore_wait_seconds``           histogram key (time spent acquiring)
 ``semaphore_hold_seconds``           histogram key (time a body held its slot)
 ``semaphore_slots_held``             gauge     key (slots held by this process now)
@@ -59,6 +61,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.admin import DEFAULT_PREFIX
+from ..core.live import feedback_of
 from ..core.live_rates import read_rate_states
 from ..core.room import WaitingRoom
 from ..core.scripts import backend_errors
@@ -102,6 +105,7 @@ class Metrics:
     refused: Counter
     lease_lost: Counter
     renew_errors: Counter
+    back_offs: Counter
     wait: Histogram
     hold: Histogram
     held: Gauge
@@ -148,6 +152,10 @@ def install(
     renew_errors = Counter(
         "semaphore_renew_errors", "Renewal round trips that failed.", ["key"], **opts
     )
+    back_offs = Counter(
+        "semaphore_back_offs", "Runs that backed off: the provider was over its limit.", ["key"],
+        **opts,
+    )  # fmt: skip
     wait = Histogram(
         "semaphore_wait_seconds",
         "Seconds spent acquiring a slot.",
@@ -203,6 +211,10 @@ def install(
         for label in each(fields):
             renew_errors.labels(label).inc()
 
+    def on_backed_off(**fields: Any) -> None:
+        for label in each(fields):
+            back_offs.labels(label).inc()
+
     handlers = (
         (signals.semaphore_acquired, on_acquired),
         (signals.semaphore_released, on_released),
@@ -211,6 +223,7 @@ def install(
         (signals.semaphore_refused, on_refused),
         (signals.semaphore_lease_lost, on_lost),
         (signals.semaphore_renew_failed, on_renew_failed),
+        (signals.semaphore_backed_off, on_backed_off),
     )
     for signal, handler in handlers:
         signal.connect(handler, weak=False)
@@ -221,6 +234,7 @@ def install(
         refused,
         lease_lost,
         renew_errors,
+        back_offs,
         wait,
         hold,
         in_use,
@@ -239,6 +253,8 @@ class RoomCollector(Collector):
     ``semaphore_oldest_wait_seconds``    gauge     key (how long the oldest has waited)
     ``semaphore_rate_free_units``        gauge     key, rate (units of a start rate free now)
     ``semaphore_rate_next_due_seconds``  gauge     key, rate (until its next unit falls due)
+    ``semaphore_limit_current``          gauge     key (its adaptive limit now)
+    ``semaphore_cooling_until_seconds``  gauge     key (when its last cool-down ends, epoch s)
     ==================================== ========= ==========================================
 
     The ``key`` label is the rendered key: a room exists only while runs wait in it, so
@@ -266,9 +282,9 @@ class RoomCollector(Collector):
         self.namespace = f"{namespace}_" if namespace else ""
 
     def collect(self) -> Iterator[Metric]:
-        """Yield ``semaphore_queued``, ``semaphore_oldest_wait_seconds`` and the start
-        rates' gauges of the keys with a backlog (one more round trip per such key, two when
-        it has a rate: the store's clock)."""
+        """Yield ``semaphore_queued``, ``semaphore_oldest_wait_seconds``, the start rates'
+        and the provider feedback's gauges of the keys with a backlog (two more round trips
+        per such key, three when it has a rate: the store's clock)."""
         queued = GaugeMetricFamily(
             f"{self.namespace}semaphore_queued", "Runs parked in the waiting room.", labels=["key"]
         )
@@ -285,6 +301,11 @@ class RoomCollector(Collector):
         due = GaugeMetricFamily(f"{self.namespace}semaphore_rate_next_due_seconds",
                                 "Seconds until a start rate's next unit falls due.",
                                 labels=["key", "rate"])  # fmt: skip
+        current = GaugeMetricFamily(f"{self.namespace}semaphore_limit_current",
+                                    "The adaptive limit now.", labels=["key"])  # fmt: skip
+        cooling = GaugeMetricFamily(f"{self.namespace}semaphore_cooling_until_seconds",
+                                    "When the last back-off's cool-down ends (epoch s).",
+                                    labels=["key"])  # fmt: skip
         try:
             for key in self.room.index.rooms():
                 count, head = self.room.head(key)
@@ -294,7 +315,14 @@ class RoomCollector(Collector):
                 if head is not None:
                     oldest.add_metric([key], head.waited)
                 with backend_errors(key):
-                    rates = read_rate_states(self.room.client, self.room.names.keys_of(key))
+                    keys = self.room.names.keys_of(key)
+                    raw = self.room.client.hgetall(keys.limits)
+                    rates = read_rate_states(self.room.client, keys, raw)
+                fed = feedback_of(raw)
+                if fed is not None and fed.limit is not None:
+                    current.add_metric([key], fed.limit)
+                if fed is not None and fed.back_offs:
+                    cooling.add_metric([key], fed.cooling_until)
                 for rate in rates:
                     if rate.left is not None:
                         free.add_metric([key, rate.name], rate.left)
@@ -305,3 +333,5 @@ class RoomCollector(Collector):
         yield oldest
         yield free
         yield due
+        yield current
+        yield cooling
