@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import logging
 import os
 import threading
 import time
@@ -71,6 +72,7 @@ def test_with_no_hint_the_cool_down_starts_at_a_second_and_doubles_while_back_of
 def test_a_hint_past_the_longest_cool_down_is_clamped_and_logged(
     make_semaphore: type[Semaphore], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="celery_semaphore.core.lease")
     sem = make_semaphore(limit=2, max_cool_down=2.0)
     slot = sem.acquire("k")
     assert slot is not None

@@ -4,6 +4,8 @@ adaptive limit is cut. On a real redis-server and in-process workers."""
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Any
 
@@ -11,6 +13,8 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from celery_semaphore import (
     Adaptive,
@@ -21,7 +25,16 @@ from celery_semaphore import (
     SemaphoreTask,
     bounded,
 )
+from celery_semaphore.core.replies import Parked
+from celery_semaphore.core.slot import Slot
+from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
 from celery_semaphore.signals import semaphore_backed_off
+from celery_semaphore.testing import RedisServer
+from celery_semaphore.views.cli import semaphore as semaphore_cli
+from celery_semaphore.views.metrics import RoomCollector
+
+from .celery_apps import make_app
+from .helpers import Published
 
 
 class TooManyRequests(Exception):
@@ -38,7 +51,7 @@ def _store_now(client: redis.Redis) -> float:
 
 
 def test_a_429_cools_the_key_down_and_the_run_keeps_its_place_and_its_retries(
-    app: Celery, client: redis.Redis
+    app: Celery, client: redis.Redis, registry: CollectorRegistry
 ) -> None:
     """The first run's provider answers 429 with Retry-After: 2. No run starts anywhere
     until the cool-down ends (another process's acquire is refused too); then the run that
@@ -84,6 +97,7 @@ def test_a_429_cools_the_key_down_and_the_run_keeps_its_place_and_its_retries(
     assert feedback.back_offs == 1
     assert feedback.limit is not None
     assert (feedback.min, feedback.max) == (1, 8)
+    assert registry.get_sample_value("semaphore_back_offs_total", {"key": "provider"}) == 1
 
 
 def wait_until(predicate: Any, timeout: float = 30.0) -> bool:
@@ -170,3 +184,70 @@ def test_an_adaptive_limit_can_be_declared_in_app_conf_semaphores(app: Celery) -
     feedback = Semaphore(app.conf.semaphore_url, limit=1).admin.feedback("declared")
     assert feedback is not None
     assert (feedback.min, feedback.max) == (1, 6)
+
+
+def test_every_view_shows_the_adaptive_limit_and_the_cool_down(
+    app: Celery, client: redis.Redis
+) -> None:
+    """status (text and JSON), why, the inspection views and Prometheus show the adaptive
+    limit with its bounds, the cool-down's end and the last back-off."""
+    sem = Semaphore(app.conf.semaphore_url, limit=Adaptive(4, min=2, max=6),
+                    on_handoff=Published())  # fmt: skip
+    held = sem.room.park("k", "w0", b"p")
+    assert isinstance(held, Slot)
+    held.back_off(30)
+    assert isinstance(sem.room.park("k", "w1", b"p"), Parked)  # slots free, none given
+    status = _cli(app, "status", "k")
+    assert "adaptive limit 2 (from 2 to 6)" in status, status
+    assert "COOLING until" in status, status
+    assert "1 back-off(s), the last by" in status, status
+    assert "(hint 30s)" in status, status
+    [found] = json.loads(_cli(app, "status", "k", "--json"))
+    assert found["limit"] == 2
+    assert found["feedback"]["back_offs"] == 1
+    assert found["feedback"]["max"] == 6
+    assert "COOLING until" in _cli(app, "why", "w1")
+    rooms = CollectorRegistry()
+    rooms.register(RoomCollector(client))
+    assert rooms.get_sample_value("semaphore_limit_current", {"key": "k"}) == 2
+    cooling = rooms.get_sample_value("semaphore_cooling_until_seconds", {"key": "k"})
+    assert cooling is not None
+    assert cooling > time.time() + 20
+
+
+def _cli(app: Celery, *args: str) -> str:
+    ctx = type("Ctx", (), {"app": app})()
+    out = CliRunner().invoke(semaphore_cli, list(args), obj=ctx)
+    assert out.exit_code == 0, out.output
+    return out.output
+
+
+def test_a_restart_of_the_store_that_loses_the_adaptive_limit_says_so(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Proves: the adaptive limit and a cool-down lost with the store fall back to the
+    limit's initial, and the worker says so in an ERROR line naming the key."""
+    with RedisServer() as store:
+        app = make_app(redis_server.url, semaphore_url=store.url)
+
+        @app.task(base=SemaphoreTask, semaphore="lossy", limit=Adaptive(5, max=9),
+                  shared=False, name="feedback.lossy")  # fmt: skip
+        def lossy() -> None: ...
+
+        sem = Semaphore(store.url, limit=Adaptive(5, max=9))
+        slot = sem.acquire("lossy")
+        assert slot is not None
+        slot.back_off(60)
+        keeper = JournalKeeper(app)
+        keeper.keep()
+        store.stop()
+        store.start()
+        caplog.set_level(logging.ERROR)
+        keeper.keep()
+        assert sem.admin.feedback("lossy") is None  # nothing cools it, the limit is 5 again
+        assert len([sem.acquire("lossy") for _ in range(5)]) == 5
+        lines = [r.getMessage() for r in caplog.records if "adaptive limit" in r.getMessage()]
+        assert lines == ["semaphore 'lossy': a restart of the store lost its adaptive limit "
+                         "and any cool-down; the limit starts again from 5"]  # fmt: skip
+        sem.client.close()
+        app.close()

@@ -696,11 +696,12 @@ _PAGE = """{% extends "base.html" %}
         {% set fed = sem.feedback %}{% if fed and fed.limit is not None %}<span
           class="semaphore-adaptive">Adaptive limit <strong>{{ fed.limit }}</strong>
           ({{ fed.min }} to {{ fed.max }})</span>{% end %}
-        {% if fed and fed.back_offs %}<span class="semaphore-cooling badge
-          {{ "text-bg-danger" if fed.cooling(now) else "text-bg-light" }}">{{ "Cooling
-          down until" if fed.cooling(now) else "Cooled down at" }} {{ utc(fed.cooling_until)
-          }}: {{ fed.back_offs }} back-off(s), the last by {{ fed.last_by }}
-          ({{ "no hint" if fed.last_hint is None else seconds(fed.last_hint) }})</span>{% end %}
+        {% if fed and fed.back_offs %}{% set cooling = fed.cooling(now) %}<span
+          class="semaphore-cooling badge {{ "text-bg-danger" if cooling else "text-bg-light" }}"
+          >{{ "Cooling down until" if cooling else "Cooled down at" }}
+          {{ utc(fed.cooling_until) }}: {{ fed.back_offs }} back-off(s), the last by
+          {{ fed.last_by }} ({{ "no hint" if fed.last_hint is None else seconds(fed.last_hint)
+          }})</span>{% end %}
         <span class="live-limit me-auto">{% if sem.live %}Live limit
           <strong>{{ sem.live.limit }}</strong>, set by {{ sem.live.by }}
           at {{ utc(sem.live.set_at) }}{% else %}No live limit: the callers' limit

@@ -25,6 +25,7 @@ from ...core.rates import Rate
 from ...core.room_reads import parked_or_claimed
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
+from ..runner import runner_of
 from ..settings import app_settings, client_for, journal_for
 from .endings import has_ended, message_of
 from .headers import HANDOFF_HEADERS
@@ -76,6 +77,20 @@ def put_back(admin: SemaphoreAdmin, field: str, entry: str) -> None:
         )  # fmt: skip
 
 
+def say_feedback_lost(app: Celery) -> None:
+    """Say, once per adaptive key of ``app``'s tasks, that a restart of the store lost what
+    the provider's answers decided: the adaptive limit starts again from its ``initial``,
+    and a cool-down under way is over (adapt.lua's state is not an operator's decision, to
+    be put back: it is learnt again from the provider)."""
+    for task in app.tasks.values():
+        runner = (runner_of(task) or (None,))[0]
+        adaptive = runner.limits.adaptive if runner and runner.limits else None
+        if runner and adaptive:
+            logger.error("semaphore %r: a restart of the store lost its adaptive limit and any "
+                         "cool-down; the limit starts again from %d", runner.template.source,
+                         adaptive.initial)  # fmt: skip
+
+
 class JournalKeeper:
     """Keeps ``app``'s journal on this host (a worker's upkeep thread calls :meth:`keep`).
 
@@ -123,6 +138,7 @@ class JournalKeeper:
             for field, value in self._seen[1].items():
                 if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
                     put_back(admin, field, value)
+            say_feedback_lost(self.app)
         self._seen = (current, store)
         if journal is None:
             return
