@@ -28,7 +28,7 @@ from celery_semaphore import (
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.core.slot import Slot
 from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
-from celery_semaphore.signals import semaphore_backed_off
+from celery_semaphore.signals import semaphore_backed_off, semaphore_shed
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
 from celery_semaphore.views.metrics import RoomCollector
@@ -250,4 +250,40 @@ def test_a_restart_of_the_store_that_loses_the_adaptive_limit_says_so(
         assert lines == ["semaphore 'lossy': a restart of the store lost its adaptive limit "
                          "and any cool-down; the limit starts again from 5"]  # fmt: skip
         sem.client.close()
+        app.close()
+
+
+def test_a_back_off_while_the_store_is_down_sheds_the_run_and_it_runs_later(
+    redis_server: RedisServer,
+) -> None:
+    """Proves: a body that backs off while the store is away is not lost: its slot lapses,
+    the run is shed (its message published again through the broker, which is up), and it
+    runs once the store is back."""
+    with RedisServer() as store:
+        app = make_app(redis_server.url, semaphore_url=store.url)
+        recorder = redis_server.client()
+
+        @app.task(base=SemaphoreTask, semaphore="flaky", limit=2, bind=True, max_retries=0,
+                  shared=False, name="feedback.flaky")  # fmt: skip
+        def flaky(self: Any) -> int:
+            if recorder.set("feedback:started", 1, nx=True):
+                assert recorder.blpop(["feedback:store-down"], timeout=30)
+                raise BackOff(0.1)
+            return int(self.request.retries)
+
+        shed: list[dict[str, Any]] = []
+        semaphore_shed.connect(lambda **kw: shed.append(kw), weak=False)
+        try:
+            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+                result = flaky.delay()
+                assert wait_until(lambda: recorder.exists("feedback:started"))
+                store.stop()
+                recorder.rpush("feedback:store-down", 1)
+                # Shed (the store's clients gave up), or failed: only then is it back.
+                assert wait_until(lambda: shed or result.ready())
+                store.start()
+                assert result.get(timeout=60) == 0
+        finally:
+            semaphore_shed.receivers.clear()
+        assert "Redis unreachable" in shed[0]["reason"]
         app.close()

@@ -347,7 +347,13 @@ class Runner:
                     raise
                 self._shed(task, policy, names, slot.limit, "slot lost while running")
             except BackOff as exc:
-                slot = self._back_in_line(task, bound, ask, metadata, names, slot, exc, asked)
+                try:
+                    slot = self._back_in_line(task, bound, ask, metadata, names, slot, exc, asked)
+                except SemaphoreBackendError as error:  # shed, as a first ask would be
+                    if policy.on_full == "raise":
+                        raise
+                    self._shed(task, policy, names, slot.limit, f"Redis unreachable: {error}",
+                               Refusal.BACKEND)  # fmt: skip
 
     def _ask_for(self, task: Task, bound: Bound, args: Any, kwargs: Any) -> Ask:
         """This run's ask (see :func:`.asks.ask_for`). A run a hand-off started whose limit
