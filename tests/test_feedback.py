@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import pytest
 
-from celery_semaphore import Adaptive, BackOff, Semaphore, SemaphoreValidationError
+from celery_semaphore import Adaptive, BackOff, Rate, Semaphore, SemaphoreValidationError
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core.feedback import retry_after_seconds
 from celery_semaphore.testing import RedisServer
@@ -248,3 +248,15 @@ def test_back_off_from_an_error_reads_its_hint_where_clients_put_it() -> None:
     assert BackOff.from_error(WithAttribute()).retry_after == 2.0
     assert BackOff.from_error(Garbled()).retry_after is None  # the provider's, not the code's
     assert BackOff.from_error(KeyError()).retry_after is None
+
+
+def test_a_cool_down_spends_no_units_of_a_start_rate(make_semaphore: type[Semaphore]) -> None:
+    """Nothing starts while the key cools down, so no unit of its rate is spent: the
+    rate's second unit is still there when the cool-down ends."""
+    sem = make_semaphore(limit=5, rate=Rate("1/m", burst=2))
+    first = sem.acquire("k")
+    assert first is not None
+    first.back_off(0.5)
+    assert sem.acquire("k") is None  # cooling: refused, and not charged
+    assert sem.acquire("k", wait=10.0) is not None  # the burst's second unit
+    assert sem.acquire("k") is None  # and now the rate holds it back for a minute
