@@ -52,6 +52,8 @@ def test_a_back_off_cools_the_key_down_for_every_caller_until_its_hint_runs_out(
     assert feedback.last_hint == 1.5
     assert feedback.limit is None
     assert feedback.last_by.endswith(f":{os.getpid()}")
+    # The state lapses by itself a day after its last change: no key is left for ever.
+    assert 0 < sem.client.pttl(sem.names.keys_of("k").limits) <= 86_400_000
 
 
 def test_with_no_hint_the_cool_down_starts_at_a_second_and_doubles_while_back_offs_follow(
