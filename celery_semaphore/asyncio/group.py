@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Sequence
 
 from ..core.calls import held_call
 from ..core.group import GroupRecord, held_pairs
 from ..core.scripts import backend_errors
-from .slot import AsyncSlot, notify
+from .slot import AsyncSlot
 
 
 class AsyncSlotGroup(GroupRecord[AsyncSlot]):
@@ -39,13 +38,8 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
     """
 
     lost: asyncio.Event
-
-    def __init__(self, slots: Sequence[AsyncSlot]) -> None:
-        # One event loop, no threads: nothing to lock.
-        super().__init__(slots, asyncio.Event(), contextlib.nullcontext())
-
-    def _notify(self, callbacks: list[Callable[[Any], object]]) -> None:
-        notify(callbacks, self)
+    _new_lost = asyncio.Event
+    _new_lock = contextlib.nullcontext  # one event loop, no threads: nothing to lock
 
     async def extend(self, lease: float | None = None) -> bool:
         """Extend every slot, one round trip each, side by side.

@@ -39,10 +39,11 @@ RenewErrorCallback = Callable[[BaseException], object]
 C = TypeVar("C")
 """The scripts (client) a slot's round trips go through: sync or asyncio."""
 T = TypeVar("T")
-R = TypeVar("R", bound="LeaseRecord[Any]")
 
 
-class _Flag(Protocol):
+class Flag(Protocol):
+    """A ``lost`` event: a :class:`threading.Event`, an :class:`asyncio.Event`, a ``LazyEvent``."""
+
     def is_set(self) -> bool: ...
 
     def set(self) -> None: ...
@@ -59,7 +60,51 @@ def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
             logger.exception("lost-slot callback %r failed", callback)
 
 
-class LeaseRecord(Generic[C]):
+L = TypeVar("L", bound="LossWatch")
+
+
+class LossWatch:
+    """What a slot and a group of slots share about their loss, sync or asyncio:
+    :attr:`lost`, set once, and the callbacks that run the moment it is. Each twin says what
+    makes ``lost`` (``_new_lost``) and the lock held while a loss and its callbacks are
+    judged (``_new_lock``: nothing in an event loop)."""
+
+    lost: Flag
+    _new_lost: Callable[[], Flag]
+    _new_lock: Callable[[], AbstractContextManager[object]]
+
+    def __init__(self) -> None:
+        self.lost = self._new_lost()
+        self._callbacks_lock = self._new_lock()
+        self._lost_callbacks: list[Callable[[Any], object]] = []
+        self._lost_reason = ""
+
+    def when_lost(self: L, callback: Callable[[L], object]) -> None:
+        """Call ``callback(slot)`` (for a group, ``callback(group)``, when any of its slots
+        is) once, the moment the slot is known to be lost.
+
+        It runs in whichever thread detects the loss (usually the renewer's), or for an
+        asyncio slot in the event loop, where it must not block; or at once if the slot is
+        already lost. Exceptions it raises are logged.
+        """
+        with self._callbacks_lock:
+            if not self.lost.is_set():
+                self._lost_callbacks.append(callback)
+                return
+        callback(self)
+
+    def _mark_lost(self, reason: str = "") -> None:
+        """Judge it lost for ``reason``: set :attr:`lost` and run the callbacks once."""
+        with self._callbacks_lock:
+            if self.lost.is_set():
+                return
+            self._lost_reason = reason
+            self.lost.set()
+            callbacks, self._lost_callbacks = self._lost_callbacks, []
+        notify(callbacks, self)
+
+
+class LeaseRecord(LossWatch, Generic[C]):
     """A held slot's identity, lease clock and verdicts; see
     :class:`~celery_semaphore.core.slot.Slot` for the attributes.
 
@@ -77,13 +122,8 @@ class LeaseRecord(Generic[C]):
         weight (int): how many units of the limit the slot takes.
     """
 
-    lost: _Flag
     # Set once the slot is given back (the sync answer, the asyncio release under way).
     _released: object
-    # What makes ``lost``, and the lock held while the loss and its callbacks are judged
-    # (nothing in an event loop), for each twin.
-    _new_lost: Callable[[], _Flag]
-    _new_lock: Callable[[], AbstractContextManager[object]]
 
     def __init__(
         self,
@@ -98,6 +138,7 @@ class LeaseRecord(Generic[C]):
         handoffs: HandoffRoute,
         weight: int = 1,
     ) -> None:
+        super().__init__()
         self.key = key
         self.weight = weight
         # The limit that applied, as the script answered it (a live limit wins over the
@@ -118,16 +159,12 @@ class LeaseRecord(Generic[C]):
         self._renewed_at = sent_at - max(0.0, lease - left)
         # When the extend that set the current lease was sent: an older reply must not undo it.
         self._lease_sent_at = sent_at
-        self._lost_reason = ""
-        self._lost_callbacks: list[Callable[[Any], object]] = []
         # Set by a renewer, so that a changed lease re-plans its next renewal.
         self._on_lease_change: Callable[[], object] | None = None
         self._scripts = scripts
         self._keys = keys
         self._handoffs = handoffs
         self._released = None
-        self.lost = self._new_lost()
-        self._callbacks_lock = self._new_lock()
 
     def __repr__(self) -> str:
         state = "lost" if self.lost.is_set() else "released" if self.released else "held"
@@ -146,19 +183,6 @@ class LeaseRecord(Generic[C]):
         does not count. From then on a renewal that finds the slot gone is no loss."""
         return self._released is not None
 
-    def when_lost(self: R, callback: Callable[[R], object]) -> None:
-        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
-
-        It runs in whichever thread detects the loss (usually the renewer's), or for an
-        asyncio slot in the event loop, where it must not block; or at once if the slot is
-        already lost. Exceptions it raises are logged.
-        """
-        with self._callbacks_lock:
-            if not self.lost.is_set():
-                self._lost_callbacks.append(callback)
-                return
-        callback(self)
-
     def lease_lost_error(self) -> SemaphoreLeaseLostError:
         """The error that reports this slot's loss, naming why it was judged lost."""
         reason = self._lost_reason or "the slot was lost"
@@ -169,16 +193,6 @@ class LeaseRecord(Generic[C]):
         )
 
     # -- the renewer's and the twins' side ------------------------------------------------
-
-    def _mark_lost(self, reason: str) -> None:
-        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
-        with self._callbacks_lock:
-            if self.lost.is_set():
-                return
-            self._lost_reason = reason
-            self.lost.set()
-            callbacks, self._lost_callbacks = self._lost_callbacks, []
-        notify(callbacks, self)
 
     def _check_deadline(self) -> None:
         """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
