@@ -180,37 +180,31 @@ def install(
             hold.labels(label).observe(held)
             in_use.labels(label).dec()
 
-    def on_shed(**fields: Any) -> None:
-        for label in each(fields):
-            acquisitions.labels(label, "shed").inc()
-            sheds.labels(label).inc()
-
-    def on_parked(**fields: Any) -> None:
-        for label in each(fields):
-            acquisitions.labels(label, "parked").inc()
-            parked.labels(label).inc()
-
     def on_refused(reason: object = "full", **fields: Any) -> None:
         for label in each(fields):
             acquisitions.labels(label, "refused").inc()
             refused.labels(label, str(reason)).inc()
 
-    def on_lost(**fields: Any) -> None:
-        for label in each(fields):
-            lease_lost.labels(label).inc()
+    def counting(counter: Counter, outcome: str = "") -> Callable[..., None]:
+        """A handler that counts a run under each of its labels in ``counter`` and, given an
+        ``outcome``, in ``acquisitions``."""
 
-    def on_renew_failed(**fields: Any) -> None:
-        for label in each(fields):
-            renew_errors.labels(label).inc()
+        def handler(**fields: Any) -> None:
+            for label in each(fields):
+                if outcome:
+                    acquisitions.labels(label, outcome).inc()
+                counter.labels(label).inc()
+
+        return handler
 
     handlers = (
         (signals.semaphore_acquired, on_acquired),
         (signals.semaphore_released, on_released),
-        (signals.semaphore_shed, on_shed),
-        (signals.semaphore_parked, on_parked),
+        (signals.semaphore_shed, counting(sheds, "shed")),
+        (signals.semaphore_parked, counting(parked, "parked")),
         (signals.semaphore_refused, on_refused),
-        (signals.semaphore_lease_lost, on_lost),
-        (signals.semaphore_renew_failed, on_renew_failed),
+        (signals.semaphore_lease_lost, counting(lease_lost)),
+        (signals.semaphore_renew_failed, counting(renew_errors)),
     )
     for signal, handler in handlers:
         signal.connect(handler, weak=False)
@@ -301,7 +295,4 @@ class RoomCollector(Collector):
                     due.add_metric([key, rate.name], rate.due_in)
         except SemaphoreError as exc:
             logger.warning("could not read the waiting rooms for metrics: %s", exc)
-        yield queued
-        yield oldest
-        yield free
-        yield due
+        yield from (queued, oldest, free, due)
