@@ -82,15 +82,6 @@ class RoomSweeper:
         self._revoked = RevokedRuns()
         self._room: WaitingRoom | None = None
 
-    @property
-    def interval(self) -> float:
-        """Seconds between two sweeps of one room by the fleet (``semaphore_sweep_interval``).
-
-        Raises:
-            SemaphoreValidationError: the app's settings are invalid.
-        """
-        return app_settings(self.app).sweep_interval
-
     def _waiting_room(self) -> WaitingRoom:
         if self._room is None:
             settings = app_settings(self.app)
