@@ -37,9 +37,8 @@ from ..core.tracing import acquire_span
 from .acquiring import Acquirer
 from .admin import AsyncSemaphoreAdmin
 from .clients import AsyncClient, async_client_of
-from .group import AsyncSlotGroup
+from .group import AsyncSlotGroup, KeyList, take_group
 from .guard import guard
-from .many import KeyList, take_group
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
