@@ -18,7 +18,7 @@ from redis import RedisCluster
 
 from ..core.admin import holder_from_reply, scan_keys
 from ..core.calls import holders_call, waiting_call
-from ..core.live_rates import read_rate_states
+from ..core.live import read_rate_states
 from ..core.names import Namespace
 from ..core.scripts import Scripts, backend_error, backend_errors
 from . import stats

@@ -27,7 +27,7 @@ from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
 from ..core.handoff import HandoffRoute
-from ..core.live_rates import RateState
+from ..core.live import RateState
 from ..core.rates import Rate
 from ..errors import SemaphoreError
 from ..integration.settings import app_settings, client_for

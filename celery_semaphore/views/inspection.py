@@ -16,8 +16,7 @@ import redis
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
 from ..core.calls import waiting_call
-from ..core.live import Pause, live_limit_of, pause_of
-from ..core.live_rates import RateState, read_rate_states
+from ..core.live import Pause, RateState, live_limit_of, pause_of, read_rate_states
 from ..core.names import Namespace
 from ..core.replies import Waiter
 from ..core.room import WaitingRoom

@@ -59,7 +59,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..core.admin import DEFAULT_PREFIX
-from ..core.live_rates import read_rate_states
+from ..core.live import read_rate_states
 from ..core.room import WaitingRoom
 from ..core.scripts import backend_errors
 from ..errors import SemaphoreError
