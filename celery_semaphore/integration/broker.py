@@ -22,15 +22,12 @@ after the ``visibility_timeout``, as after any connection lost while the broker 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import redis
 from celery import Celery
 
 from .store import broker_visibility_timeout
-
-logger = logging.getLogger(__name__)
 
 
 def survive_broker_restarts(app: Celery) -> bool:
