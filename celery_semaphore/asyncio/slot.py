@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from ..core.calls import held_call, release_call
 from ..core.handoff import HandoffRoute, delivery
 from ..core.lease import LeaseRecord
-from ..core.lease import notify as notify  # the asyncio group's, too
 from ..core.names import Keys
 from ..core.recovery import Lost, lost_call
 from ..core.replies import Admitted, Handoff, SweepDue
