@@ -397,10 +397,6 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
                 )  # fmt: skip
         await self._acquirer.background.drain(self.lease)
         if self._owns_client:
-            await _close(self.client)
+            closer = getattr(self.client, "aclose", None)  # redis-py 5.0.1+; close() before
+            await (closer() if closer is not None else self.client.close())
         return held
-
-
-async def _close(client: AsyncClient) -> None:
-    closer = getattr(client, "aclose", None)  # redis-py 5.0.1+; close() before
-    await (closer() if closer is not None else client.close())

@@ -94,18 +94,6 @@ def split_url(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
     return nodes, segments[0], options
 
 
-def _cluster_client(url: str, options: dict[str, Any]) -> redis.RedisCluster:
-    nodes, _, parsed = split_url(url)
-    startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
-    try:
-        return redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
-    except (redis.RedisError, RedisClusterException) as exc:
-        # Unlike redis.Redis, RedisCluster connects at once to learn the slot map.
-        raise SemaphoreBackendError(
-            f"cannot reach Redis Cluster at {url!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) -> redis.Redis:
     """The primary that the Sentinels at ``nodes`` name for ``service``.
 
@@ -194,7 +182,16 @@ def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """
     options = {**default_options(), **kwargs}
     if url.startswith(CLUSTER_SCHEME):
-        return cast(redis.Redis, _cluster_client(url, options))
+        nodes, _, parsed = split_url(url)
+        startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
+        try:
+            cluster = redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
+        except (redis.RedisError, RedisClusterException) as exc:
+            # Unlike redis.Redis, RedisCluster connects at once to learn the slot map.
+            raise SemaphoreBackendError(
+                f"cannot reach Redis Cluster at {url!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return cast(redis.Redis, cluster)
     if url.startswith(SENTINEL_SCHEME):
         nodes, service, parsed = split_url(url)
         return sentinel_client(nodes, service, **{**options, **parsed})

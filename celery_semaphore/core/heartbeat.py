@@ -47,8 +47,7 @@ class _Sender:
         self.jobs: queue.SimpleQueue[Flight[Slot] | None] = queue.SimpleQueue()
         self.busy = False
         self._wake = wake
-        thread = threading.Thread(target=self._run, name="semaphore-renew-send", daemon=True)
-        thread.start()
+        threading.Thread(target=self._run, name="semaphore-renew-send", daemon=True).start()
 
     def _run(self) -> None:
         while (flight := self.jobs.get()) is not None:

@@ -288,7 +288,11 @@ class WaitingRoom:
         handed: list[Handoff], deadline: int,
     ) -> None:  # fmt: skip
         """Deliver a park's or claim's hand-offs, and note where its waiter stands."""
-        self._saw_waiters(ask.key, not (isinstance(result, Admitted) and result.roomless))
+        # A take of a key remembered with waiters is not tried: it would find them.
+        waiters = not (isinstance(result, Admitted) and result.roomless)
+        if waiters and len(self._rooms) >= ROOMS_KEPT:
+            self._rooms.clear()
+        (self._rooms.add if waiters else self._rooms.discard)(ask.key)
         self.handoffs.deliver(ask.key, handed, self._scripts)
         if isinstance(result, Parked):
             self.index.add(ask.key, ask.ttl_ms, result.position == 0,
@@ -543,9 +547,3 @@ class WaitingRoom:
         keys, limit, _, token, weight = ask.slot
         return Slot(self._scripts, keys, ask.key, limit, token, ask.lease, admitted, sent_at,
                     self.handoffs, weight)  # fmt: skip
-
-    def _saw_waiters(self, key: str, waiters: bool) -> None:
-        # A take of a key remembered with waiters is not tried: it would find them.
-        if waiters and len(self._rooms) >= ROOMS_KEPT:
-            self._rooms.clear()
-        (self._rooms.add if waiters else self._rooms.discard)(key)

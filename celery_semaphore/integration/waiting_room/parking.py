@@ -35,7 +35,7 @@ from ...errors import Refusal, SemaphoreNotAcquiredError
 from ..asks import Ask
 from ..policy import Policy
 from ..settings import app_settings, forget, journal_for
-from ..shedding import FIRST_SHED_HEADER, SHED_ATTEMPT_HEADER, retry_headers
+from ..shedding import FIRST_SHED_HEADER, SHED_ATTEMPT_HEADER, first_asked, retry_headers
 from ..signals import Names, semaphore_parked, send_event, task_label
 from ..stats import bump
 from .endings import end_as_revoked, expires_at
@@ -134,12 +134,8 @@ def park_or_take(
     attempt = request.retries or 0
     marks = request.headers or {}
     # A retry the task asked for itself carries the headers on: it is a new arrival.
-    same_attempt = marks.get(SHED_ATTEMPT_HEADER) == attempt
-    now = time.time() if asked is None else asked
-    arrival = float(marks.get(FIRST_SHED_HEADER) or now) if same_attempt else now
-
+    arrival = first_asked(request) or (time.time() if asked is None else asked)
     made: list[bytes] = []
-    keys = [k for k, _, _ in many] if many else [key]
 
     def payload() -> bytes:
         """The message to park, journaled first (see :mod:`.journal` for why before)."""
@@ -148,7 +144,7 @@ def park_or_take(
             {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
         )
         made.append(payload_of(task, request, headers))
-        _journal(task, semaphore, keys, made[-1])
+        _journal(task, semaphore, ask.keys, made[-1])
         return made[-1]
 
     # The room judges the wait on the store's clock: it is told how long this run has asked
