@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import redis
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, bootsteps
 from celery.signals import (
@@ -38,7 +39,6 @@ from celery.signals import (
 from ..core.admin import Holder, SemaphoreAdmin
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
-from .broker import survive_broker_restarts
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
 from .runner import refusal_of, runner_of
 from .settings import app_settings, forget, journal_for, task_policy
@@ -214,6 +214,55 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
+def survive_broker_restarts() -> bool:
+    """In a worker whose broker is Redis, make kombu's Redis channel raise a connection error,
+    not an ``AttributeError``, when asked to connect through a transport already closed, so
+    that the worker survives a restart of its broker while messages wait in it. Idempotent; a
+    channel whose transport is open is not touched.
+
+    Shed runs (and Celery's own countdown and ETA tasks) wait out their countdown in the
+    worker that fetched them, unacknowledged. On Celery 5.7.0 with kombu 5.7.0 (the only kombu
+    that Celery 5.7 accepts), a broker connection lost at such a moment took the worker's main
+    process down. The consumer first collects the lost connection (``Connection.collect()``,
+    which drops the kombu transport's ``client``), then closes it (``Connection.close()``);
+    closing its default channel again restores the unacknowledged messages
+    (``QoS.restore_unacked_once``), and kombu's Redis channel, whose pools it has just
+    disconnected, builds a new one from the transport's ``client``: ``Channel._connparams``
+    raises ``AttributeError: 'NoneType' object has no attribute 'hostname'``, which is not a
+    connection error, so neither kombu nor Celery ignores it, and the worker stops with
+    "Unrecoverable error". Celery 5.4 to 5.6 only collect the connection, and never meet it
+    (checked with kombu 5.3.4, 5.5.4, 5.6.2 and 5.7.0).
+
+    With the guard that call raises a Redis ``ConnectionError`` instead: the close then goes
+    on as for any broker out of reach, and the consumer reconnects. The messages it could not
+    restore stay in the broker's ``unacked`` hash, which kombu restores after the
+    ``visibility_timeout``, as after any connection lost while the broker is down (a broker
+    restarted without persistence has lost them anyway).
+
+    Returns:
+        bool: whether the guard is in place (False: kombu's Redis transport has no
+        ``Channel._connparams`` to guard).
+    """
+    from kombu.transport import redis as kombu_redis
+
+    connparams = getattr(kombu_redis.Channel, "_connparams", None)
+    if connparams is None:
+        return False
+    if getattr(connparams, "__semaphore_guard__", False):
+        return True
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transport = getattr(self, "connection", None)
+        if transport is None or getattr(transport, "client", None) is None:
+            raise redis.ConnectionError("the broker connection was closed; reconnecting")
+        return connparams(self, *args, **kwargs)
+
+    guarded.__semaphore_guard__ = True  # type: ignore[attr-defined]
+    guarded.__wrapped__ = connparams  # type: ignore[attr-defined]
+    kombu_redis.Channel._connparams = guarded  # type: ignore[method-assign]
+    return True
+
+
 class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: checks the bounded tasks, frees dead runs' slots, sweeps the waiting
     rooms, feeds ``inspect stats``, and makes the worker consume a hand-off queue beside each
@@ -241,10 +290,11 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.queues = False
         self.bounded = False  # whether the app has a bounded task: then its store is watched
         app = worker.app
-        visibility = broker_visibility_timeout(app)
-        # Shed runs wait out their countdown in this worker: a restart of a Redis broker
-        # must not take it down meanwhile (see broker.py).
-        survive_broker_restarts(app)
+        visibility = broker_visibility_timeout(app)  # None: the broker is not Redis
+        if visibility is not None:
+            # Shed runs wait out their countdown in this worker: a restart of a Redis broker
+            # must not take it down meanwhile.
+            survive_broker_restarts()
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
             refused = refusal_of(task)
