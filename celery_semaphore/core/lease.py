@@ -4,7 +4,7 @@ release's answer means), :class:`Renewals` (a renewer's schedule: when each slot
 which go together in a :class:`Flight`, and when a slot is lost). The sync
 :class:`~celery_semaphore.core.slot.Slot` and :mod:`~celery_semaphore.core.heartbeat`, and
 the asyncio :class:`~celery_semaphore.asyncio.slot.AsyncSlot` and
-:mod:`~celery_semaphore.asyncio.renewer`, only send the calls these make, each with its own
+:mod:`~celery_semaphore.asyncio.guard`, only send the calls these make, each with its own
 concurrency primitive, so the twins cannot judge a slot differently."""
 
 from __future__ import annotations
