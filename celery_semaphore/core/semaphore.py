@@ -1,8 +1,9 @@
 """The leased counting semaphore: acquire a slot, keep it alive, give it back.
 
 The policy of leases lives here; the atomic operations in :mod:`.scripts` (and ``lua/``),
-the held slot in :mod:`.slot`, renewal in :mod:`.heartbeat`, a slot held for a block in
-:mod:`.guard`, the waiting room in :mod:`.room` and the operator's side in :mod:`.admin`.
+the held slot in :mod:`.slot`, renewal in :mod:`.heartbeat`, the waiting room in :mod:`.room`
+and the operator's side in :mod:`.admin`. A slot held for a block is :class:`guard`'s, here:
+:meth:`Semaphore.hold` and the Celery glue around each run use it.
 
 Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
 by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
@@ -12,11 +13,12 @@ and two-pronged loss detection.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
@@ -27,8 +29,8 @@ from .calls import block_call, count_call
 from .clients import RedisClient, client_of
 from .deprecated import SemaphoreMoved
 from .group import SlotGroup, group_refused, take_group
-from .guard import guard as guard
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
+from .heartbeat import Renewer, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
@@ -42,9 +44,69 @@ from .slot import Slot
 from .tracing import acquire_span
 from .wake import MAX_BLOCK
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
+S = TypeVar("S", bound=Slot | SlotGroup)
 
 __all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
+
+
+class guard(Generic[S]):
+    """Renew ``slot`` while the ``with`` block runs, then release it and judge whether it
+    held; entering gives the slot.
+
+    The slot leaves the process's renewer (:mod:`celery_semaphore.core.heartbeat`) before
+    the release, so a renewal racing an intentional release is never mistaken for a loss.
+    The loss deadline is checked again when the block ends (a body that never yields the GIL
+    can starve the renewer), and the release's own answer is consulted. A class rather than
+    a generator: it wraps every bounded run, and is entered for a third of the cost.
+
+    Args:
+        slot (Slot | SlotGroup): a freshly acquired slot, or the slots of several keys
+            (each renewed, all released); released on every path out of the block.
+        interval (float | None): seconds between renewals; None for no renewal.
+        on_renew_error: see :meth:`Semaphore.hold`.
+
+    Raises:
+        SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
+    """
+
+    __slots__ = ("_beat", "interval", "on_renew_error", "slot")
+
+    def __init__(
+        self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None
+    ) -> None:
+        self.slot = slot
+        self.interval = interval
+        self.on_renew_error = on_renew_error
+        self._beat: Renewer | None = None
+
+    def _members(self) -> tuple[Slot, ...]:
+        slot = self.slot
+        return slot.slots if isinstance(slot, SlotGroup) else (slot,)
+
+    def __enter__(self) -> S:
+        if self.interval is not None:
+            beat = renewer()
+            for member in self._members():
+                beat.add(member, self.interval, self.on_renew_error)
+            self._beat = beat
+        return self.slot
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        slot = self.slot
+        if self._beat is not None:
+            for member in self._members():
+                self._beat.remove(member)
+        slot._check_deadline()
+        try:
+            slot.release()
+        except Exception:
+            # The lease runs out by itself; a failed release must not mask the body's outcome.
+            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+        if exc_type is None and slot.lost.is_set():
+            raise slot.lease_lost_error()
 
 
 class Semaphore(SemaphoreMoved):
