@@ -159,7 +159,8 @@ class LeaseRecord(LossWatch, Generic[C]):
         self._renewed_at = sent_at - max(0.0, lease - left)
         # When the extend that set the current lease was sent: an older reply must not undo it.
         self._lease_sent_at = sent_at
-        # Set by a renewer, so that a changed lease re-plans its next renewal.
+        # Called whenever an extend changes the lease: set by a renewer, so that a changed
+        # lease re-plans its next renewal (None: no renewer watches it).
         self._on_lease_change: Callable[[], object] | None = None
         self._scripts = scripts
         self._keys = keys
@@ -198,11 +199,6 @@ class LeaseRecord(LossWatch, Generic[C]):
         """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
         if not self.released and time.monotonic() >= self.deadline:
             self._mark_lost("no renewal succeeded within one lease")
-
-    def _watch_lease(self, callback: Callable[[], object] | None) -> None:
-        """Call ``callback()`` whenever an extend changes the lease (a renewer re-plans);
-        None stops it."""
-        self._on_lease_change = callback
 
     def _renewal(self) -> tuple[C, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
@@ -380,14 +376,14 @@ class Renewals(Generic[S]):
             plan.last_sent = -math.inf
             wake()
 
-        slot._watch_lease(lease_changed)
+        slot._on_lease_change = lease_changed
         self.plans[id(slot)] = plan
         return plan
 
     def remove(self, slot: S) -> None:
         """Stop renewing ``slot``: from then on no renewal answer touches it, so a renewal
         racing an intentional release is never taken for a loss."""
-        slot._watch_lease(None)
+        slot._on_lease_change = None
         self.plans.pop(id(slot), None)
 
     def step(self, now: float) -> tuple[Flight[S] | None, float]:

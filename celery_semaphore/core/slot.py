@@ -4,7 +4,7 @@
 public surface is the holder's: ``key``, ``token``, ``limit``, ``weight``, ``lease``,
 ``acquired_at``, ``expires_at``, ``deadline``, ``lost``, ``when_lost``, ``extend``, ``is_held``,
 ``release``, ``released``. The renewer's side (``_renewal``, ``_renewed``, ``_renewed_at``,
-``_mark_lost``, ``_check_deadline``, ``_watch_lease``) is the package's own, shared with
+``_mark_lost``, ``_check_deadline``, ``_on_lease_change``) is the package's own, shared with
 :class:`~celery_semaphore.asyncio.slot.AsyncSlot` through
 :class:`~celery_semaphore.core.lease.LeaseRecord`: underscored, so it stays out of the API
 reference and of a user's completion.
