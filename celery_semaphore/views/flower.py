@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 
 import redis
 import tornado.escape
-import tornado.routing
 import tornado.template
 import tornado.web
 from celery import Celery
@@ -261,9 +260,7 @@ def install() -> None:
 
 
 def _pattern(handler: Any) -> str:
-    return str(
-        handler.regex.pattern if isinstance(handler, tornado.routing.URLSpec) else handler[0]
-    )
+    return str(handler.regex.pattern if isinstance(handler, tornado.web.url) else handler[0])
 
 
 def start_flower(app: Celery, argv: Sequence[str]) -> None:
