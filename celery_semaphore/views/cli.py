@@ -120,9 +120,9 @@ def render(semaphores: list[SemaphoreView]) -> str:
             limit = f", limit {sem.limit}" if sem.limit else ""
             lines.append(f"{sem.key}  no slot held{limit}{_live(sem)}")
             continue
-        queued = ""
-        if sem.oldest_wait is not None:
-            queued = f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})"
+        queued = "" if sem.oldest_wait is None else (
+            f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})"
+        )
         lines.append(f"{sem.key}  {sem.in_use}/{sem.limit or '?'} in use{queued}{_live(sem)}")
         rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
         for holder in sem.holders:
