@@ -166,22 +166,19 @@ def install(
         **opts,
     )
 
-    def each(fields: dict[str, Any]) -> list[str]:
-        return labels_of(key_label, **fields)
-
     def on_acquired(waited: float = 0.0, **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             acquisitions.labels(label, "acquired").inc()
             wait.labels(label).observe(waited)
             in_use.labels(label).inc()
 
     def on_released(held: float = 0.0, **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             hold.labels(label).observe(held)
             in_use.labels(label).dec()
 
     def on_refused(reason: object = "full", **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             acquisitions.labels(label, "refused").inc()
             refused.labels(label, str(reason)).inc()
 
@@ -190,7 +187,7 @@ def install(
         ``outcome``, in ``acquisitions``."""
 
         def handler(**fields: Any) -> None:
-            for label in each(fields):
+            for label in labels_of(key_label, **fields):
                 if outcome:
                     acquisitions.labels(label, outcome).inc()
                 counter.labels(label).inc()
