@@ -13,12 +13,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import Refusal, SemaphoreLeaseLostError, SemaphoreNotAcquiredError
 from .calls import held_call
 from .lazy_event import LazyEvent
-from .lease import Flag, LossWatch
+from .lease import LeaseRecord, LossWatch
 from .names import Keys
 from .options import ManyPlan, many_args
 from .replies import Admitted
@@ -26,30 +26,7 @@ from .scripts import Scripts, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
-
-class Member(Protocol):
-    """What a group needs of each of its slots, a :class:`Slot` or an asyncio
-    :class:`~celery_semaphore.asyncio.slot.AsyncSlot`."""
-
-    key: str
-    limit: int
-    token: str
-    lease: float
-    weight: int
-
-    @property
-    def lost(self) -> Flag: ...
-
-    def _check_deadline(self) -> None: ...
-
-    def _renewal(self) -> tuple[Any, Keys, str, int]: ...
-
-    def lease_lost_error(self) -> SemaphoreLeaseLostError: ...
-
-    def when_lost(self, callback: Callable[[Any], object]) -> None: ...
-
-
-M = TypeVar("M", bound=Member)
+M = TypeVar("M", bound=LeaseRecord[Any])  # a Slot, or an asyncio AsyncSlot
 
 
 class GroupRecord(LossWatch, Generic[M]):
@@ -111,7 +88,7 @@ class GroupRecord(LossWatch, Generic[M]):
         return self.slots[0].lease_lost_error()
 
 
-def held_pairs(slots: Sequence[Member]) -> list[tuple[Keys, str]]:
+def held_pairs(slots: Sequence[LeaseRecord[Any]]) -> list[tuple[Keys, str]]:
     """What :func:`~.calls.held_call` asks about each of ``slots``: its keys and member."""
     return [(keys, member) for _, keys, member, _ in (slot._renewal() for slot in slots)]
 
