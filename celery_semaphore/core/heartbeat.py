@@ -26,14 +26,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import process
 from .lease import Flight, Renewals, RenewErrorCallback
-
-if TYPE_CHECKING:
-    from .slot import Slot
-
+from .slot import Slot
 
 LINGER = 2.0
 """Seconds the renewal thread outlives the last slot it renewed, so that a worker running

@@ -9,14 +9,16 @@ concurrency primitive, so the twins cannot judge a slot differently."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
@@ -41,14 +43,6 @@ C = TypeVar("C")
 T = TypeVar("T")
 
 
-class Flag(Protocol):
-    """A ``lost`` event: a :class:`threading.Event`, an :class:`asyncio.Event`, a ``LazyEvent``."""
-
-    def is_set(self) -> bool: ...
-
-    def set(self) -> None: ...
-
-
 def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
     """Call each of ``callbacks`` with ``subject`` (a slot or a group just found lost); one
     that raises is logged, and the others still run: a broken hook must not stop an
@@ -69,8 +63,8 @@ class LossWatch:
     makes ``lost`` (``_new_lost``) and the lock held while a loss and its callbacks are
     judged (``_new_lock``: nothing in an event loop)."""
 
-    lost: Flag
-    _new_lost: Callable[[], Flag]
+    lost: threading.Event | asyncio.Event  # a sync slot's is a LazyEvent
+    _new_lost: Callable[[], threading.Event | asyncio.Event]
     _new_lock: Callable[[], AbstractContextManager[object]]
 
     def __init__(self) -> None:
