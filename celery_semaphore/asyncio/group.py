@@ -29,9 +29,6 @@ from ..core.tracing import acquire_span
 from .acquiring import Acquirer
 from .slot import AsyncSlot
 
-KeyList = Sequence[tuple[str, int] | tuple[str, int, int]]
-"""``(key, limit)`` or ``(key, limit, weight)`` of each key."""
-
 
 class AsyncSlotGroup(GroupRecord[AsyncSlot]):
     """The slots of several keys, taken together by

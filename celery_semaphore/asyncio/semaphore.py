@@ -28,7 +28,7 @@ from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
-from ..core.options import DEFAULT_LEASE, Planner, semaphore_options
+from ..core.options import DEFAULT_LEASE, KeySpecs, Planner, semaphore_options
 from ..core.rates import RateSpec, rates_of
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
@@ -37,7 +37,7 @@ from ..core.tracing import acquire_span
 from .acquiring import Acquirer
 from .admin import AsyncSemaphoreAdmin
 from .clients import AsyncClient, async_client_of
-from .group import AsyncSlotGroup, KeyList, take_group
+from .group import AsyncSlotGroup, take_group
 from .guard import guard
 from .slot import AsyncSlot
 
@@ -311,7 +311,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
 
     async def acquire_many(
         self,
-        keys: KeyList,
+        keys: KeySpecs,
         *,
         lease: float | None = None,
         retries: int = 0,
@@ -331,7 +331,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
     @contextlib.asynccontextmanager
     async def hold_many(
         self,
-        keys: KeyList,
+        keys: KeySpecs,
         *,
         retries: int = 0,
         retry_delay: float = 0.1,

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar, cast
 
@@ -34,7 +34,7 @@ from .heartbeat import Renewer, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
-from .options import DEFAULT_LEASE, AcquirePlan, Planner, semaphore_options
+from .options import DEFAULT_LEASE, AcquirePlan, KeySpecs, Planner, semaphore_options
 from .rates import RateSpec, rates_of
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
@@ -358,7 +358,7 @@ class Semaphore(SemaphoreMoved):
 
     def acquire_many(
         self,
-        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        keys: KeySpecs,
         *,
         lease: float | None = None,
         retries: int = 0,
@@ -393,7 +393,7 @@ class Semaphore(SemaphoreMoved):
     @contextlib.contextmanager
     def hold_many(
         self,
-        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        keys: KeySpecs,
         *,
         retries: int = 0,
         retry_delay: float = 0.1,
