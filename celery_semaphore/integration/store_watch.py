@@ -2,7 +2,7 @@
 persistence means for parked runs.
 
 The worker's main process checks the store (a PING) once at start-up, then in its upkeep
-thread (:mod:`~.upkeep`) every ``semaphore_sweep_interval`` seconds, before it sweeps the
+thread (:class:`~.worker.Upkeep`) every ``semaphore_sweep_interval`` seconds, before it sweeps the
 waiting rooms.
 While the store cannot be reached it says so in one warning line, naming the store (its
 password masked) and what happens to runs meanwhile, and says it again after 2, 4, 8, ...

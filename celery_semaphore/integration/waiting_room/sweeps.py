@@ -29,9 +29,9 @@ Rooms missing from the index (a run that died between parking and indexing) are 
 SCAN of the keyspace once every :data:`FULL_SCAN_INTERVAL` seconds by one worker of the
 fleet, the one that takes the lease for it (see :meth:`RoomIndex.backstop`).
 
-The worker's upkeep thread (:mod:`~celery_semaphore.integration.upkeep`) drives this: a
-:meth:`RoomSweeper.tick` each interval and a :meth:`RoomSweeper.sweep_due` whenever rooms
-are due, off the worker's main loop.
+The worker's upkeep thread (:class:`~celery_semaphore.integration.worker.Upkeep`) drives
+this: a :meth:`RoomSweeper.tick` each interval and a :meth:`RoomSweeper.sweep_due` whenever
+rooms are due, off the worker's main loop.
 """
 
 from __future__ import annotations
