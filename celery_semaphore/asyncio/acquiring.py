@@ -30,7 +30,7 @@ from ..core.names import Keys
 from ..core.options import AcquirePlan
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts, backend_errors
-from ..core.wake import MAX_BLOCK
+from ..core.semaphore import MAX_BLOCK
 from ..errors import SemaphoreBackendError
 from .slot import AsyncSlot, deliver
 
@@ -189,7 +189,7 @@ class Acquirer:
         until a release wakes this caller, and take the slot ``plan`` asks for; None when
         the time is up. Each block ends at a wake-up, at the soonest
         lease to lapse (a crashed holder frees its slot then, and nobody pushes), or after
-        :data:`~celery_semaphore.core.wake.MAX_BLOCK` seconds.
+        :data:`~celery_semaphore.core.semaphore.MAX_BLOCK` seconds.
 
         Cancelled, it leaves no slot held (see :meth:`take`) and no registration behind:
         the BLPOP is dropped with its connection, and the registration is removed by a

@@ -4,8 +4,8 @@ Nothing here imports Celery. The layers, bottom up: ``validation`` and ``options
 checks), ``clients`` (redis-py clients from URLs), ``names``, ``calls``, ``replies``,
 ``scripts`` and ``lua/`` (one atomic script per operation), ``slot`` (a held lease),
 ``heartbeat`` (renewal), ``admin`` (holders, force release and live limits, without a
-limit), ``handoff``, ``room`` and ``room_reads`` (the waiting room), ``wake`` (acquire's
-wait), ``semaphore`` (acquire, hold, run, and ``guard``: a slot held for a block),
+limit), ``handoff``, ``room`` and ``room_reads`` (the waiting room), ``semaphore``
+(acquire, hold, run, acquire's wait for a release, and ``guard``: a slot held for a block),
 ``tracing``.
 """
 

@@ -8,6 +8,15 @@ and the operator's side in :mod:`.admin`. A slot held for a block is :class:`gua
 Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
 by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
 and two-pronged loss detection.
+
+``acquire(wait=...)`` blocks until a release frees a slot, without polling. A caller that
+found its key full registers its token as blocked (``block.lua``) and then blocks on the
+key's wake list (BLPOP). A release that frees a slot the waiting room does not take pushes one
+element there (``release.lua``), which wakes one blocked caller to try again. Each block also
+ends at the soonest lease to lapse (a crashed holder frees its slot then, and nobody pushes)
+and after :data:`MAX_BLOCK` seconds. Sync and asyncio callers block on one list, so a release
+by either wakes either: the sync wait is :meth:`Semaphore._wait`, the asyncio one
+:meth:`Acquirer.wait <celery_semaphore.asyncio.acquiring.Acquirer.wait>`.
 """
 
 from __future__ import annotations
@@ -42,7 +51,6 @@ from .room import WaitingRoom
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
-from .wake import MAX_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +58,9 @@ T = TypeVar("T")
 S = TypeVar("S", bound=Slot | SlotGroup)
 
 __all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
+
+MAX_BLOCK = 2.0
+"""Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
 
 
 class guard(Generic[S]):
@@ -218,7 +229,7 @@ class Semaphore(SemaphoreMoved):
             metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
                 shown by :meth:`SemaphoreAdmin.holders` beside ``host``, ``pid``, ``limit``.
             wait (float): seconds to wait for a slot when every one is held, woken by the
-                release that frees one (no polling; see :mod:`~celery_semaphore.core.wake`).
+                release that frees one (no polling; see the module's docstring).
                 A slot the release hands to a parked waiter (:meth:`WaitingRoom.park`) does
                 not wake anyone. Not together with ``retries``. Default 0: fail fast.
             units (Mapping[str, int] | None): this call's units of each of the semaphore's
@@ -271,7 +282,7 @@ class Semaphore(SemaphoreMoved):
 
     def _wait(self, plan: AcquirePlan) -> Slot | None:
         """After ``plan``'s acquire found the key full, block for up to ``plan.wait`` seconds
-        until a release wakes this caller (see :mod:`~celery_semaphore.core.wake`), then take
+        until a release wakes this caller (see the module's docstring), then take
         the slot ``plan`` asks for (a call a start rate refused blocks until the rate allows
         it); None when the time is up.
 
