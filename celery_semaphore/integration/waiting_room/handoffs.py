@@ -30,8 +30,8 @@ from ...core.slot import Slot
 from ..settings import app_settings, forget
 from ..signals import task_label
 from ..stats import bump
-from .endings import has_ended, message_of
 from .headers import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
+from .parking import has_ended, message_of
 from .queues import handoff_queue
 
 logger = logging.getLogger(__name__)

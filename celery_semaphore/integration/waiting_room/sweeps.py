@@ -23,7 +23,7 @@ have no consumer left (see :mod:`~celery_semaphore.integration.waiting_room.queu
 
 A run a sweep takes out without running it (revoked, expired) no longer has a message
 anywhere that a worker could discard, so the sweep stores its end as Celery would (see
-:mod:`.endings`).
+:mod:`.parking`).
 
 Rooms missing from the index (a run that died between parking and indexing) are found by a
 SCAN of the keyspace once every :data:`FULL_SCAN_INTERVAL` seconds by one worker of the
@@ -50,9 +50,9 @@ from ...core.room import WaitingRoom
 from ...errors import SemaphoreBackendError
 from .. import stats
 from ..settings import app_settings, client_for, forget, journal_for
-from .endings import context_of, end_as_revoked, expires_at, message_of
 from .handoffs import publisher_for
 from .keeper import JournalKeeper
+from .parking import context_of, end_as_revoked, expires_at, message_of
 from .revoked import RevokedRuns
 
 logger = logging.getLogger(__name__)
