@@ -26,7 +26,7 @@ from ...core.room_reads import parked_or_claimed
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
 from ..settings import app_settings, client_for, journal_for
-from .headers import HANDOFF_HEADERS
+from ..shedding import HANDOFF_HEADERS
 from .incarnation import checked_incarnation, incarnation_of, marker_key
 from .journal import Entry, Journal, warn_now_and_then
 from .parking import has_ended, message_of

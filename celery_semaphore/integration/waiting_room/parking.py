@@ -48,10 +48,16 @@ from ...errors import Refusal, SemaphoreNotAcquiredError
 from ..asks import Ask
 from ..policy import Policy
 from ..settings import app_settings, forget, journal_for
-from ..shedding import FIRST_SHED_HEADER, SHED_ATTEMPT_HEADER, first_asked, retry_headers
+from ..shedding import (
+    FIRST_SHED_HEADER,
+    HANDOFF_HEADER,
+    HANDOFF_QUEUE_HEADER,
+    SHED_ATTEMPT_HEADER,
+    first_asked,
+    retry_headers,
+)
 from ..signals import Names, semaphore_parked, send_event, task_label
 from ..stats import bump
-from .headers import HANDOFF_HEADER, HANDOFF_QUEUE_HEADER
 from .incarnation import incarnation
 from .queues import handoff_queue_for
 
