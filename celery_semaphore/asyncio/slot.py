@@ -35,8 +35,9 @@ async def deliver(
         try:
             step = steps.send(answer)
         except StopIteration as done:
-            ready: list[Handoff] = done.value
-            break
+            if done.value:
+                await asyncio.to_thread(handoffs.publish, key, done.value)
+            return
         try:
             if isinstance(step, SweepDue):
                 await scripts.client.zadd(step.index, {step.key: step.due_ms}, xx=True, lt=True)
@@ -45,8 +46,6 @@ async def deliver(
                 answer = await scripts.run(step)
         except REDIS_ERRORS as exc:
             answer = exc
-    if ready:
-        await asyncio.to_thread(handoffs.publish, key, ready)
 
 
 def recover_later(

@@ -123,17 +123,14 @@ class Renewer:
             self._plans.report()
             if flight is not None:
                 self._send(flight)
-            self._sleep(added, wake_at)
-
-    def _sleep(self, added: int, wake_at: float) -> None:
-        """Wait until ``wake_at`` (or a wake-up), unless a slot was added since the loop took
-        its step at ``added``: then step again at once."""
-        with self._lock:
-            if self._added != added:
-                return
-            self._wake_at = wake_at
-        self._wake.wait(max(0.0, wake_at - time.monotonic()))
-        self._wake_at = float("-inf")  # awake: it plans again before it sleeps, seeing any add
+            # Sleep until wake_at (or a wake-up), unless a slot was added since the step
+            # above: then step again at once.
+            with self._lock:
+                if self._added != added:
+                    continue
+                self._wake_at = wake_at
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake_at = float("-inf")  # awake: it plans again before it sleeps, seeing any add
 
     def _send(self, flight: Flight[Slot]) -> None:
         if self._sender is None or self._sender.busy:

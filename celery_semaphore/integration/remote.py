@@ -125,8 +125,7 @@ def worker_report(app: Celery, worker: str) -> dict[str, Any]:
 
 def semaphores(state: Any, **_: Any) -> dict[str, Any]:
     """Remote control: this worker's held slots (key, task id and name, pid, times)."""
-    consumer = state.consumer
-    return worker_report(consumer.app, consumer.hostname)
+    return worker_report(state.consumer.app, state.consumer.hostname)
 
 
 inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(

@@ -507,10 +507,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.releaser = DeadRunReleaser(app, worker.timer)
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
-        if not self.bounded:
-            return
-
-        self._upkeep = start_upkeep(app, worker.hostname, self.queues, worker.timer)
+        if self.bounded:
+            self._upkeep = start_upkeep(app, worker.hostname, self.queues, worker.timer)
 
     def stop(self, worker: Any) -> None:
         self.terminate(worker)  # first: its sweeps count too
