@@ -120,20 +120,17 @@ def async_client_like(client: redis.Redis | redis.RedisCluster) -> AsyncClient:
 
 
 def _accepted(cls: type[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` that ``cls`` (a connection or client class) takes, sync-only options
-    dropped, with the semaphore's asyncio retry in place of the sync one."""
-    names = _parameters(cls)
-    options = {k: v for k, v in kwargs.items() if k in names and k != "retry"}
-    return {**options, "retry": default_options(Retry)["retry"]}
-
-
-def _parameters(cls: type[Any]) -> frozenset[str]:
+    """``kwargs`` that ``cls`` (a connection or client class) takes (a parameter of its own
+    ``__init__`` or of a base's), sync-only options dropped, with the semaphore's asyncio
+    retry in place of the sync one."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is not None:
             names.update(inspect.signature(init).parameters)
-    return frozenset(names - {"self", "args", "kwargs"})
+    names -= {"self", "args", "kwargs", "retry"}
+    options = {k: v for k, v in kwargs.items() if k in names}
+    return {**options, "retry": default_options(Retry)["retry"]}
 
 
 def _cluster(nodes: list[tuple[str, int]], options: dict[str, Any]) -> aioredis.RedisCluster:
