@@ -116,7 +116,10 @@ class Renewer:
                 added, idle_until = self._added, self._last_used + LINGER
                 if not self._plans.plans:
                     if now >= idle_until:
-                        self._stop_sender()
+                        if self._sender is not None:
+                            self._sender.jobs.put(None)  # told to end once it is idle
+                            self._sender = None
+                        self._plans.flight = None
                         self._thread = None
                         return
                     wake_at = idle_until
@@ -140,12 +143,6 @@ class Renewer:
                 self._sender.jobs.put(None)
             self._sender = _Sender(self._wake.set)
         self._sender.jobs.put(flight)
-
-    def _stop_sender(self) -> None:
-        if self._sender is not None:
-            self._sender.jobs.put(None)
-            self._sender = None
-        self._plans.flight = None
 
 
 _renewer: Renewer | None = None

@@ -386,35 +386,6 @@ class Upkeep:
             self._stopping.wait(max(0.0, wait))
 
 
-def start_upkeep(app: Celery, worker: str, sweeps: bool, timer: Any = None) -> Upkeep:
-    """Check ``app``'s store once now, in the caller's thread, so that the start-up checks
-    of a worker (its counters reset, the server's warnings, the persistence line) come before
-    any of its runs; then start the upkeep thread.
-
-    Args:
-        app (Celery): the worker's app (one with a bounded task).
-        worker (str): the worker's node name.
-        sweeps (bool): whether the app has a queueing task (then the thread also sweeps).
-        timer (Any): the worker's ``kombu`` timer (see :meth:`Upkeep.start`), or None.
-
-    Returns:
-        Upkeep: the started thread's handle, for the worker to stop.
-    """
-
-    def first_reach() -> None:
-        stats.reset(app, worker)
-        admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
-        for warning in admin.server_warnings():
-            logger.warning("%s", warning)
-
-    watch = StoreWatch(app, sweeps, first_reach)
-    sweeper = RoomSweeper(app, worker) if sweeps else None
-    reachable = watch.check()
-    upkeep = Upkeep(watch, sweeper, app_settings(app).sweep_interval, reachable, timer)
-    upkeep.start()
-    return upkeep
-
-
 class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: checks the bounded tasks, frees dead runs' slots, sweeps the waiting
     rooms, feeds ``inspect stats``, and makes the worker consume a hand-off queue beside each
@@ -507,8 +478,24 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.releaser = DeadRunReleaser(app, worker.timer)
         task_failure.connect(self.releaser.on_task_failure, weak=False)
         task_revoked.connect(self.releaser.on_task_revoked, weak=False)
-        if self.bounded:
-            self._upkeep = start_upkeep(app, worker.hostname, self.queues, worker.timer)
+        if not self.bounded:
+            return
+
+        def first_reach() -> None:
+            stats.reset(app, worker.hostname)
+            admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+            for warning in admin.server_warnings():
+                logger.warning("%s", warning)
+
+        # The store is checked once now, in this thread, so that the worker's start-up checks
+        # of it (its counters reset, the server's warnings, the persistence line) come before
+        # any of its runs; then the upkeep thread starts.
+        watch = StoreWatch(app, self.queues, first_reach)
+        sweeper = RoomSweeper(app, worker.hostname) if self.queues else None
+        reachable = watch.check()
+        self._upkeep = Upkeep(watch, sweeper, app_settings(app).sweep_interval, reachable,
+                              worker.timer)  # fmt: skip
+        self._upkeep.start()
 
     def stop(self, worker: Any) -> None:
         self.terminate(worker)  # first: its sweeps count too
