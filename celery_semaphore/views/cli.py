@@ -37,8 +37,7 @@ from .why import Standing, why
 
 
 def _app(ctx: click.Context) -> Celery:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
+    app = getattr(ctx.find_root().obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run it as `celery -A proj semaphore ...`")
     return app
@@ -310,10 +309,9 @@ def render_why(task_id: str, found: Sequence[Standing], state: str | None) -> st
                 f"(its result backend says {state}).")  # fmt: skip
     lines = [f"Task {task_id}:"]
     for s in found:
-        where = _where(s)
         waited = "" if s.waited is None else f", waiting {s.waited:.1f}s"
         budget = "" if s.gives_up_in is None else f"; gives up in {max(0.0, s.gives_up_in):.1f}s"
-        lines.append(f"  {s.key!r}: {where}{waited}{budget}")
+        lines.append(f"  {s.key!r}: {_where(s)}{waited}{budget}")
         lines.append(f"    limit {s.limit if s.limit is not None else '?'} in force{_live(s)}")
         held = [f"task {h.metadata.get('task_id') or h.token} on {h.metadata.get('host', '?')} "
                 f"(held {h.held_for:.1f}s, lease ends in {h.expires_in:.1f}s)"

@@ -584,8 +584,9 @@ class LiveLimitApi(_Api):
         try:
             return bool(strtobool(value))
         except ValueError:
-            message = f"{name} must be true or false, got {value!r:.60}"
-            raise SemaphoreValidationError(message, key) from None
+            raise SemaphoreValidationError(
+                f"{name} must be true or false, got {value!r:.60}", key
+            ) from None
 
     def _user(self) -> str:
         """The OAuth user, else the basic-auth user name, else ``anonymous``."""
