@@ -163,8 +163,8 @@ class LeaseRecord(LossWatch, Generic[C]):
 
     def __repr__(self) -> str:
         state = "lost" if self.lost.is_set() else "released" if self.released else "held"
-        name = type(self).__name__
-        return f"<{name} key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
+        return (f"<{type(self).__name__} key={self.key!r} limit={self.limit} "
+                f"token={self.token[:8]}… {state}>")  # fmt: skip
 
     @property
     def deadline(self) -> float:

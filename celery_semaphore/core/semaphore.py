@@ -262,9 +262,13 @@ class Semaphore(SemaphoreMoved):
                         record(attempt + 1, "acquired")
                         return self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
-                    # network): the slot cannot be trusted to be ours, so give it back.
+                    # network): the slot cannot be trusted to be ours, so give it back (one
+                    # that cannot be lapses with its lease).
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
-                    late._give_back_late()
+                    try:
+                        late.release()
+                    except SemaphoreBackendError:
+                        logger.warning("could not give back a late slot of %r; it lapses", key)
             if wait and isinstance(reply, Full):
                 slot = self._wait(plan)
                 if slot is not None:

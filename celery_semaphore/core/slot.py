@@ -12,18 +12,14 @@ reference and of a user's completion.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
-from ..errors import SemaphoreBackendError
 from .calls import held_call
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
-
-logger = logging.getLogger(__name__)
 
 
 class Slot(LeaseRecord[Scripts]):
@@ -126,15 +122,6 @@ class Slot(LeaseRecord[Scripts]):
             if handed:
                 self._handoffs.deliver(self.key, handed, self._scripts)
         return self._released
-
-    def _give_back_late(self) -> None:
-        """Release a slot whose acquire was answered only after a whole lease (a paused
-        server, a stalled network): it cannot be trusted to be ours. Never raises: a slot
-        that cannot be given back lapses with its lease."""
-        try:
-            self.release()
-        except SemaphoreBackendError:
-            logger.warning("could not give back a late slot of %r; it lapses", self.key)
 
     def __enter__(self) -> Slot:
         return self

@@ -198,8 +198,8 @@ def semaphore_keys(
         SemaphoreBackendError: Redis failed.
     """
     admin = SemaphoreAdmin(client, prefix)
-    found = {*admin.scan_keys(), *admin.scan_keys(rooms=True), *admin.scan_keys(limits=True)}
-    return sorted(found | set(declared))
+    return sorted({*admin.scan_keys(), *admin.scan_keys(rooms=True),
+                   *admin.scan_keys(limits=True), *declared})  # fmt: skip
 
 
 def views(
