@@ -246,11 +246,11 @@ def unbounded() -> Iterator[None]:
     """
     from .integration import current
 
-    current.UNBOUNDED.enter()
+    current.UNBOUNDED.append(None)
     try:
         yield
     finally:
-        current.UNBOUNDED.exit()
+        current.UNBOUNDED.pop()
 
 
 def isolate_worker_event_loops() -> None:

@@ -7,6 +7,11 @@ is in, whatever slot it took is given back. The wait for a release (:meth:`Acqui
 follows the sync protocol: register as blocked (block.lua), ask again, then BLPOP the key's
 wake list, which release.lua pushes to when the waiting room does not take the freed slot.
 Sync and asyncio callers block on one list, so a release by either wakes either.
+
+Such round trips must finish even when the coroutine that started them is cancelled: an
+acquire may have taken a slot, a release may not have run. :class:`Background` runs them as
+tasks of their own, keeps them alive (the event loop holds tasks only weakly) and lets
+:meth:`~celery_semaphore.asyncio.AsyncSemaphore.aclose` wait for the last of them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ..core.calls import Call, acquire_call, block_call, release_call
@@ -25,14 +30,46 @@ from ..core.names import Keys
 from ..core.options import AcquirePlan
 from ..core.replies import Admitted, Full
 from ..core.scripts import AsyncScripts, backend_errors
-from ..core.wake import MAX_BLOCK
+from ..core.semaphore import MAX_BLOCK
 from ..errors import SemaphoreBackendError
-from .background import Background
 from .slot import AsyncSlot, deliver
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Background:
+    """The tasks one semaphore started and has not seen end."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``coro`` as a task that is kept until it ends. A failure nobody awaits is
+        dropped: coroutines run with no awaiter log their own."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    async def finish(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` to its end even if the caller is cancelled meanwhile: the caller
+        sees the cancellation, and ``coro`` carries on as a background task."""
+        return await asyncio.shield(self.spawn(coro))
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not report it a second time
+
+    async def drain(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for every task still running; how many did not end
+        in time (they carry on)."""
+        if not self._tasks:
+            return 0
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return len(pending)
 
 
 class Acquirer:
@@ -151,7 +188,7 @@ class Acquirer:
         until a release wakes this caller, and take the slot ``plan`` asks for; None when
         the time is up. Each block ends at a wake-up, at the soonest
         lease to lapse (a crashed holder frees its slot then, and nobody pushes), or after
-        :data:`~celery_semaphore.core.wake.MAX_BLOCK` seconds.
+        :data:`~celery_semaphore.core.semaphore.MAX_BLOCK` seconds.
 
         Cancelled, it leaves no slot held (see :meth:`take`) and no registration behind:
         the BLPOP is dropped with its connection, and the registration is removed by a

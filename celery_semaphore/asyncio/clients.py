@@ -22,15 +22,15 @@ from redis.asyncio import connection as aioconnection
 from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialBackoff
 from redis.sentinel import SentinelConnectionPool
 
 from ..core.clients import (
     CLUSTER_SCHEME,
-    DEFAULT_SOCKET_TIMEOUT,
     SENTINEL_SCHEME,
+    TIMEOUTS,
     _normalise_query,
-    _split_hosts,
+    default_options,
+    split_url,
 )
 from ..errors import SemaphoreValidationError
 
@@ -38,26 +38,12 @@ AsyncClient: TypeAlias = aioredis.Redis | aioredis.RedisCluster
 """The clients an :class:`AsyncSemaphore` works with: a plain (or Sentinel-managed) one, or
 a Redis Cluster one."""
 
-_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
-
 _TWINS: dict[type[Any], type[aioconnection.AbstractConnection]] = {
     redis.connection.Connection: aioconnection.Connection,
     redis.connection.SSLConnection: aioconnection.SSLConnection,
     redis.connection.UnixDomainSocketConnection: aioconnection.UnixDomainSocketConnection,
 }
 """The asyncio connection class that speaks to the same server as each redis-py one."""
-
-
-def default_async_options() -> dict[str, Any]:
-    """The options every asyncio semaphore client starts from: the sync ones', with the
-    retry in its asyncio form."""
-    return {
-        "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
-        "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
-        "retry": Retry(
-            ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
-        ),
-    }
 
 
 def async_client_from_url(url: str, **kwargs: Any) -> AsyncClient:
@@ -77,23 +63,13 @@ def async_client_from_url(url: str, **kwargs: Any) -> AsyncClient:
     Raises:
         SemaphoreValidationError: the URL is malformed, or of no form above.
     """
-    options = {**default_async_options(), **kwargs}
+    options = {**default_options(Retry), **kwargs}
     if url.startswith(CLUSTER_SCHEME):
-        nodes, segments, parsed = _split_hosts(url, CLUSTER_SCHEME, 6379)
-        if segments not in ([], ["0"]) or parsed.pop("db", 0) != 0:
-            raise SemaphoreValidationError(
-                f"Redis Cluster has database 0 only; remove the path of {url!r}"
-            )
+        nodes, _, parsed = split_url(url)
         return _cluster(nodes, {**options, **parsed})
     if url.startswith(SENTINEL_SCHEME):
-        nodes, segments, parsed = _split_hosts(url, SENTINEL_SCHEME, 26379)
-        if not 1 <= len(segments) <= 2 or (len(segments) == 2 and not segments[1].isdigit()):
-            raise SemaphoreValidationError(
-                f"a Sentinel URL ends in /<service_name> or /<service_name>/<db>, got {url!r}"
-            )
-        if len(segments) == 2:
-            parsed["db"] = int(segments[1])
-        return _sentinel(nodes, segments[0], {**options, **parsed})
+        nodes, service, parsed = split_url(url)
+        return _sentinel(nodes, service, {**options, **parsed})
     try:
         return aioredis.Redis.from_url(_normalise_query(url), **options)
     except ValueError as exc:  # redis-py's word for a URL it cannot parse
@@ -144,20 +120,17 @@ def async_client_like(client: redis.Redis | redis.RedisCluster) -> AsyncClient:
 
 
 def _accepted(cls: type[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` that ``cls`` (a connection or client class) takes, sync-only options
-    dropped, with the semaphore's asyncio retry in place of the sync one."""
-    names = _parameters(cls)
-    options = {k: v for k, v in kwargs.items() if k in names and k != "retry"}
-    return {**options, "retry": default_async_options()["retry"]}
-
-
-def _parameters(cls: type[Any]) -> frozenset[str]:
+    """``kwargs`` that ``cls`` (a connection or client class) takes (a parameter of its own
+    ``__init__`` or of a base's), sync-only options dropped, with the semaphore's asyncio
+    retry in place of the sync one."""
     names: set[str] = set()
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is not None:
             names.update(inspect.signature(init).parameters)
-    return frozenset(names - {"self", "args", "kwargs"})
+    names -= {"self", "args", "kwargs", "retry"}
+    options = {k: v for k, v in kwargs.items() if k in names}
+    return {**options, "retry": default_options(Retry)["retry"]}
 
 
 def _cluster(nodes: list[tuple[str, int]], options: dict[str, Any]) -> aioredis.RedisCluster:
@@ -170,7 +143,7 @@ def _cluster(nodes: list[tuple[str, int]], options: dict[str, Any]) -> aioredis.
 
 def _sentinel(nodes: list[tuple[str, int]], service: str, options: dict[str, Any]) -> AsyncClient:
     sentinel_kwargs = options.pop(
-        "sentinel_kwargs", {name: options[name] for name in _TIMEOUTS if name in options}
+        "sentinel_kwargs", {name: options[name] for name in TIMEOUTS if name in options}
     )
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     client: aioredis.Redis = sentinel.master_for(service, **options)

@@ -1,25 +1,34 @@
 """Slots of several keys held together in asyncio code: :class:`AsyncSlotGroup`, returned by
 :meth:`AsyncSemaphore.acquire_many
-<celery_semaphore.asyncio.semaphore.AsyncSemaphore.acquire_many>`.
+<celery_semaphore.asyncio.semaphore.AsyncSemaphore.acquire_many>`, which takes all of them
+in one script call or none (:func:`take_group`).
 
-The asyncio twin of :class:`celery_semaphore.core.group.SlotGroup`, on the same
-:class:`~celery_semaphore.core.group.GroupRecord`: one :class:`AsyncSlot` per key, all under
-one token, and the loss of any is the loss of the group. Its round trips run side by side,
-one per key, and each runs to its end even if another fails.
+The asyncio twin of :mod:`celery_semaphore.core.group`: the same
+:class:`~celery_semaphore.core.group.GroupRecord` (one :class:`AsyncSlot` per key, all under
+one token, and the loss of any is the loss of the group), the arguments checked and the call
+planned by the same :meth:`~celery_semaphore.core.options.Planner.many` (a cluster misfit is
+refused by the same :func:`~celery_semaphore.core.names.many_redis_keys`), and the keys taken
+by the same acquire_many.lua. What is asyncio's own: the round trips run side by side, one
+per key, and each runs to its end even if another fails; an acquire is safe to cancel (see
+:meth:`Acquirer.taking <celery_semaphore.asyncio.acquiring.Acquirer.taking>`: a cancelled
+acquire gives back every key it took); and the loop's renewer renews the slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+import time
+from collections.abc import Awaitable, Sequence
 
 from ..core.calls import held_call
 from ..core.feedback import BackOff
 from ..core.group import GroupRecord, held_pairs
+from ..core.options import ManyPlan
 from ..core.scripts import backend_errors
-from .slot import AsyncSlot, notify
+from ..core.tracing import acquire_span
+from .acquiring import Acquirer
+from .slot import AsyncSlot
 
 
 class AsyncSlotGroup(GroupRecord[AsyncSlot]):
@@ -40,13 +49,8 @@ class AsyncSlotGroup(GroupRecord[AsyncSlot]):
     """
 
     lost: asyncio.Event
-
-    def __init__(self, slots: Sequence[AsyncSlot]) -> None:
-        # One event loop, no threads: nothing to lock.
-        super().__init__(slots, asyncio.Event(), contextlib.nullcontext())
-
-    def _notify(self, callbacks: list[Callable[[Any], object]]) -> None:
-        notify(callbacks, self)
+    _new_lost = asyncio.Event
+    _new_lock = contextlib.nullcontext  # one event loop, no threads: nothing to lock
 
     async def extend(self, lease: float | None = None) -> bool:
         """Extend every slot, one round trip each, side by side.
@@ -120,3 +124,33 @@ async def _each(calls: Sequence[Awaitable[bool]]) -> list[bool]:
         if isinstance(outcome, BaseException):
             raise outcome
     return [bool(outcome) for outcome in outcomes]
+
+
+async def take_group(acquirer: Acquirer, plan: ManyPlan) -> AsyncSlotGroup | None:
+    """Take a slot of every key of ``plan`` in one script call, or none, attempt after
+    attempt as ``plan`` says (see :meth:`AsyncSemaphore.acquire_many
+    <celery_semaphore.asyncio.AsyncSemaphore.acquire_many>`): the group, or None when every
+    attempt found some key without room.
+
+    Raises:
+        SemaphoreBackendError: Redis failed.
+    """
+    held = list(zip(plan.keys, plan.names, strict=True))
+    with acquire_span(plan.label, plan.limit, plan.names) as record:
+        for attempt in range(plan.attempts):
+            if attempt:
+                await asyncio.sleep(plan.delay)
+            sent_at = time.monotonic()
+            reply = await acquirer.taking(plan.call, plan.label, plan.token, held)
+            if not isinstance(reply, list):
+                continue
+            if time.monotonic() - sent_at < plan.seconds:
+                record(attempt + 1, "acquired")
+                return AsyncSlotGroup(
+                    [acquirer.slot(k, key, plan.token, plan.seconds, admitted, sent_at, weight)
+                     for k, key, admitted, weight in plan.members(reply)]
+                )  # fmt: skip
+            # Answered after a whole lease: the slots cannot be trusted to be ours.
+            await acquirer.background.finish(acquirer.give_back_all(held, plan.token))
+        record(plan.attempts, "full")
+    return None

@@ -29,7 +29,7 @@ from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
 from ..core.lease import RenewErrorCallback
 from ..core.names import Namespace
-from ..core.options import DEFAULT_LEASE, Planner, semaphore_options
+from ..core.options import DEFAULT_LEASE, KeySpecs, Planner, semaphore_options
 from ..core.rates import RateSpec, rates_of
 from ..core.refusals import is_paused_async, not_acquired
 from ..core.replies import Admitted, Full
@@ -38,9 +38,8 @@ from ..core.tracing import acquire_span
 from .acquiring import Acquirer
 from .admin import AsyncSemaphoreAdmin
 from .clients import AsyncClient, async_client_of
-from .group import AsyncSlotGroup
+from .group import AsyncSlotGroup, take_group
 from .guard import guard
-from .many import KeyList, take_group
 from .slot import AsyncSlot
 
 logger = logging.getLogger(__name__)
@@ -320,7 +319,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
 
     async def acquire_many(
         self,
-        keys: KeyList,
+        keys: KeySpecs,
         *,
         lease: float | None = None,
         retries: int = 0,
@@ -340,7 +339,7 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
     @contextlib.asynccontextmanager
     async def hold_many(
         self,
-        keys: KeyList,
+        keys: KeySpecs,
         *,
         retries: int = 0,
         retry_delay: float = 0.1,
@@ -406,10 +405,6 @@ class AsyncSemaphore(AsyncSemaphoreMoved):
                 )  # fmt: skip
         await self._acquirer.background.drain(self.lease)
         if self._owns_client:
-            await _close(self.client)
+            closer = getattr(self.client, "aclose", None)  # redis-py 5.0.1+; close() before
+            await (closer() if closer is not None else self.client.close())
         return held
-
-
-async def _close(client: AsyncClient) -> None:
-    closer = getattr(client, "aclose", None)  # redis-py 5.0.1+; close() before
-    await (closer() if closer is not None else client.close())

@@ -17,7 +17,6 @@ from ..core.calls import held_call, release_call
 from ..core.feedback import BackOff
 from ..core.handoff import HandoffRoute, delivery
 from ..core.lease import LeaseRecord
-from ..core.lease import notify as notify  # the asyncio group's, too
 from ..core.names import Keys
 from ..core.recovery import Lost, lost_call
 from ..core.replies import Admitted, Handoff, SweepDue
@@ -37,8 +36,9 @@ async def deliver(
         try:
             step = steps.send(answer)
         except StopIteration as done:
-            ready: list[Handoff] = done.value
-            break
+            if done.value:
+                await asyncio.to_thread(handoffs.publish, key, done.value)
+            return
         try:
             if isinstance(step, SweepDue):
                 await scripts.client.zadd(step.index, {step.key: step.due_ms}, xx=True, lt=True)
@@ -47,8 +47,6 @@ async def deliver(
                 answer = await scripts.run(step)
         except REDIS_ERRORS as exc:
             answer = exc
-    if ready:
-        await asyncio.to_thread(handoffs.publish, key, ready)
 
 
 def recover_later(

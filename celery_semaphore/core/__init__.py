@@ -3,10 +3,10 @@
 Nothing here imports Celery. The layers, bottom up: ``validation`` and ``options`` (argument
 checks), ``clients`` (redis-py clients from URLs), ``names``, ``calls``, ``replies``,
 ``scripts`` and ``lua/`` (one atomic script per operation), ``slot`` (a held lease),
-``heartbeat`` (renewal), ``guard`` (a slot held for a block), ``admin`` (holders, force
-release and live limits, without a limit), ``feedback`` (back-offs and adaptive limits),
-``handoff``, ``room`` and ``room_reads`` (the
-waiting room), ``wake`` (acquire's wait), ``semaphore`` (acquire, hold, run), ``tracing``.
+``heartbeat`` (renewal), ``admin`` (holders, force release and live limits, without a
+limit), ``feedback`` (back-offs and adaptive limits), ``handoff``, ``room`` and
+``room_reads`` (the waiting room), ``semaphore`` (acquire, hold, run, acquire's wait for a
+release, and ``guard``: a slot held for a block), ``tracing``.
 """
 
 from .admin import DEFAULT_PREFIX, Holder, SemaphoreAdmin

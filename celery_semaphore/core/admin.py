@@ -37,11 +37,12 @@ from .live import (
     live_limit_of,
     log_limit_change,
     log_pause_change,
+    log_rate_change,
     pause_of,
+    set_rate_call,
     setter,
     text_of,
 )
-from .live_rates import log_rate_change, set_rate_call
 from .names import Keys, Namespace
 from .process import holder_member, member_pattern, token_of
 from .rates import Rate, check_rate_name

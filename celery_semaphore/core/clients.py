@@ -25,25 +25,30 @@ from ..errors import SemaphoreBackendError, SemaphoreValidationError
 DEFAULT_SOCKET_TIMEOUT = 5.0
 CLUSTER_SCHEME = "redis+cluster://"
 SENTINEL_SCHEME = "redis+sentinel://"
+TIMEOUTS = ("socket_timeout", "socket_connect_timeout")  # a Sentinel's by default
 
 RedisClient: TypeAlias = redis.Redis | redis.RedisCluster
 """The clients a :class:`Semaphore` works with: a plain (or Sentinel-managed) client, or a
 Redis Cluster client."""
 
 
-def _split_hosts(
-    url: str, scheme: str, default_port: int
-) -> tuple[list[tuple[str, int]], list[str], dict[str, Any]]:
-    """Parse ``scheme[[user]:password@]host[:port][,host[:port]...][/path...][?query]``.
+def split_url(url: str) -> tuple[list[tuple[str, int]], str, dict[str, Any]]:
+    """Parse a cluster or Sentinel URL, for the sync and the asyncio clients alike:
+    ``redis+cluster://[[user]:password@]host[:port][,host[:port]...][?query]`` or
+    ``redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service_name[/db][?query]``.
 
     Returns:
-        tuple: the ``(host, port)`` pairs, the non-empty path segments (unquoted), and the
-        client options: ``username``/``password`` from the URL, then the query options,
-        parsed as :meth:`redis.Redis.from_url` parses them.
+        tuple: the ``(host, port)`` pairs (port 6379 for a cluster, 26379 for Sentinels,
+        unless given), the service name ("" for a cluster), and the client options:
+        ``username``/``password`` from the URL, then the query options, parsed as
+        :meth:`redis.Redis.from_url` parses them, and a Sentinel URL's ``db``.
 
     Raises:
-        SemaphoreValidationError: no host, or a port that is not a number.
+        SemaphoreValidationError: no host, a port that is not a number, a cluster URL with a
+            database other than 0, or a Sentinel URL with no service name.
     """
+    cluster = url.startswith(CLUSTER_SCHEME)
+    scheme, default_port = (CLUSTER_SCHEME, 6379) if cluster else (SENTINEL_SCHEME, 26379)
     rest, _, query = url[len(scheme) :].partition("?")
     netloc, _, path = rest.partition("/")
     options: dict[str, Any] = {}
@@ -74,35 +79,19 @@ def _split_hosts(
         except (TypeError, ValueError):
             raise SemaphoreValidationError(f"{name}={value!r} in Redis URL {url!r}") from None
     segments = [unquote(part) for part in path.split("/") if part]
-    return nodes, segments, options
-
-
-def _cluster_client(url: str, options: dict[str, Any]) -> redis.RedisCluster:
-    nodes, segments, parsed = _split_hosts(url, CLUSTER_SCHEME, 6379)
-    if segments not in ([], ["0"]) or parsed.pop("db", 0) != 0:
-        raise SemaphoreValidationError(
-            f"Redis Cluster has database 0 only; remove the path of {url!r}"
-        )
-    startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
-    try:
-        return redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
-    except (redis.RedisError, RedisClusterException) as exc:
-        # Unlike redis.Redis, RedisCluster connects at once to learn the slot map.
-        raise SemaphoreBackendError(
-            f"cannot reach Redis Cluster at {url!r}: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
-def _sentinel_client(url: str, options: dict[str, Any]) -> redis.Redis:
-    nodes, segments, parsed = _split_hosts(url, SENTINEL_SCHEME, 26379)
+    if cluster:
+        if segments not in ([], ["0"]) or options.pop("db", 0) != 0:
+            raise SemaphoreValidationError(
+                f"Redis Cluster has database 0 only; remove the path of {url!r}"
+            )
+        return nodes, "", options
     if not 1 <= len(segments) <= 2 or (len(segments) == 2 and not segments[1].isdigit()):
         raise SemaphoreValidationError(
             f"a Sentinel URL ends in /<service_name> or /<service_name>/<db>, got {url!r}"
         )
-    options = {**options, **parsed}
     if len(segments) == 2:
         options["db"] = int(segments[1])
-    return sentinel_client(nodes, segments[0], **options)
+    return nodes, segments[0], options
 
 
 def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) -> redis.Redis:
@@ -119,9 +108,8 @@ def sentinel_client(nodes: list[tuple[str, int]], service: str, **options: Any) 
         redis.Redis: a client whose every new connection asks a Sentinel for the primary.
     """
     options = {**default_options(), **options}
-    timeouts = ("socket_timeout", "socket_connect_timeout")
     sentinel_kwargs = options.pop(
-        "sentinel_kwargs", {name: options[name] for name in timeouts if name in options}
+        "sentinel_kwargs", {name: options[name] for name in TIMEOUTS if name in options}
     )
     sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs)  # type: ignore[no-untyped-call,unused-ignore]
     return client_from_options(sentinel.master_for, service, **options)
@@ -194,9 +182,19 @@ def client_from_url(url: str, **kwargs: Any) -> redis.Redis:
     """
     options = {**default_options(), **kwargs}
     if url.startswith(CLUSTER_SCHEME):
-        return cast(redis.Redis, _cluster_client(url, options))
+        nodes, _, parsed = split_url(url)
+        startup = [ClusterNode(host, port) for host, port in nodes]  # type: ignore[no-untyped-call,unused-ignore]
+        try:
+            cluster = redis.RedisCluster(startup_nodes=startup, **{**options, **parsed})
+        except (redis.RedisError, RedisClusterException) as exc:
+            # Unlike redis.Redis, RedisCluster connects at once to learn the slot map.
+            raise SemaphoreBackendError(
+                f"cannot reach Redis Cluster at {url!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return cast(redis.Redis, cluster)
     if url.startswith(SENTINEL_SCHEME):
-        return _sentinel_client(url, options)
+        nodes, service, parsed = split_url(url)
+        return sentinel_client(nodes, service, **{**options, **parsed})
     _check_database(url)
     try:
         return client_from_options(redis.Redis.from_url, _normalise_query(url), **options)
@@ -224,12 +222,14 @@ def _check_database(url: str) -> None:
         )
 
 
-def default_options() -> dict[str, Any]:
-    """The client options every semaphore client starts from (see :func:`client_from_url`)."""
+def default_options(retry: Callable[..., Any] = Retry) -> dict[str, Any]:
+    """The client options every semaphore client starts from (see :func:`client_from_url`);
+    ``retry`` is the client's ``Retry`` class (``redis.asyncio.retry.Retry`` for an asyncio
+    client)."""
     return {
         "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
         "socket_connect_timeout": DEFAULT_SOCKET_TIMEOUT,
-        "retry": Retry(
+        "retry": retry(
             ExponentialBackoff(cap=0.5, base=0.05), 2, supported_errors=(redis.ConnectionError,)
         ),
     }

@@ -13,8 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import (
     Refusal,
@@ -25,6 +24,7 @@ from ..errors import (
 from .calls import held_call
 from .feedback import BackOff
 from .lazy_event import LazyEvent
+from .lease import LeaseRecord, LossWatch
 from .names import Keys
 from .options import ManyPlan, many_args
 from .replies import Admitted
@@ -32,62 +32,25 @@ from .scripts import Scripts, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
 
-
-class _Flag(Protocol):
-    def is_set(self) -> bool: ...
-
-    def set(self) -> None: ...
+M = TypeVar("M", bound=LeaseRecord[Any])  # a Slot, or an asyncio AsyncSlot
 
 
-class Member(Protocol):
-    """What a group needs of each of its slots, a :class:`Slot` or an asyncio
-    :class:`~celery_semaphore.asyncio.slot.AsyncSlot`."""
-
-    key: str
-    limit: int
-    token: str
-    lease: float
-    weight: int
-
-    @property
-    def lost(self) -> _Flag: ...
-
-    def _check_deadline(self) -> None: ...
-
-    def _renewal(self) -> tuple[Any, Keys, str, int]: ...
-
-    def lease_lost_error(self) -> SemaphoreLeaseLostError: ...
-
-    def when_lost(self, callback: Callable[[Any], object]) -> None: ...
-
-
-M = TypeVar("M", bound=Member)
-G = TypeVar("G", bound="GroupRecord[Any]")
-
-
-class GroupRecord(Generic[M]):
+class GroupRecord(LossWatch, Generic[M]):
     """What a group of slots taken together is, sync or asyncio: its slots, keys and token,
     and how its loss is judged and reported. :class:`SlotGroup` and
-    :class:`~celery_semaphore.asyncio.group.AsyncSlotGroup` add the ``lost`` event and the
-    round trips.
+    :class:`~celery_semaphore.asyncio.group.AsyncSlotGroup` add the round trips.
 
     Args:
         slots (Sequence[Slot | AsyncSlot]): one slot per key, in the order the keys were
             given, all under one token.
     """
 
-    lost: _Flag
-
-    def __init__(
-        self, slots: Sequence[M], lost: _Flag, lock: AbstractContextManager[object]
-    ) -> None:
+    def __init__(self, slots: Sequence[M]) -> None:
+        super().__init__()
         self.slots = tuple(slots)
         self.key = "+".join(s.key for s in self.slots)
-        self.lost = lost
-        self._lock = lock  # a loss may be found in another thread than a when_lost call
-        self._callbacks: list[Callable[[Any], object]] = []
         for slot in self.slots:
-            slot.when_lost(self._member_lost)
+            slot.when_lost(lambda _: self._mark_lost())
 
     def _backing_off(self, key: str | None) -> M:
         """The slot a back-off of ``key`` (None: the first key) is about.
@@ -99,30 +62,6 @@ class GroupRecord(Generic[M]):
             if key is None or slot.key == key:
                 return slot
         raise SemaphoreValidationError(f"back-off names key {key!r}, not one of {self.key!r}")
-
-    def _member_lost(self, _: M) -> None:
-        with self._lock:
-            if self.lost.is_set():
-                return
-            self.lost.set()
-            callbacks, self._callbacks = self._callbacks, []
-        self._notify(callbacks)
-
-    def _notify(self, callbacks: list[Callable[[Any], object]]) -> None:
-        for callback in callbacks:
-            callback(self)
-
-    def when_lost(self: G, callback: Callable[[G], object]) -> None:
-        """Call ``callback(group)`` once, the moment any of its slots is known to be lost
-        (at once if one already is), as a slot's ``when_lost`` does: for a
-        :class:`SlotGroup`, see :meth:`Slot.when_lost`; for an
-        :class:`~celery_semaphore.asyncio.group.AsyncSlotGroup`, it is called in the event
-        loop, must not block, and what it raises is logged."""
-        with self._lock:
-            if not self.lost.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
 
     def __repr__(self) -> str:
         state = " lost" if self.lost.is_set() else ""
@@ -166,7 +105,7 @@ class GroupRecord(Generic[M]):
         return self.slots[0].lease_lost_error()
 
 
-def held_pairs(slots: Sequence[Member]) -> list[tuple[Keys, str]]:
+def held_pairs(slots: Sequence[LeaseRecord[Any]]) -> list[tuple[Keys, str]]:
     """What :func:`~.calls.held_call` asks about each of ``slots``: its keys and member."""
     return [(keys, member) for _, keys, member, _ in (slot._renewal() for slot in slots)]
 
@@ -185,9 +124,9 @@ class SlotGroup(GroupRecord[Slot]):
     """
 
     lost: threading.Event
-
-    def __init__(self, slots: Sequence[Slot]) -> None:
-        super().__init__(slots, LazyEvent(), threading.Lock())
+    _new_lost = LazyEvent
+    # A loss may be found in the renewer's thread while the body's asks when_lost.
+    _new_lock = threading.Lock
 
     def extend(self, lease: float | None = None) -> bool:
         """Extend every slot (one round trip each): True when all were still held.

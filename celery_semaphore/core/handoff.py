@@ -183,9 +183,11 @@ class HandoffRoute:
                 len(handoffs),
                 self.claim_ms / 1000,
             )
-            return len(handoffs)
-        try:
-            self.publisher(key, handoffs)
-        except Exception:
-            logger.exception("semaphore %r: could not publish %d hand-off(s)", key, len(handoffs))
+        else:
+            try:
+                self.publisher(key, handoffs)
+            except Exception:
+                logger.exception(
+                    "semaphore %r: could not publish %d hand-off(s)", key, len(handoffs)
+                )
         return len(handoffs)

@@ -26,14 +26,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import process
 from .lease import Flight, Renewals, RenewErrorCallback
-
-if TYPE_CHECKING:
-    from .slot import Slot
-
+from .slot import Slot
 
 LINGER = 2.0
 """Seconds the renewal thread outlives the last slot it renewed, so that a worker running
@@ -47,8 +44,7 @@ class _Sender:
         self.jobs: queue.SimpleQueue[Flight[Slot] | None] = queue.SimpleQueue()
         self.busy = False
         self._wake = wake
-        thread = threading.Thread(target=self._run, name="semaphore-renew-send", daemon=True)
-        thread.start()
+        threading.Thread(target=self._run, name="semaphore-renew-send", daemon=True).start()
 
     def _run(self) -> None:
         while (flight := self.jobs.get()) is not None:
@@ -120,24 +116,24 @@ class Renewer:
                 added, idle_until = self._added, self._last_used + LINGER
                 if not self._plans.plans:
                     if now >= idle_until:
-                        self._stop_sender()
+                        if self._sender is not None:
+                            self._sender.jobs.put(None)  # told to end once it is idle
+                            self._sender = None
+                        self._plans.flight = None
                         self._thread = None
                         return
                     wake_at = idle_until
             self._plans.report()
             if flight is not None:
                 self._send(flight)
-            self._sleep(added, wake_at)
-
-    def _sleep(self, added: int, wake_at: float) -> None:
-        """Wait until ``wake_at`` (or a wake-up), unless a slot was added since the loop took
-        its step at ``added``: then step again at once."""
-        with self._lock:
-            if self._added != added:
-                return
-            self._wake_at = wake_at
-        self._wake.wait(max(0.0, wake_at - time.monotonic()))
-        self._wake_at = float("-inf")  # awake: it plans again before it sleeps, seeing any add
+            # Sleep until wake_at (or a wake-up), unless a slot was added since the step
+            # above: then step again at once.
+            with self._lock:
+                if self._added != added:
+                    continue
+                self._wake_at = wake_at
+            self._wake.wait(max(0.0, wake_at - time.monotonic()))
+            self._wake_at = float("-inf")  # awake: it plans again before it sleeps, seeing any add
 
     def _send(self, flight: Flight[Slot]) -> None:
         if self._sender is None or self._sender.busy:
@@ -147,12 +143,6 @@ class Renewer:
                 self._sender.jobs.put(None)
             self._sender = _Sender(self._wake.set)
         self._sender.jobs.put(flight)
-
-    def _stop_sender(self) -> None:
-        if self._sender is not None:
-            self._sender.jobs.put(None)
-            self._sender = None
-        self._plans.flight = None
 
 
 _renewer: Renewer | None = None

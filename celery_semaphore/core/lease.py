@@ -4,20 +4,22 @@ release's answer means), :class:`Renewals` (a renewer's schedule: when each slot
 which go together in a :class:`Flight`, and when a slot is lost). The sync
 :class:`~celery_semaphore.core.slot.Slot` and :mod:`~celery_semaphore.core.heartbeat`, and
 the asyncio :class:`~celery_semaphore.asyncio.slot.AsyncSlot` and
-:mod:`~celery_semaphore.asyncio.renewer`, only send the calls these make, each with its own
+:mod:`~celery_semaphore.asyncio.guard`, only send the calls these make, each with its own
 concurrency primitive, so the twins cannot judge a slot differently."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
@@ -41,13 +43,6 @@ RenewErrorCallback = Callable[[BaseException], object]
 C = TypeVar("C")
 """The scripts (client) a slot's round trips go through: sync or asyncio."""
 T = TypeVar("T")
-R = TypeVar("R", bound="LeaseRecord[Any]")
-
-
-class _Flag(Protocol):
-    def is_set(self) -> bool: ...
-
-    def set(self) -> None: ...
 
 
 def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
@@ -61,7 +56,51 @@ def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
             logger.exception("lost-slot callback %r failed", callback)
 
 
-class LeaseRecord(Generic[C]):
+L = TypeVar("L", bound="LossWatch")
+
+
+class LossWatch:
+    """What a slot and a group of slots share about their loss, sync or asyncio:
+    :attr:`lost`, set once, and the callbacks that run the moment it is. Each twin says what
+    makes ``lost`` (``_new_lost``) and the lock held while a loss and its callbacks are
+    judged (``_new_lock``: nothing in an event loop)."""
+
+    lost: threading.Event | asyncio.Event  # a sync slot's is a LazyEvent
+    _new_lost: Callable[[], threading.Event | asyncio.Event]
+    _new_lock: Callable[[], AbstractContextManager[object]]
+
+    def __init__(self) -> None:
+        self.lost = self._new_lost()
+        self._callbacks_lock = self._new_lock()
+        self._lost_callbacks: list[Callable[[Any], object]] = []
+        self._lost_reason = ""
+
+    def when_lost(self: L, callback: Callable[[L], object]) -> None:
+        """Call ``callback(slot)`` (for a group, ``callback(group)``, when any of its slots
+        is) once, the moment the slot is known to be lost.
+
+        It runs in whichever thread detects the loss (usually the renewer's), or for an
+        asyncio slot in the event loop, where it must not block; or at once if the slot is
+        already lost. Exceptions it raises are logged.
+        """
+        with self._callbacks_lock:
+            if not self.lost.is_set():
+                self._lost_callbacks.append(callback)
+                return
+        callback(self)
+
+    def _mark_lost(self, reason: str = "") -> None:
+        """Judge it lost for ``reason``: set :attr:`lost` and run the callbacks once."""
+        with self._callbacks_lock:
+            if self.lost.is_set():
+                return
+            self._lost_reason = reason
+            self.lost.set()
+            callbacks, self._lost_callbacks = self._lost_callbacks, []
+        notify(callbacks, self)
+
+
+class LeaseRecord(LossWatch, Generic[C]):
     """A held slot's identity, lease clock and verdicts; see
     :class:`~celery_semaphore.core.slot.Slot` for the attributes.
 
@@ -79,13 +118,8 @@ class LeaseRecord(Generic[C]):
         weight (int): how many units of the limit the slot takes.
     """
 
-    lost: _Flag
     # Set once the slot is given back (the sync answer, the asyncio release under way).
     _released: object
-    # What makes ``lost``, and the lock held while the loss and its callbacks are judged
-    # (nothing in an event loop), for each twin.
-    _new_lost: Callable[[], _Flag]
-    _new_lock: Callable[[], AbstractContextManager[object]]
 
     def __init__(
         self,
@@ -100,6 +134,7 @@ class LeaseRecord(Generic[C]):
         handoffs: HandoffRoute,
         weight: int = 1,
     ) -> None:
+        super().__init__()
         self.key = key
         self.weight = weight
         # The limit that applied, as the script answered it (a live limit wins over the
@@ -120,22 +155,19 @@ class LeaseRecord(Generic[C]):
         self._renewed_at = sent_at - max(0.0, lease - left)
         # When the extend that set the current lease was sent: an older reply must not undo it.
         self._lease_sent_at = sent_at
-        self._lost_reason = ""
-        self._lost_callbacks: list[Callable[[Any], object]] = []
-        # Set by a renewer, so that a changed lease re-plans its next renewal.
+        # Called whenever an extend changes the lease: set by a renewer, so that a changed
+        # lease re-plans its next renewal (None: no renewer watches it).
         self._on_lease_change: Callable[[], object] | None = None
         self._scripts = scripts
         self._keys = keys
         self._handoffs = handoffs
         self._released = None
         self.cooling_until = 0.0  # set by a back-off's answer
-        self.lost = self._new_lost()
-        self._callbacks_lock = self._new_lock()
 
     def __repr__(self) -> str:
         state = "lost" if self.lost.is_set() else "released" if self.released else "held"
-        name = type(self).__name__
-        return f"<{name} key={self.key!r} limit={self.limit} token={self.token[:8]}… {state}>"
+        return (f"<{type(self).__name__} key={self.key!r} limit={self.limit} "
+                f"token={self.token[:8]}… {state}>")  # fmt: skip
 
     @property
     def deadline(self) -> float:
@@ -149,19 +181,6 @@ class LeaseRecord(Generic[C]):
         does not count. From then on a renewal that finds the slot gone is no loss."""
         return self._released is not None
 
-    def when_lost(self: R, callback: Callable[[R], object]) -> None:
-        """Call ``callback(slot)`` once, the moment the slot is known to be lost.
-
-        It runs in whichever thread detects the loss (usually the renewer's), or for an
-        asyncio slot in the event loop, where it must not block; or at once if the slot is
-        already lost. Exceptions it raises are logged.
-        """
-        with self._callbacks_lock:
-            if not self.lost.is_set():
-                self._lost_callbacks.append(callback)
-                return
-        callback(self)
-
     def lease_lost_error(self) -> SemaphoreLeaseLostError:
         """The error that reports this slot's loss, naming why it was judged lost."""
         reason = self._lost_reason or "the slot was lost"
@@ -173,25 +192,10 @@ class LeaseRecord(Generic[C]):
 
     # -- the renewer's and the twins' side ------------------------------------------------
 
-    def _mark_lost(self, reason: str) -> None:
-        """Judge the slot lost for ``reason``: set :attr:`lost` and run the callbacks once."""
-        with self._callbacks_lock:
-            if self.lost.is_set():
-                return
-            self._lost_reason = reason
-            self.lost.set()
-            callbacks, self._lost_callbacks = self._lost_callbacks, []
-        notify(callbacks, self)
-
     def _check_deadline(self) -> None:
         """Mark the slot lost if it is held and its :attr:`deadline` has passed."""
         if not self.released and time.monotonic() >= self.deadline:
             self._mark_lost("no renewal succeeded within one lease")
-
-    def _watch_lease(self, callback: Callable[[], object] | None) -> None:
-        """Call ``callback()`` whenever an extend changes the lease (a renewer re-plans);
-        None stops it."""
-        self._on_lease_change = callback
 
     def _renewal(self) -> tuple[C, Keys, str, int]:
         """What a batched renewal of this slot sends: the scripts (client) to send it with,
@@ -392,14 +396,14 @@ class Renewals(Generic[S]):
             plan.last_sent = -math.inf
             wake()
 
-        slot._watch_lease(lease_changed)
+        slot._on_lease_change = lease_changed
         self.plans[id(slot)] = plan
         return plan
 
     def remove(self, slot: S) -> None:
         """Stop renewing ``slot``: from then on no renewal answer touches it, so a renewal
         racing an intentional release is never taken for a loss."""
-        slot._watch_lease(None)
+        slot._on_lease_change = None
         self.plans.pop(id(slot), None)
 
     def step(self, now: float) -> tuple[Flight[S] | None, float]:

@@ -1,16 +1,20 @@
-"""Live limits: a key's limit set in Redis by an operator, which wins over the limit its
-callers give until it is cleared, and a key's pause, which makes that limit 0 until it is
-resumed (``set_limit.lua``). What the sync and asyncio admins share
-about them: the record, reading it, who makes a change and logging it; a change is checked
-and decided by :class:`~celery_semaphore.core.admin.AdminTrips`, and the round trips are
-:meth:`SemaphoreAdmin.set_limit <celery_semaphore.core.admin.SemaphoreAdmin.set_limit>` and its
-asyncio twin's."""
+"""What an operator sets live, in Redis, for every caller of a key until it is cleared: a
+live limit, which wins over the limit its callers give; a pause, which makes that limit 0
+until it is resumed (``set_limit.lua``); and a live start rate, which wins over the rate of
+the same name the callers give (``set_rate.lua``; see :mod:`.rates`). What the sync and
+asyncio admins and the views share about them: the records, reading them (and the state of
+a key's rates) from a key's limits hash, who makes a change, the rate's script call, and
+logging a change; a change is checked and decided by
+:class:`~celery_semaphore.core.admin.AdminTrips`, and the round trips are
+:meth:`SemaphoreAdmin.set_limit <celery_semaphore.core.admin.SemaphoreAdmin.set_limit>` (and
+``pause``, ``set_rate``) and their asyncio twins'."""
 
 from __future__ import annotations
 
 import getpass
 import json
 import logging
+import math
 import os
 import socket
 from collections.abc import Mapping
@@ -18,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import validation as check
+from .calls import Call, call_of
+from .names import Keys
+from .rates import Rate
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +166,128 @@ def log_limit_change(key: str, limit: int | None, previous: int | None, who: str
         "none" if previous is None else previous,
         who,
     )
+
+
+@dataclass(frozen=True)
+class LiveRate:
+    """A key's live start rate of one name (see :meth:`SemaphoreAdmin.set_rate`).
+
+    Attributes:
+        name (str): the rate's name (``"requests"``, ``"tokens"``).
+        spec (str): the rate as the operator gave it (``"300/m"``), with its burst.
+        set_at (float): when it was set, epoch seconds by the Redis clock.
+        by (str): who set it.
+    """
+
+    name: str
+    spec: str
+    set_at: float
+    by: str
+
+
+@dataclass(frozen=True)
+class RateState:
+    """Where one start rate of a key stands.
+
+    Attributes:
+        name (str): the rate's name.
+        interval (float | None): seconds per unit at the rate in force (None: unknown here,
+            no room recorded the callers' rate and no live rate is set).
+        burst (int | None): units that may start at once (None: unknown, as above).
+        next_due (float): when the next unit falls due, epoch seconds by the Redis clock
+            (at most now: one is free now).
+        left (int | None): units that may start now (None: unknown, as above).
+        live (LiveRate | None): an operator's live rate of this name, if set.
+        due_in (float): seconds from the server's now to ``next_due`` (0: one is free).
+    """
+
+    name: str
+    interval: float | None
+    burst: int | None
+    next_due: float
+    left: int | None
+    live: LiveRate | None = None
+    due_in: float = 0.0
+
+
+def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tuple[RateState, ...]:
+    """Each start rate of a key: from its limits hash (HGETALL's reply: TATs and live
+    rates) and ``declared``, the rates its room last recorded (``"!rates"``, None: none),
+    at the server's ``now_ms``."""
+    fields = {text_of(k): text_of(v) for k, v in raw.items()}
+    lives: dict[str, LiveRate] = {}  # an operator's live rates, by name
+    for field, spec in fields.items():
+        if field.startswith("rate_spec:"):
+            name = field[len("rate_spec:") :]
+            lives[name] = LiveRate(name, spec, int(fields.get("rate_at:" + name, 0)) / 1000,
+                                   fields.get("rate_by:" + name, ""))  # fmt: skip
+    items = (declared or "").split()
+    given = {
+        items[i]: (float(items[i + 1]), int(items[i + 2])) for i in range(0, len(items) - 2, 3)
+    }
+    names = sorted({k[4:] for k in fields if k.startswith("tat:")} | set(given) | set(lives))
+    found = []
+    for name in names:
+        rate = fields.get("rate:" + name, "").split() or None
+        interval_ms, burst = (float(rate[0]), int(rate[1])) if rate else given.get(name, (0, 0))
+        # "<tat> <interval_ms>": a TAT reckoned under another interval is scaled to this
+        # one, as rates.lua's rates_read does.
+        tat, *under = (float(v) for v in fields.get("tat:" + name, "0").split())
+        if under and interval_ms and under[0] != interval_ms and tat > now_ms:
+            tat = now_ms + (tat - now_ms) * interval_ms / under[0]
+        if not interval_ms:  # no burst known: its TAT is as late as the next unit can be
+            due = max(tat, now_ms)
+            found.append(RateState(name, None, None, due / 1000, None, lives.get(name),
+                                   (due - now_ms) / 1000))  # fmt: skip
+            continue
+        next_due = max(now_ms, tat - (burst - 1) * interval_ms)
+        left = min(burst, max(0, math.floor((now_ms - (tat - burst * interval_ms)) / interval_ms)))
+        found.append(RateState(name, interval_ms / 1000, burst, next_due / 1000, left,
+                               lives.get(name), (next_due - now_ms) / 1000))  # fmt: skip
+    return tuple(found)
+
+
+def read_rate_states(
+    client: Any, keys: Keys, raw: Mapping[Any, Any] | None = None
+) -> tuple[RateState, ...]:
+    """The start rates of the key of ``keys`` (see :func:`rate_states`), read from Redis:
+    its limits hash (or ``raw``, HGETALL's reply already read), its room's ``"!rates"`` and
+    the server's clock: one round trip, and one more for the clock when the key has a rate
+    (() when it has none).
+
+    Raises:
+        redis.RedisError: Redis failed (the caller words it).
+    """
+    if raw is None:  # both keys share a hash slot: one round trip, on a cluster too
+        with client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.limits)
+            pipe.hget(keys.parked, "!rates")
+            raw, declared = pipe.execute()
+    else:
+        declared = client.hget(keys.parked, "!rates")
+    if not declared and not any(text_of(k).startswith(("tat:", "rate:")) for k in raw):
+        return ()
+    seconds, micros = client.time()
+    return rate_states(
+        raw, text_of(declared) if declared else None, seconds * 1000 + micros // 1000
+    )
+
+
+def set_rate_call(
+    keys: Keys, name: str, rate: Rate | None, by: str
+) -> Call[tuple[str | None, int]]:
+    """Set ``rate`` as the key's live rate of ``name`` (None: clear it): the spelling of the
+    live rate before it (None: none), and the server's time."""
+    args = (
+        (name, "", "", by)
+        if rate is None
+        else (name, f"{rate.interval_ms:.6f} {rate.burst}", f"{rate.spec} burst {rate.burst}", by)
+    )
+    return call_of("set_rate", keys, args, lambda reply: (text_of(reply[0]) or None, int(reply[1])))
+
+
+def log_rate_change(key: str, name: str, rate: Rate | None, previous: str | None, who: str) -> None:
+    """Log a live rate's change at WARNING, beside the live limits' changes."""
+    logger.warning("semaphore %r: live %s rate %s (was %s) by %s", key, name,
+                   "cleared" if rate is None else f"set to {rate.spec} burst {rate.burst}",
+                   previous or "none", who)  # fmt: skip

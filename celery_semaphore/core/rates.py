@@ -97,19 +97,15 @@ def parse_rate(spec: object, name: str = "rate") -> tuple[float, float]:
         SemaphoreValidationError: not ``"<count>/<s|m|h|d>"`` or a number, or a count that
             is not a positive finite number; the message names ``name``.
     """
-    if isinstance(spec, bool) or not isinstance(spec, (str, int, float)):
+    found = _SPELLING.match(spec) if isinstance(spec, str) else None
+    if found is not None:
+        count, period = float(found.group(1)), PERIODS[found.group(2) or "s"]
+    elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        count, period = float(spec), 1.0
+    else:
         raise SemaphoreValidationError(
             f"{name} must be like '10/s', '500/m', '1000/h' or '5000/d', got {spec!r}"
         )
-    if isinstance(spec, str):
-        found = _SPELLING.match(spec)
-        if not found:
-            raise SemaphoreValidationError(
-                f"{name} must be like '10/s', '500/m', '1000/h' or '5000/d', got {spec!r}"
-            )
-        count, period = float(found.group(1)), PERIODS[found.group(2) or "s"]
-    else:
-        count, period = float(spec), 1.0
     if not math.isfinite(count) or count <= 0 or period * 1000.0 / count > 366 * 86400e3:
         raise SemaphoreValidationError(
             f"{name} must allow more than nothing (a positive count, at least one a year), "

@@ -116,12 +116,6 @@ class _Recoverer:
         self._pending: list[Lost[Scripts]] = []
         self._pid = 0
 
-    def idle(self) -> bool:
-        """Whether no call waits to be put right, nor is being put right now (each one
-        leaves :attr:`_pending` once it is done with)."""
-        with self._lock:
-            return not self._pending
-
     def add(self, lost: Lost[Scripts]) -> None:
         with self._lock:
             if self._pid != process.pid():  # none yet, or one of the parent's before a fork
@@ -156,8 +150,10 @@ _RECOVERER = _Recoverer()
 
 def idle() -> bool:
     """Whether this process has no lost call left to put right: none waiting, none being put
-    right now (a test waits for this before it reads what a recovery published)."""
-    return _RECOVERER.idle()
+    right now (each one leaves the recoverer's list once it is done with); a test waits for
+    this before it reads what a recovery published."""
+    with _RECOVERER._lock:
+        return not _RECOVERER._pending
 
 
 def recover_later(

@@ -23,6 +23,7 @@ from .calls import (
     park_call,
     park_many_call,
     room_settings,
+    sweep_call,
     take_call,
     waiting_call,
 )
@@ -32,11 +33,10 @@ from .names import Keys, Namespace
 from .options import DEFAULT_LEASE, HolderRecord, KeySpecs, many_args
 from .process import member_of, new_token
 from .rates import RateSpec, rated
-from .recovery import recovering
+from .recovery import recover_later, recovering
 from .replies import Admitted, Early, Handoff, NotWaiting, Parked, RoomFull, Waiter
 from .room_index import RoomIndex, give_up_ms
-from .room_sweeps import sweep_rooms
-from .scripts import Scripts, backend_errors
+from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import Record, acquire_span
 from .validation import check_delivery, check_waiter, deadline_ms, park_args
@@ -47,6 +47,9 @@ DEFAULT_ROOM_TTL = 24 * 3600.0
 OUTCOMES = {Admitted: "acquired", Parked: "parked", RoomFull: "room full", NotWaiting: "none",
             Early: "early"}  # fmt: skip
 ROOMS_KEPT = 4096  # keys a room remembers as having waiters (then it forgets them all)
+MAX_IDLE_MS = 2**31 - 1
+"""The longest idle a sweep is asked for (about 25 days): sweep.lua caps it at a quarter of
+each room's TTL."""
 
 
 class _Ask(NamedTuple):
@@ -285,7 +288,11 @@ class WaitingRoom:
         handed: list[Handoff], deadline: int,
     ) -> None:  # fmt: skip
         """Deliver a park's or claim's hand-offs, and note where its waiter stands."""
-        self._saw_waiters(ask.key, not (isinstance(result, Admitted) and result.roomless))
+        # A take of a key remembered with waiters is not tried: it would find them.
+        waiters = not (isinstance(result, Admitted) and result.roomless)
+        if waiters and len(self._rooms) >= ROOMS_KEPT:
+            self._rooms.clear()
+        (self._rooms.add if waiters else self._rooms.discard)(ask.key)
         self.handoffs.deliver(ask.key, handed, self._scripts)
         if isinstance(result, Parked):
             self.index.add(ask.key, ask.ttl_ms, result.position == 0,
@@ -421,9 +428,75 @@ class WaitingRoom:
 
     def sweep_many(self, keys: Sequence[str], idle: float | None = None,
                    taken_ms: int | None = None) -> int:  # fmt: skip
-        """:meth:`sweep` the rooms of ``keys`` in one round trip (:func:`.sweep_rooms`)."""
-        args = (self._scripts, self.names, self.handoffs, self.index, keys, idle, taken_ms)
-        return sweep_rooms(*args)
+        """:meth:`sweep` the rooms of ``keys`` in one round trip: every ``sweep.lua`` call in
+        one pipeline (each still atomic on its own), then each room's hand-offs delivered,
+        each room found gone taken out of the :attr:`index`, and every other room scored in it
+        with when it next needs a sweep, in one more round trip.
+
+        A worker sweeps the rooms due a page at a time (see :meth:`.room_index.RoomIndex.due`):
+        one call per room, each its own round trip, would cost a worker's share of the rooms
+        its round-trip time each (a millisecond or more on a busy host, where the script itself
+        takes a tenth of that). A room where nothing can fall due is swept once per ``idle``
+        seconds, which only keeps its keys alive, since whatever could fall due in it later
+        brings its sweep on itself (see sweep.lua).
+
+        Args:
+            keys (Sequence[str]): the semaphore keys whose rooms to sweep.
+            idle (float | None): the most seconds a room may go unswept when nothing in it
+                falls due sooner (None, or more than a quarter of the room's TTL: that quarter,
+                so that the sweeps keep the room's keys alive).
+            taken_ms (int | None): the score every room of ``keys`` was given in the index when
+                it was taken to sweep (:meth:`.room_index.RoomIndex.due`); None: the rooms'
+                scores are read first (one more round trip), so that a room whose score a mark
+                lowered meanwhile keeps it.
+
+        Returns:
+            int: how many slots were handed off and waiters given up, in every room.
+
+        Raises:
+            SemaphoreValidationError: a key is not a non-empty str (nothing is sent).
+            SemaphoreBackendError: Redis failed: the round trip (each room's call is then put
+                right once the store answers, as a single sweep's would be), or one room's call
+                or removal from the index (the other rooms are swept all the same; the first
+                such error is raised once they are).
+        """
+        rooms = [(key, self.names.keys_of(check.check_key(key))) for key in keys]
+        if not rooms:
+            return 0
+        claim_ms = self.handoffs.claim_ms
+        idle_ms = MAX_IDLE_MS if idle is None else max(1, min(MAX_IDLE_MS, round(idle * 1000)))
+        taken = self.index.scores([key for key, _ in rooms]) if taken_ms is None else None
+        sent_at = time.monotonic()
+        try:
+            answers = self._scripts.run_many([sweep_call(k, claim_ms, idle_ms) for _, k in rooms])
+        except REDIS_ERRORS as exc:
+            for key, k in rooms:
+                recover_later(self._scripts, k, key, "", self.handoffs, sent_at, exc)
+            named = rooms[0][0] if len(rooms) == 1 else f"{rooms[0][0]} and {len(rooms) - 1} more"
+            raise backend_error(exc, named, None) from exc
+        failed: Exception | None = None
+        handed = 0
+        next_due: list[tuple[str, int, int]] = []
+        for n, ((key, _), answer) in enumerate(zip(rooms, answers, strict=True)):
+            try:
+                if isinstance(answer, Exception):
+                    raise backend_error(answer, key, None) from answer
+                alive, found, next_ms = answer
+                was = taken_ms if taken is None else taken[n]
+                if alive and was is not None:
+                    next_due.append((key, was, next_ms))
+                handed += self.handoffs.deliver(key, found, self._scripts)
+                if not alive:
+                    self.index.drop(key)
+            except Exception as exc:
+                failed = failed or exc
+        try:
+            self.index.reschedule(next_due)
+        except Exception as exc:  # the rooms stay due one interval on: swept sooner, not later
+            failed = failed or exc
+        if failed is not None:
+            raise failed
+        return handed
 
     def outlives(self, key: str, holder: str) -> bool:
         """Whether the run holding ``key``'s slot ``holder`` (a claim's
@@ -474,9 +547,3 @@ class WaitingRoom:
         keys, limit, _, token, weight = ask.slot
         return Slot(self._scripts, keys, ask.key, limit, token, ask.lease, admitted, sent_at,
                     self.handoffs, weight)  # fmt: skip
-
-    def _saw_waiters(self, key: str, waiters: bool) -> None:
-        # A take of a key remembered with waiters is not tried: it would find them.
-        if waiters and len(self._rooms) >= ROOMS_KEPT:
-            self._rooms.clear()
-        (self._rooms.add if waiters else self._rooms.discard)(key)

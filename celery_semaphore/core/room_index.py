@@ -48,12 +48,10 @@ class RoomIndex:
     Args:
         client (redis.Redis): where it lives.
         names (Namespace): the prefix's key names.
-        scripts (Scripts | None): the scripts registered on ``client`` (None: its own).
+        scripts (Scripts): the scripts registered on ``client``.
     """
 
-    def __init__(
-        self, client: redis.Redis, names: Namespace, scripts: Scripts | None = None
-    ) -> None:
+    def __init__(self, client: redis.Redis, names: Namespace, scripts: Scripts) -> None:
         self.client = client
         self.names = names
         self.key = names.room_index
@@ -116,8 +114,6 @@ class RoomIndex:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        if self._scripts is None:
-            self._scripts = Scripts(self.client)
         interval_ms, ttl_ms = max(1, round(interval * 1000)), max(1, round(ttl * 1000))
         with backend_errors(self.key):
             due = self._scripts.run(due_rooms_call(self.key, interval_ms, max(1, count), ttl_ms))
@@ -146,8 +142,6 @@ class RoomIndex:
         """
         if not rooms:
             return
-        if self._scripts is None:
-            self._scripts = Scripts(self.client)
         with backend_errors(self.key):
             self._scripts.run(reschedule_call(self.key, rooms))
 

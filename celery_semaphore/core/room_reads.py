@@ -17,8 +17,18 @@ from typing import Any
 import redis
 
 from .admin import Holder, SemaphoreAdmin
-from .live import Feedback, LiveLimit, Pause, feedback_of, live_limit_of, pause_of, text_of
-from .live_rates import RateState, rate_states, read_rate_states
+from .live import (
+    Feedback,
+    LiveLimit,
+    Pause,
+    RateState,
+    feedback_of,
+    live_limit_of,
+    pause_of,
+    rate_states,
+    read_rate_states,
+    text_of,
+)
 from .names import Namespace
 from .scripts import backend_errors
 

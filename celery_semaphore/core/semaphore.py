@@ -1,22 +1,33 @@
 """The leased counting semaphore: acquire a slot, keep it alive, give it back.
 
 The policy of leases lives here; the atomic operations in :mod:`.scripts` (and ``lua/``),
-the held slot in :mod:`.slot`, renewal in :mod:`.heartbeat`, a slot held for a block in
-:mod:`.guard`, the waiting room in :mod:`.room` and the operator's side in :mod:`.admin`.
+the held slot in :mod:`.slot`, renewal in :mod:`.heartbeat`, the waiting room in :mod:`.room`
+and the operator's side in :mod:`.admin`. A slot held for a block is :class:`guard`'s, here:
+:meth:`Semaphore.hold` and the Celery glue around each run use it.
 
 Semantics follow the leased-semaphore spec (``shared/spec/leased-semaphore.txt``): fail fast
 by default, bounded retries rather than a fair queue, lease renewal at a quarter of the lease,
 and two-pronged loss detection.
+
+``acquire(wait=...)`` blocks until a release frees a slot, without polling. A caller that
+found its key full registers its token as blocked (``block.lua``) and then blocks on the
+key's wake list (BLPOP). A release that frees a slot the waiting room does not take pushes one
+element there (``release.lua``), which wakes one blocked caller to try again. Each block also
+ends at the soonest lease to lapse (a crashed holder frees its slot then, and nobody pushes)
+and after :data:`MAX_BLOCK` seconds. Sync and asyncio callers block on one list, so a release
+by either wakes either: the sync wait is :meth:`Semaphore._wait`, the asyncio one
+:meth:`Acquirer.wait <celery_semaphore.asyncio.acquiring.Acquirer.wait>`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from redis import Redis, RedisCluster
 
@@ -28,12 +39,12 @@ from .clients import RedisClient, client_of
 from .deprecated import SemaphoreMoved
 from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from .group import SlotGroup, group_refused, take_group
-from .guard import guard as guard
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
+from .heartbeat import Renewer, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
-from .options import DEFAULT_LEASE, AcquirePlan, Planner, semaphore_options
+from .options import DEFAULT_LEASE, AcquirePlan, KeySpecs, Planner, semaphore_options
 from .rates import RateSpec, rates_of
 from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
@@ -41,11 +52,73 @@ from .room import WaitingRoom
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 from .slot import Slot
 from .tracing import acquire_span
-from .wake import MAX_BLOCK
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+S = TypeVar("S", bound=Slot | SlotGroup)
 
 __all__ = ["DEFAULT_LEASE", "Semaphore", "guard"]
+
+MAX_BLOCK = 2.0
+"""Longest single BLPOP, seconds: under the 5 s socket timeout of clients made from a URL."""
+
+
+class guard(Generic[S]):
+    """Renew ``slot`` while the ``with`` block runs, then release it and judge whether it
+    held; entering gives the slot.
+
+    The slot leaves the process's renewer (:mod:`celery_semaphore.core.heartbeat`) before
+    the release, so a renewal racing an intentional release is never mistaken for a loss.
+    The loss deadline is checked again when the block ends (a body that never yields the GIL
+    can starve the renewer), and the release's own answer is consulted. A class rather than
+    a generator: it wraps every bounded run, and is entered for a third of the cost.
+
+    Args:
+        slot (Slot | SlotGroup): a freshly acquired slot, or the slots of several keys
+            (each renewed, all released); released on every path out of the block.
+        interval (float | None): seconds between renewals; None for no renewal.
+        on_renew_error: see :meth:`Semaphore.hold`.
+
+    Raises:
+        SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
+    """
+
+    __slots__ = ("_beat", "interval", "on_renew_error", "slot")
+
+    def __init__(
+        self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None
+    ) -> None:
+        self.slot = slot
+        self.interval = interval
+        self.on_renew_error = on_renew_error
+        self._beat: Renewer | None = None
+
+    def _members(self) -> tuple[Slot, ...]:
+        slot = self.slot
+        return slot.slots if isinstance(slot, SlotGroup) else (slot,)
+
+    def __enter__(self) -> S:
+        if self.interval is not None:
+            beat = renewer()
+            for member in self._members():
+                beat.add(member, self.interval, self.on_renew_error)
+            self._beat = beat
+        return self.slot
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        slot = self.slot
+        if self._beat is not None:
+            for member in self._members():
+                self._beat.remove(member)
+        slot._check_deadline()
+        try:
+            slot.__exit__(exc_type, exc, tb)  # a release, or a back-off
+        except Exception:
+            # The lease runs out by itself; a failed release must not mask the body's outcome.
+            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+        if exc_type is None and slot.lost.is_set():
+            raise slot.lease_lost_error()
 
 
 class Semaphore(SemaphoreMoved):
@@ -165,7 +238,7 @@ class Semaphore(SemaphoreMoved):
             metadata (Mapping[str, Any] | None): JSON-serialisable facts about the holder,
                 shown by :meth:`SemaphoreAdmin.holders` beside ``host``, ``pid``, ``limit``.
             wait (float): seconds to wait for a slot when every one is held, woken by the
-                release that frees one (no polling; see :mod:`~celery_semaphore.core.wake`).
+                release that frees one (no polling; see the module's docstring).
                 A slot the release hands to a parked waiter (:meth:`WaitingRoom.park`) does
                 not wake anyone. Not together with ``retries``. Default 0: fail fast.
             units (Mapping[str, int] | None): this call's units of each of the semaphore's
@@ -198,9 +271,13 @@ class Semaphore(SemaphoreMoved):
                         record(attempt + 1, "acquired")
                         return self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
-                    # network): the slot cannot be trusted to be ours, so give it back.
+                    # network): the slot cannot be trusted to be ours, so give it back (one
+                    # that cannot be lapses with its lease).
                     late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
-                    late._give_back_late()
+                    try:
+                        late.release()
+                    except SemaphoreBackendError:
+                        logger.warning("could not give back a late slot of %r; it lapses", key)
             if wait and isinstance(reply, Full):
                 slot = self._wait(plan)
                 if slot is not None:
@@ -218,7 +295,7 @@ class Semaphore(SemaphoreMoved):
 
     def _wait(self, plan: AcquirePlan) -> Slot | None:
         """After ``plan``'s acquire found the key full, block for up to ``plan.wait`` seconds
-        until a release wakes this caller (see :mod:`~celery_semaphore.core.wake`), then take
+        until a release wakes this caller (see the module's docstring), then take
         the slot ``plan`` asks for (a call a start rate refused blocks until the rate allows
         it); None when the time is up.
 
@@ -305,7 +382,7 @@ class Semaphore(SemaphoreMoved):
 
     def acquire_many(
         self,
-        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        keys: KeySpecs,
         *,
         lease: float | None = None,
         retries: int = 0,
@@ -340,7 +417,7 @@ class Semaphore(SemaphoreMoved):
     @contextlib.contextmanager
     def hold_many(
         self,
-        keys: Sequence[tuple[str, int] | tuple[str, int, int]],
+        keys: KeySpecs,
         *,
         retries: int = 0,
         retry_delay: float = 0.1,

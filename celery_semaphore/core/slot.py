@@ -4,7 +4,7 @@
 public surface is the holder's: ``key``, ``token``, ``limit``, ``weight``, ``lease``,
 ``acquired_at``, ``expires_at``, ``deadline``, ``lost``, ``when_lost``, ``extend``, ``is_held``,
 ``release``, ``released``. The renewer's side (``_renewal``, ``_renewed``, ``_renewed_at``,
-``_mark_lost``, ``_check_deadline``, ``_watch_lease``) is the package's own, shared with
+``_mark_lost``, ``_check_deadline``, ``_on_lease_change``) is the package's own, shared with
 :class:`~celery_semaphore.asyncio.slot.AsyncSlot` through
 :class:`~celery_semaphore.core.lease.LeaseRecord`: underscored, so it stays out of the API
 reference and of a user's completion.
@@ -12,19 +12,15 @@ reference and of a user's completion.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
-from ..errors import SemaphoreBackendError
 from .calls import held_call
 from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
-
-logger = logging.getLogger(__name__)
 
 
 class Slot(LeaseRecord[Scripts]):
@@ -160,15 +156,6 @@ class Slot(LeaseRecord[Scripts]):
             if handed:
                 self._handoffs.deliver(self.key, handed, self._scripts)
         return self._released
-
-    def _give_back_late(self) -> None:
-        """Release a slot whose acquire was answered only after a whole lease (a paused
-        server, a stalled network): it cannot be trusted to be ours. Never raises: a slot
-        that cannot be given back lapses with its lease."""
-        try:
-            self.release()
-        except SemaphoreBackendError:
-            logger.warning("could not give back a late slot of %r; it lapses", self.key)
 
     def __enter__(self) -> Slot:
         return self

@@ -34,18 +34,9 @@ def _ignore(attempts: int, outcome: str) -> None:
     """What records an acquire's end when there is no tracer."""
 
 
-class _NoSpan:
-    """The span of an acquire when no tracer is installed: one shared object, entered for
-    nothing."""
-
-    def __enter__(self) -> Record:
-        return _ignore
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-
-_NO_SPAN = _NoSpan()
+_NO_SPAN = contextlib.nullcontext(_ignore)
+"""The span of an acquire when no tracer is installed: one shared object, entered for
+nothing."""
 
 _UNREAD = object()
 _PROVIDER_FROM_ENV = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ

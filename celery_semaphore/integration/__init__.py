@@ -5,8 +5,8 @@ reads its settings), ``settings`` (the ``semaphore_*`` settings resolved per app
 (key templates), ``signals`` (what a run announces), ``stats`` (per-worker counters),
 ``shedding`` (publish a run again with a countdown), ``room`` (park a run in the waiting room,
 claim a hand-off), ``runner`` (run a body under a slot), ``task`` and ``decorators`` (the two
-ways in), ``upkeep`` (the worker's thread that checks the store and sweeps the rooms),
-``worker`` (bootstep, inspect command, dead-run release).
+ways in), ``worker`` (bootstep, inspect command, dead-run release, and the worker's upkeep
+thread that checks the store and sweeps the rooms).
 """
 
 # Imported for its effects: the inspect command, and the receiver that adds the bootstep.

@@ -97,10 +97,7 @@ def take(
         return semaphore.acquire_many(
             ask.many, metadata=metadata, retries=retries, retry_delay=retry_delay
         )
-    if wait:
-        return semaphore.acquire(ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata,
-                                 wait=wait, units=ask.units)  # fmt: skip
     return semaphore.acquire(
-        ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata, retries=retries,
-        retry_delay=retry_delay, units=ask.units,
+        ask.key, limit=ask.limit, weight=ask.weight, metadata=metadata,
+        retries=0 if wait else retries, retry_delay=retry_delay, wait=wait, units=ask.units,
     )  # fmt: skip

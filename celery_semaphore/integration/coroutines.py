@@ -80,8 +80,7 @@ class CoroutineRunner:
         made = self._made.setdefault(asyncio.get_running_loop(), {})
         found = made.get(app)
         if found is None:
-            runner = self.runner
-            policy, limits = runner.policy_and_limits(app)
+            policy, limits = self.runner.policy_and_limits(app)
             semaphore = AsyncSemaphore(
                 self._client(app),
                 limits.default,

@@ -4,7 +4,6 @@ runs bodies unbounded in tests (see :func:`celery_semaphore.testing.unbounded`).
 from __future__ import annotations
 
 import contextvars
-import threading
 
 from ..core.group import SlotGroup
 from ..core.slot import Slot
@@ -14,28 +13,9 @@ CURRENT: contextvars.ContextVar[Slot | SlotGroup | None] = contextvars.ContextVa
 )
 """The slot of the bounded body running in this context (set by the runner)."""
 
-
-class _Switch:
-    """A process-wide on/off switch that blocks can nest (see ``testing.unbounded``)."""
-
-    def __init__(self) -> None:
-        self._depth = 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> None:
-        with self._lock:
-            self._depth += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._depth -= 1
-
-    def __bool__(self) -> bool:
-        return self._depth > 0
-
-
-UNBOUNDED = _Switch()
-"""On while :func:`celery_semaphore.testing.unbounded` is entered: bodies run with no slot."""
+UNBOUNDED: list[None] = []
+"""Not empty while :func:`celery_semaphore.testing.unbounded` is entered, one entry per block
+(so blocks nest, in any thread: ``append`` and ``pop`` are atomic): bodies run with no slot."""
 
 
 def current_slot() -> Slot | SlotGroup | None:

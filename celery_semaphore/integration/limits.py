@@ -116,12 +116,10 @@ class WeightSpec:
     def __init__(self, spec: object) -> None:
         self._call: Callable[..., Any] | None = None
         self.fixed: int | None = None
-        if spec is None:
-            self.fixed = 1
-        elif callable(spec) and not isinstance(spec, type):
+        if callable(spec) and not isinstance(spec, type):
             self._call = spec
         else:
-            self.fixed = check.check_limit(spec, "weight")
+            self.fixed = check.check_limit(1 if spec is None else spec, "weight")
 
     def for_call(
         self, key: str, limit: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]

@@ -18,7 +18,7 @@ from redis import RedisCluster
 
 from ..core.admin import holder_from_reply, scan_keys
 from ..core.calls import holders_call, waiting_call
-from ..core.live_rates import read_rate_states
+from ..core.live import read_rate_states
 from ..core.names import Namespace
 from ..core.scripts import Scripts, backend_error, backend_errors
 from . import stats
@@ -117,16 +117,15 @@ def worker_report(app: Celery, worker: str) -> dict[str, Any]:
         stats.flush()
         held, truncated = held_by_worker(app, worker)
         waiting = waiting_by_key(app, (row["key"] for row in held))
-        counters = stats.read(app, worker)
-        return {"held": held, "waiting": waiting, "counters": counters, "truncated": truncated}
+        return {"held": held, "waiting": waiting, "counters": stats.read(app, worker),
+                "truncated": truncated}  # fmt: skip
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def semaphores(state: Any, **_: Any) -> dict[str, Any]:
     """Remote control: this worker's held slots (key, task id and name, pid, times)."""
-    consumer = state.consumer
-    return worker_report(consumer.app, consumer.hostname)
+    return worker_report(state.consumer.app, state.consumer.hostname)
 
 
 inspect_command(name="semaphores", help="List the semaphore slots this worker's tasks hold.")(

@@ -54,10 +54,9 @@ class _Pending:
         with self.lock:
             self.counts.setdefault((app, worker), collections.Counter())[field] += by
             if self.timer is None:
-                timer = threading.Timer(FLUSH_DELAY, self.flush)
-                timer.daemon = True
-                timer.start()
-                self.timer = timer
+                self.timer = threading.Timer(FLUSH_DELAY, self.flush)
+                self.timer.daemon = True
+                self.timer.start()
 
     def flush(self) -> None:
         """Write every count held, one round trip per app. Never raises."""
@@ -124,5 +123,4 @@ def read(app: Celery, worker: str) -> dict[str, int]:
 
 def reset(app: Celery, worker: str) -> None:
     """Zero ``worker``'s counters (a worker does this when it starts)."""
-    client: redis.Redis = client_for(app)
-    client.delete(stats_key(app_settings(app).prefix, worker))
+    client_for(app).delete(stats_key(app_settings(app).prefix, worker))

@@ -2,7 +2,7 @@
 persistence means for parked runs.
 
 The worker's main process checks the store (a PING) once at start-up, then in its upkeep
-thread (:mod:`~.upkeep`) every ``semaphore_sweep_interval`` seconds, before it sweeps the
+thread (:class:`~.worker.Upkeep`) every ``semaphore_sweep_interval`` seconds, before it sweeps the
 waiting rooms.
 While the store cannot be reached it says so in one warning line, naming the store (its
 password masked) and what happens to runs meanwhile, and says it again after 2, 4, 8, ...
@@ -23,6 +23,7 @@ from typing import Any
 
 from celery import Celery
 
+from ..core.live import text_of
 from ..core.scripts import REDIS_ERRORS
 from ..errors import SemaphoreBackendError
 from .settings import app_settings, client_for, journal_for
@@ -149,7 +150,8 @@ def persistence_note(client: Any, store: str) -> str:
     try:
         config = {}
         for name in ("save", "appendonly", "appendfsync"):
-            config.update(_text(client.config_get(name)))
+            reply = dict(client.config_get(name))
+            config.update({text_of(k): text_of(v) for k, v in reply.items()})
         save, appendonly = config["save"].strip(), config["appendonly"]
         fsync = config.get("appendfsync", "everysec")
     except Exception:
@@ -208,13 +210,3 @@ def _note_from_info(client: Any, head: str) -> str:
         f"{head} persistence unknown (the server refuses CONFIG GET): a restart of the store "
         "may lose every parked run"
     )
-
-
-def _text(reply: Any) -> dict[str, str]:
-    """A ``CONFIG GET`` reply with its names and values as str."""
-    return {
-        (k.decode() if isinstance(k, bytes) else str(k)): (
-            v.decode() if isinstance(v, bytes) else str(v)
-        )
-        for k, v in dict(reply).items()
-    }

@@ -10,6 +10,24 @@ releases it once the holder's process has exited, rechecking on the worker's tim
 message is requeued instead (``acks_late`` with ``reject_on_worker_lost``) Celery sends no
 signal, and the slot lapses within one lease.
 
+The upkeep: the worker's main loop (kombu's event loop and timer) receives messages and starts
+runs, and a round trip there holds up every message behind it. So the bootstep starts one
+daemon thread per worker (:class:`Upkeep`), in its main process (a prefork worker's pool
+processes have none), which:
+
+- every ``semaphore_sweep_interval`` seconds (2 s), checks that the store answers
+  (:class:`~.store_watch.StoreWatch`) and, for an app with a queueing task, does the
+  sweeper's :meth:`~.waiting_room.sweeps.RoomSweeper.tick` (the journal keeper, the
+  revoked ids, the fleet's periodic scan);
+- in between, takes the rooms due for a sweep a page at a time, and sweeps them: at once
+  again while a page comes back full, else once the next room is due (no sooner than an
+  eighth, no later than a quarter of an interval, so that a room is swept within about a
+  quarter of an interval of its time, and each worker asks the index at most about 8 times
+  an interval when nothing is due).
+
+The thread never raises out (each step logs its own failures), stops when the worker stops
+(:meth:`Upkeep.stop`), and, a daemon, cannot keep a worker's process alive.
+
 Importing this module registers the inspect command (the ``celery`` CLI checks command names,
 and imports this package through its ``celery.commands`` entry point) and connects one
 ``worker_init`` receiver that adds the bootstep to the starting worker's app. The dead-run
@@ -20,11 +38,14 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+import redis
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import Celery, Task, bootsteps
 from celery.signals import (
@@ -38,18 +59,18 @@ from celery.signals import (
 from ..core.admin import Holder, SemaphoreAdmin
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
-from .broker import survive_broker_restarts
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
 from .runner import refusal_of, runner_of
-from .settings import app_settings, forget, journal_for, task_policy
+from .settings import app_settings, client_for, forget, journal_for, task_policy
 from .store import broker_visibility_timeout
-from .upkeep import Upkeep, start_upkeep
+from .store_watch import StoreWatch
 from .waiting_room.queues import (
     broadcast_refusal,
     broadcast_route_of,
     consume_handoff_queues,
     warm_publisher,
 )
+from .waiting_room.sweeps import PAGE, RoomSweeper
 
 logger = logging.getLogger(__name__)
 
@@ -214,6 +235,157 @@ def _pid_gone(pid: int) -> bool:
     return False
 
 
+def survive_broker_restarts() -> bool:
+    """In a worker whose broker is Redis, make kombu's Redis channel raise a connection error,
+    not an ``AttributeError``, when asked to connect through a transport already closed, so
+    that the worker survives a restart of its broker while messages wait in it. Idempotent; a
+    channel whose transport is open is not touched.
+
+    Shed runs (and Celery's own countdown and ETA tasks) wait out their countdown in the
+    worker that fetched them, unacknowledged. On Celery 5.7.0 with kombu 5.7.0 (the only kombu
+    that Celery 5.7 accepts), a broker connection lost at such a moment took the worker's main
+    process down. The consumer first collects the lost connection (``Connection.collect()``,
+    which drops the kombu transport's ``client``), then closes it (``Connection.close()``);
+    closing its default channel again restores the unacknowledged messages
+    (``QoS.restore_unacked_once``), and kombu's Redis channel, whose pools it has just
+    disconnected, builds a new one from the transport's ``client``: ``Channel._connparams``
+    raises ``AttributeError: 'NoneType' object has no attribute 'hostname'``, which is not a
+    connection error, so neither kombu nor Celery ignores it, and the worker stops with
+    "Unrecoverable error". Celery 5.4 to 5.6 only collect the connection, and never meet it
+    (checked with kombu 5.3.4, 5.5.4, 5.6.2 and 5.7.0).
+
+    With the guard that call raises a Redis ``ConnectionError`` instead: the close then goes
+    on as for any broker out of reach, and the consumer reconnects. The messages it could not
+    restore stay in the broker's ``unacked`` hash, which kombu restores after the
+    ``visibility_timeout``, as after any connection lost while the broker is down (a broker
+    restarted without persistence has lost them anyway).
+
+    Returns:
+        bool: whether the guard is in place (False: kombu's Redis transport has no
+        ``Channel._connparams`` to guard).
+    """
+    from kombu.transport import redis as kombu_redis
+
+    connparams = getattr(kombu_redis.Channel, "_connparams", None)
+    if connparams is None:
+        return False
+    if getattr(connparams, "__semaphore_guard__", False):
+        return True
+
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        transport = getattr(self, "connection", None)
+        if transport is None or getattr(transport, "client", None) is None:
+            raise redis.ConnectionError("the broker connection was closed; reconnecting")
+        return connparams(self, *args, **kwargs)
+
+    guarded.__semaphore_guard__ = True  # type: ignore[attr-defined]
+    guarded.__wrapped__ = connparams  # type: ignore[attr-defined]
+    kombu_redis.Channel._connparams = guarded  # type: ignore[method-assign]
+    return True
+
+
+STOP_TIMEOUT = 10.0
+"""Seconds :meth:`Upkeep.stop` waits for the thread to finish what it is doing."""
+
+
+class Upkeep:
+    """The upkeep thread of one worker (see the module).
+
+    Args:
+        watch (StoreWatch): the worker's watch on its store.
+        sweeper (RoomSweeper | None): the sweeper of an app with a queueing task; None: the
+            thread only watches the store.
+        interval (float): seconds between two checks of the store, and between two sweeps of
+            one room by the fleet (> 0).
+        reachable (bool): whether the store answered the check made at start-up.
+        timer (Any): the worker's ``kombu`` timer, or None (see :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        watch: StoreWatch,
+        sweeper: RoomSweeper | None,
+        interval: float,
+        reachable: bool = False,
+        timer: Any = None,
+    ) -> None:
+        self.watch, self.sweeper, self.interval = watch, sweeper, interval
+        self._reachable = reachable
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._timer, self._wakes = timer, None
+
+    def start(self) -> None:
+        """Start the thread (a second call does nothing). With the worker's timer, also put
+        an entry on it that does nothing every interval: the worker's main loop then wakes
+        at least that often, as it did when it swept on that timer. An in-process worker
+        (``celery.contrib.testing``) notices a request to stop only when its loop wakes,
+        which on a quiet AMQP connection and a timer with nothing due soon can take 10 s."""
+        if self._thread is not None:
+            return
+        if self._timer is not None:
+            self._wakes = self._timer.call_repeatedly(self.interval, lambda: None)
+        self._thread = threading.Thread(target=self._run, name="celery-semaphore-upkeep",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> bool:
+        """Stop the thread, and wait up to ``timeout`` seconds for it to end (a sweep under
+        way finishes its room first). Never raises.
+
+        Returns:
+            bool: whether it ended in time (one that did not is a daemon, and ends with the
+            process).
+        """
+        self._stopping.set()
+        if self._wakes is not None:
+            self._wakes.cancel()
+            self._wakes = None
+        thread, self._thread = self._thread, None
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the semaphore upkeep thread did not stop within %gs", timeout)
+            return False
+        return True
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # never out of the thread: the worker goes on without it
+            logger.error("the semaphore upkeep thread stopped", exc_info=True)
+
+    def _loop(self) -> None:
+        next_tick = time.monotonic()  # the thread's first step is a tick
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + self.interval
+                self._reachable = self.watch.check()
+                if self._reachable and self.sweeper is not None:
+                    self.sweeper.tick()
+            wait = next_tick - time.monotonic()
+            if self._reachable and self.sweeper is not None and not self._stopping.is_set():
+                due = self.sweeper.sweep_due()
+                if due is None:
+                    self._reachable = False  # until the next check says otherwise
+                elif len(due.keys) >= PAGE or 0 <= due.next_ms <= due.now_ms:
+                    wait = 0.0  # more rooms are due than a page: go on at once
+                else:
+                    until = (due.next_ms - due.now_ms) / 1000 if due.next_ms >= 0 else wait
+                    quarter = self.interval / 4
+                    # Jittered, so that the workers of a fleet do not ask in step.
+                    wait = min(wait, max(quarter / 2, min(until, quarter)))
+                    wait *= random.uniform(0.9, 1.1)
+            self._stopping.wait(max(0.0, wait))
+
+
 class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: checks the bounded tasks, frees dead runs' slots, sweeps the waiting
     rooms, feeds ``inspect stats``, and makes the worker consume a hand-off queue beside each
@@ -241,10 +413,11 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.queues = False
         self.bounded = False  # whether the app has a bounded task: then its store is watched
         app = worker.app
-        visibility = broker_visibility_timeout(app)
-        # Shed runs wait out their countdown in this worker: a restart of a Redis broker
-        # must not take it down meanwhile (see broker.py).
-        survive_broker_restarts(app)
+        visibility = broker_visibility_timeout(app)  # None: the broker is not Redis
+        if visibility is not None:
+            # Shed runs wait out their countdown in this worker: a restart of a Redis broker
+            # must not take it down meanwhile.
+            survive_broker_restarts()
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
             refused = refusal_of(task)
@@ -308,7 +481,21 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if not self.bounded:
             return
 
-        self._upkeep = start_upkeep(app, worker.hostname, self.queues, worker.timer)
+        def first_reach() -> None:
+            stats.reset(app, worker.hostname)
+            admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
+            for warning in admin.server_warnings():
+                logger.warning("%s", warning)
+
+        # The store is checked once now, in this thread, so that the worker's start-up checks
+        # of it (its counters reset, the server's warnings, the persistence line) come before
+        # any of its runs; then the upkeep thread starts.
+        watch = StoreWatch(app, self.queues, first_reach)
+        sweeper = RoomSweeper(app, worker.hostname) if self.queues else None
+        reachable = watch.check()
+        self._upkeep = Upkeep(watch, sweeper, app_settings(app).sweep_interval, reachable,
+                              worker.timer)  # fmt: skip
+        self._upkeep.start()
 
     def stop(self, worker: Any) -> None:
         self.terminate(worker)  # first: its sweeps count too

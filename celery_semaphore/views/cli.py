@@ -17,19 +17,17 @@ lease has not run out yet.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import ParamSpec, TypeVar
 
 import click
 from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
 from ..core.handoff import HandoffRoute
-from ..core.live_rates import RateState
+from ..core.live import RateState
 from ..core.rates import Rate
 from ..errors import SemaphoreError
 from ..integration.settings import app_settings, client_for
@@ -39,28 +37,21 @@ from .why import Standing, why
 
 
 def _app(ctx: click.Context) -> Celery:
-    obj = ctx.find_root().obj
-    app = getattr(obj, "app", None)
+    app = getattr(ctx.find_root().obj, "app", None)
     if app is None:
         raise click.UsageError("no Celery app: run it as `celery -A proj semaphore ...`")
     return app
 
 
-P = ParamSpec("P")
-R = TypeVar("R")
+class _Commands(click.Group):
+    """The ``semaphore`` group: a :class:`SemaphoreError` of any of its commands is said as
+    click says an error (no traceback)."""
 
-
-def _said(command: Callable[P, R]) -> Callable[P, R]:
-    """``command``, its :class:`SemaphoreError` said as click says an error (no traceback)."""
-
-    @functools.wraps(command)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+    def invoke(self, ctx: click.Context) -> object:
         try:
-            return command(*args, **kwargs)
+            return super().invoke(ctx)
         except SemaphoreError as exc:
             raise click.ClickException(str(exc)) from exc
-
-    return run
 
 
 WAITING_SHOWN = 5
@@ -136,9 +127,11 @@ def render(semaphores: list[SemaphoreView]) -> str:
             limit = f", limit {sem.limit}" if sem.limit else ""
             lines.append(f"{sem.key}  no slot held{limit}{_live(sem)}")
             continue
-        queued = ""
-        if sem.oldest_wait is not None:
-            queued = f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})"
+        queued = (
+            ""
+            if sem.oldest_wait is None
+            else (f", {sem.queued} queued (oldest {_seconds(sem.oldest_wait)})")
+        )
         lines.append(f"{sem.key}  {sem.in_use}/{sem.limit or '?'} in use{queued}{_live(sem)}")
         rows = [("TASK ID", "TASK", "WORKER", "PID", "HELD FOR", "EXPIRES IN")]
         for holder in sem.holders:
@@ -171,7 +164,7 @@ def _table(rows: Sequence[Sequence[str]]) -> list[str]:
             for r in rows]  # fmt: skip
 
 
-@click.group(name="semaphore")
+@click.group(name="semaphore", cls=_Commands)
 def semaphore() -> None:
     """See and manage celery-semaphore slots (reads the app's semaphore_url)."""
 
@@ -184,7 +177,6 @@ def semaphore() -> None:
     help="Waiting runs to list per key, first served first (their total is always shown).",
 )  # fmt: skip
 @click.pass_context
-@_said
 def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool, waiting: int) -> None:
     """Every semaphore (or the KEYS given): limit, slots in use, who holds them, and how
     many runs wait in its room, the oldest wait and the first of them."""
@@ -200,7 +192,6 @@ def status(ctx: click.Context, keys: tuple[str, ...], as_json: bool, waiting: in
 @click.argument("limit", type=click.IntRange(min=1, max=2**31 - 1), required=False)
 @click.option("--clear", is_flag=True, help="Drop the live limit: the code's limit applies again.")
 @click.pass_context
-@_said
 def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bool) -> None:
     """Set KEY's live limit to LIMIT, in Redis, for every worker at once, with no deploy.
 
@@ -236,7 +227,6 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
 @click.option("--clear", is_flag=True, help="Drop the live rate: the code's rate applies again.")
 @click.option("--by", default=None, help="Who sets it, for status (default: user@host pid N).")
 @click.pass_context
-@_said
 def set_rate_command(
     ctx: click.Context, key: str, rate: str | None, burst: int, name: str, clear: bool,
     by: str | None,
@@ -268,7 +258,6 @@ def _admin(app: Celery) -> SemaphoreAdmin:
 @click.argument("key")
 @click.option("--by", default=None, help="Who pauses it, for status (default: user@host pid N).")
 @click.pass_context
-@_said
 def pause(ctx: click.Context, key: str, by: str | None) -> None:
     """Pause KEY for every worker at once: running tasks finish, nothing new starts.
 
@@ -284,7 +273,6 @@ def pause(ctx: click.Context, key: str, by: str | None) -> None:
 @click.argument("key")
 @click.option("--by", default=None, help="Who resumes it, for the log (default: user@host pid N).")
 @click.pass_context
-@_said
 def resume(ctx: click.Context, key: str, by: str | None) -> None:
     """Resume KEY after `pause`: its free slots go to the oldest parked runs at once."""
     was = _admin(_app(ctx)).resume(key, by)
@@ -295,7 +283,6 @@ def resume(ctx: click.Context, key: str, by: str | None) -> None:
 @click.argument("task_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.pass_context
-@_said
 def why_command(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Why is TASK_ID waiting: the rooms it is parked in, its place in each, the holders ahead
     of it, the limit in force (live limit, pause) and its wait budget left.
@@ -332,10 +319,9 @@ def render_why(task_id: str, found: Sequence[Standing], state: str | None) -> st
                 f"(its result backend says {state}).")  # fmt: skip
     lines = [f"Task {task_id}:"]
     for s in found:
-        where = _where(s)
         waited = "" if s.waited is None else f", waiting {s.waited:.1f}s"
         budget = "" if s.gives_up_in is None else f"; gives up in {max(0.0, s.gives_up_in):.1f}s"
-        lines.append(f"  {s.key!r}: {where}{waited}{budget}")
+        lines.append(f"  {s.key!r}: {_where(s)}{waited}{budget}")
         lines.append(f"    limit {s.limit if s.limit is not None else '?'} in force{_live(s)}")
         held = [f"task {h.metadata.get('task_id') or h.token} on {h.metadata.get('host', '?')} "
                 f"(held {h.held_for:.1f}s, lease ends in {h.expires_in:.1f}s)"
@@ -349,7 +335,6 @@ def render_why(task_id: str, found: Sequence[Standing], state: str | None) -> st
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_context
-@_said
 def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     """Free every slot of KEY, for runs that are stuck or gone.
 
@@ -364,8 +349,7 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
         return
     if not yes:
         click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
-    admin = SemaphoreAdmin(client_for(app), app_settings(app).prefix)
-    displaced = admin.force_release_all(key)
+    displaced = _admin(app).force_release_all(key)
     click.echo(f"Released {key!r}: {displaced} live holder(s) displaced.")
 
 
@@ -382,7 +366,6 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
     "--count", type=click.IntRange(min=1), default=None, help="Stop after this many refreshes."
 )
 @click.pass_context
-@_said
 def watch(ctx: click.Context, keys: tuple[str, ...], interval: float, count: int | None) -> None:
     """A live view of `status`, refreshed every --interval seconds (Ctrl-C stops)."""
     app = _app(ctx)

@@ -55,7 +55,6 @@ from typing import Any, TypeVar
 
 import redis
 import tornado.escape
-import tornado.routing
 import tornado.template
 import tornado.web
 from celery import Celery
@@ -66,7 +65,7 @@ from ..core import validation as check
 from ..core.admin import SemaphoreAdmin
 from ..core.handoff import HandoffRoute
 from ..core.live import setter
-from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
+from ..errors import SemaphoreError, SemaphoreValidationError
 from ..integration.settings import app_settings
 from ..integration.waiting_room.handoffs import publisher_for
 from .inspection import SemaphoreView, WaitingPage, check_page, semaphore_keys, views, waiting_page
@@ -261,9 +260,7 @@ def install() -> None:
 
 
 def _pattern(handler: Any) -> str:
-    return str(
-        handler.regex.pattern if isinstance(handler, tornado.routing.URLSpec) else handler[0]
-    )
+    return str(handler.regex.pattern if isinstance(handler, tornado.web.url) else handler[0])
 
 
 def start_flower(app: Celery, argv: Sequence[str]) -> None:
@@ -369,12 +366,29 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
 
 class _Api(BaseApiHandler):  # type: ignore[misc]
     """What the API's handlers share: a plain-text answer, written here rather than raised
-    (Flower 2.1 writes an HTTPError's format string rather than its message)."""
+    (Flower 2.1 writes an HTTPError's format string rather than its message), and how they
+    answer a call into the store."""
 
     def plain(self, status: int, message: str) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "text/plain; charset=UTF-8")
         self.finish(message)
+
+    async def respond(self, call: Callable[[], T], write: Callable[[T], Any]) -> None:
+        """``call()`` in Flower's thread pool, then what ``write`` makes of its answer as
+        JSON (None: ``write`` answered itself); 400 or 503 with the reason."""
+        try:
+            found = await _in_pool(call)
+        except SemaphoreValidationError as exc:
+            self.plain(400, str(exc))
+            return
+        except SemaphoreError as exc:
+            self.plain(503, str(exc))
+            return
+        shown = write(found)
+        if shown is not None:
+            self.set_header("Content-Type", "application/json; charset=UTF-8")
+            self.finish(json.dumps(shown, default=str))
 
 
 class _JsonApi(_Api):
@@ -392,18 +406,8 @@ class _JsonApi(_Api):
         return int(raw) if raw.isdigit() and len(raw) < 10 else raw
 
     async def answer(self, read: Callable[[SemaphoreSource], T], write: Callable[[T], Any]) -> None:
-        """Read in Flower's thread pool, then write JSON; 400 or 503 with the reason."""
-        try:
-            source = await _in_pool(lambda: self.sources.of(self.application))
-            found = await _in_pool(lambda: read(source))
-        except SemaphoreValidationError as exc:
-            self.plain(400, str(exc))
-            return
-        except SemaphoreError as exc:
-            self.plain(503, str(exc))
-            return
-        self.set_header("Content-Type", "application/json; charset=UTF-8")
-        self.finish(json.dumps(write(found), default=str))
+        """``read`` the application's source, then write JSON (see :meth:`respond`)."""
+        await self.respond(lambda: read(self.sources.of(self.application)), write)
 
 
 class SemaphoresApi(_JsonApi):
@@ -528,29 +532,24 @@ class LiveLimitApi(_Api):
         if why is not None or self.set_limit is None:
             self.plain(403, f"Live limits cannot be changed here: {why}.")
             return
-        who = self._who()
-        body: dict[str, Any]
-        try:
+        # Who asks, for the record: the Flower user, their address, this process.
+        who = f"{self._user()} via Flower from {self.request.remote_ip} ({setter()})"
+        set_limit, pause = self.set_limit, self.pause
+
+        def change() -> dict[str, Any]:
             key, limit, paused = self._arguments()
-            if paused is not None and self.pause is not None:
-                was = await IOLoop.current().run_in_executor(None, self.pause, key, paused, who)
-                body = {"key": key, "paused": paused, "was_paused": was, "by": who}
-            else:
-                previous = await IOLoop.current().run_in_executor(
-                    None, self.set_limit, key, limit, who
-                )
-                body = {"key": key, "limit": limit, "previous": previous, "by": who}
-        except SemaphoreValidationError as exc:
-            self.plain(400, str(exc))
-            return
-        except SemaphoreBackendError as exc:
-            self.plain(503, str(exc))
-            return
-        if "text/html" in self.request.headers.get("Accept", ""):
+            if paused is not None and pause is not None:
+                return {"key": key, "paused": paused, "was_paused": pause(key, paused, who),
+                        "by": who}  # fmt: skip
+            return {"key": key, "limit": limit, "previous": set_limit(key, limit, who), "by": who}
+
+        def written(body: dict[str, Any]) -> dict[str, Any] | None:
+            if "text/html" not in self.request.headers.get("Accept", ""):
+                return body
             self.redirect(self.reverse_url("semaphores"), status=303)
-            return
-        self.set_header("Content-Type", "application/json; charset=UTF-8")
-        self.finish(json.dumps(body))
+            return None
+
+        await self.respond(change, written)
 
     def _argument(self, name: str) -> str | None:
         # Taken as sent: Flower's get_argument HTML-escapes values, and tornado's strips them,
@@ -585,12 +584,9 @@ class LiveLimitApi(_Api):
         try:
             return bool(strtobool(value))
         except ValueError:
-            message = f"{name} must be true or false, got {value!r:.60}"
-            raise SemaphoreValidationError(message, key) from None
-
-    def _who(self) -> str:
-        """Who is asking, for the record: the Flower user, their address, this process."""
-        return f"{self._user()} via Flower from {self.request.remote_ip} ({setter()})"
+            raise SemaphoreValidationError(
+                f"{name} must be true or false, got {value!r:.60}", key
+            ) from None
 
     def _user(self) -> str:
         """The OAuth user, else the basic-auth user name, else ``anonymous``."""

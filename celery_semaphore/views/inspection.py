@@ -16,8 +16,15 @@ import redis
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX, Holder, LiveLimit, SemaphoreAdmin
 from ..core.calls import waiting_call
-from ..core.live import Feedback, Pause, feedback_of, live_limit_of, pause_of
-from ..core.live_rates import RateState, read_rate_states
+from ..core.live import (
+    Feedback,
+    Pause,
+    RateState,
+    feedback_of,
+    live_limit_of,
+    pause_of,
+    read_rate_states,
+)
 from ..core.names import Namespace
 from ..core.replies import Waiter
 from ..core.room import WaitingRoom
@@ -205,8 +212,8 @@ def semaphore_keys(
         SemaphoreBackendError: Redis failed.
     """
     admin = SemaphoreAdmin(client, prefix)
-    found = {*admin.scan_keys(), *admin.scan_keys(rooms=True), *admin.scan_keys(limits=True)}
-    return sorted(found | set(declared))
+    return sorted({*admin.scan_keys(), *admin.scan_keys(rooms=True),
+                   *admin.scan_keys(limits=True), *declared})  # fmt: skip
 
 
 def views(

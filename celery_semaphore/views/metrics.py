@@ -60,9 +60,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..core.admin import DEFAULT_PREFIX
-from ..core.live import feedback_of
-from ..core.live_rates import read_rate_states
+from ..core.admin import DEFAULT_PREFIX, SemaphoreAdmin
+from ..core.live import read_rate_states
 from ..core.room import WaitingRoom
 from ..core.scripts import backend_errors
 from ..errors import SemaphoreError
@@ -174,56 +173,43 @@ def install(
         **opts,
     )
 
-    def each(fields: dict[str, Any]) -> list[str]:
-        return labels_of(key_label, **fields)
-
     def on_acquired(waited: float = 0.0, **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             acquisitions.labels(label, "acquired").inc()
             wait.labels(label).observe(waited)
             in_use.labels(label).inc()
 
     def on_released(held: float = 0.0, **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             hold.labels(label).observe(held)
             in_use.labels(label).dec()
 
-    def on_shed(**fields: Any) -> None:
-        for label in each(fields):
-            acquisitions.labels(label, "shed").inc()
-            sheds.labels(label).inc()
-
-    def on_parked(**fields: Any) -> None:
-        for label in each(fields):
-            acquisitions.labels(label, "parked").inc()
-            parked.labels(label).inc()
-
     def on_refused(reason: object = "full", **fields: Any) -> None:
-        for label in each(fields):
+        for label in labels_of(key_label, **fields):
             acquisitions.labels(label, "refused").inc()
             refused.labels(label, str(reason)).inc()
 
-    def on_lost(**fields: Any) -> None:
-        for label in each(fields):
-            lease_lost.labels(label).inc()
+    def counting(counter: Counter, outcome: str = "") -> Callable[..., None]:
+        """A handler that counts a run under each of its labels in ``counter`` and, given an
+        ``outcome``, in ``acquisitions``."""
 
-    def on_renew_failed(**fields: Any) -> None:
-        for label in each(fields):
-            renew_errors.labels(label).inc()
+        def handler(**fields: Any) -> None:
+            for label in labels_of(key_label, **fields):
+                if outcome:
+                    acquisitions.labels(label, outcome).inc()
+                counter.labels(label).inc()
 
-    def on_backed_off(**fields: Any) -> None:
-        for label in each(fields):
-            back_offs.labels(label).inc()
+        return handler
 
     handlers = (
         (signals.semaphore_acquired, on_acquired),
         (signals.semaphore_released, on_released),
-        (signals.semaphore_shed, on_shed),
-        (signals.semaphore_parked, on_parked),
+        (signals.semaphore_shed, counting(sheds, "shed")),
+        (signals.semaphore_parked, counting(parked, "parked")),
         (signals.semaphore_refused, on_refused),
-        (signals.semaphore_lease_lost, on_lost),
-        (signals.semaphore_renew_failed, on_renew_failed),
-        (signals.semaphore_backed_off, on_backed_off),
+        (signals.semaphore_lease_lost, counting(lease_lost)),
+        (signals.semaphore_renew_failed, counting(renew_errors)),
+        (signals.semaphore_backed_off, counting(back_offs)),
     )
     for signal, handler in handlers:
         signal.connect(handler, weak=False)
@@ -278,7 +264,7 @@ class RoomCollector(Collector):
     def __init__(
         self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, namespace: str = ""
     ) -> None:
-        self.room = WaitingRoom(client, prefix)
+        self.room, self.admin = WaitingRoom(client, prefix), SemaphoreAdmin(client, prefix)
         self.namespace = f"{namespace}_" if namespace else ""
 
     def collect(self) -> Iterator[Metric]:
@@ -315,10 +301,8 @@ class RoomCollector(Collector):
                 if head is not None:
                     oldest.add_metric([key], head.waited)
                 with backend_errors(key):
-                    keys = self.room.names.keys_of(key)
-                    raw = self.room.client.hgetall(keys.limits)
-                    rates = read_rate_states(self.room.client, keys, raw)
-                fed = feedback_of(raw)
+                    rates = read_rate_states(self.room.client, self.room.names.keys_of(key))
+                fed = self.admin.feedback(key)
                 if fed is not None and fed.limit is not None:
                     current.add_metric([key], fed.limit)
                 if fed is not None and fed.back_offs:
@@ -329,9 +313,4 @@ class RoomCollector(Collector):
                     due.add_metric([key, rate.name], rate.due_in)
         except SemaphoreError as exc:
             logger.warning("could not read the waiting rooms for metrics: %s", exc)
-        yield queued
-        yield oldest
-        yield free
-        yield due
-        yield current
-        yield cooling
+        yield from (queued, oldest, free, due, current, cooling)

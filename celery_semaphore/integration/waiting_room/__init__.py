@@ -10,7 +10,9 @@ run that starts in its place, in the order a run meets it.
 - :mod:`.sweeps`: the safety net the workers share out (each room when something in it falls
   due, by the whole fleet), so a room drains even when the process that should have
   published a hand-off died; :mod:`.revoked`: the revoked runs the workers take out.
-- :mod:`.headers`: the marks a hand-off's message carries.
+
+The marks a hand-off's message carries are :mod:`celery_semaphore.integration.shedding`'s,
+beside the shed headers a parked run keeps its first arrival by.
 
 The room itself (park, claim, cancel, sweep, and the Lua that does them) is the core's:
 :mod:`celery_semaphore.core.room`.

@@ -4,8 +4,9 @@ reserved, and claim that slot when the run starts.
 A release (or a sweep, or a raised live limit) reserves a freed slot for the oldest parked
 run in the same script call and hands this process the run's payload: its message as
 Celery's ``retry()`` would publish it (see :mod:`.parking`). :func:`publisher_for` publishes
-it with a fresh :data:`~.headers.HANDOFF_ID_HEADER`, to the run's hand-off queue (see
-:mod:`.queues`); the run then calls :func:`claim_or_end` when it starts.
+it with a fresh :data:`~celery_semaphore.integration.shedding.HANDOFF_ID_HEADER`, to the
+run's hand-off queue (see :mod:`.queues`); the run then calls :func:`claim_or_end` when it
+starts.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from ...core.replies import Handoff, NotWaiting, Parked
 from ...core.semaphore import Semaphore
 from ...core.slot import Slot
 from ..settings import app_settings, forget
+from ..shedding import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
 from ..signals import task_label
 from ..stats import bump
-from .endings import has_ended, message_of
-from .headers import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
+from .parking import has_ended, message_of
 from .queues import handoff_queue
 
 logger = logging.getLogger(__name__)

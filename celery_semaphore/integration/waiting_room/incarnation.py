@@ -12,6 +12,7 @@ On Redis Cluster each node has its own ``run_id``, so only a marker found missin
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from typing import Any
@@ -78,18 +79,15 @@ def checked_incarnation(client: redis.Redis | redis.RedisCluster, prefix: str) -
     if not run_id or current.endswith(f"|{run_id}"):
         return current
     fresh = f"{secrets.token_hex(8)}|{run_id}"
-    try:
-        with client.pipeline(transaction=True) as pipe:
-            pipe.watch(key)
-            if pipe.get(key) != value:  # another worker made it anew first
-                pipe.unwatch()
-                return incarnation_of(client.get(key) or b"")
+    with client.pipeline(transaction=True) as pipe:  # leaving it unwatches the key
+        pipe.watch(key)
+        if pipe.get(key) == value:
             pipe.multi()
             pipe.set(key, fresh)
-            pipe.execute()
-    except WatchError:
-        return incarnation_of(client.get(key) or b"")
-    return fresh
+            with contextlib.suppress(WatchError):
+                pipe.execute()
+                return fresh
+    return incarnation_of(client.get(key))  # another worker made it anew first
 
 
 def _make(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:

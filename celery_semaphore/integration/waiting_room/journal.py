@@ -75,8 +75,11 @@ def open_journal(directory: str, store_url: str, prefix: str) -> Journal | None:
     :func:`default_directories` that can be written), opened once to be sure it can be
     written; or None, said in one WARNING line (:data:`JOURNAL_OFF`), when none can."""
     failed = []
+    # A file of this host's own (a host that shares its directory with others, over NFS say,
+    # still writes its own), for one store and prefix.
+    name = hashlib.sha256(f"{store_url}\n{prefix}".encode()).hexdigest()[:16]
     for place in [Path(directory)] if directory else default_directories():
-        journal = Journal(journal_path(place, store_url, prefix))
+        journal = Journal(place / f"{socket.gethostname()}-{name}.sqlite3")
         try:
             with journal._db():
                 return journal
@@ -96,13 +99,6 @@ def warn_now_and_then(what: str, *args: object) -> None:
 
 
 _SAID: dict[str, float] = {}
-
-
-def journal_path(directory: Path, store_url: str, prefix: str) -> Path:
-    """The journal file of this host for one store and prefix (a host that shares its
-    directory with others, over NFS say, still writes a file of its own)."""
-    name = hashlib.sha256(f"{store_url}\n{prefix}".encode()).hexdigest()[:16]
-    return directory / f"{socket.gethostname()}-{name}.sqlite3"
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
 from ..runner import runner_of
 from ..settings import app_settings, client_for, journal_for
-from .endings import has_ended, message_of
-from .headers import HANDOFF_HEADERS
+from ..shedding import HANDOFF_HEADERS
 from .incarnation import checked_incarnation, incarnation_of, marker_key
 from .journal import Entry, Journal, warn_now_and_then
+from .parking import has_ended, message_of
 
 logger = logging.getLogger(__name__)
 

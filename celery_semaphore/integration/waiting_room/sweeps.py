@@ -23,15 +23,15 @@ have no consumer left (see :mod:`~celery_semaphore.integration.waiting_room.queu
 
 A run a sweep takes out without running it (revoked, expired) no longer has a message
 anywhere that a worker could discard, so the sweep stores its end as Celery would (see
-:mod:`.endings`).
+:mod:`.parking`).
 
 Rooms missing from the index (a run that died between parking and indexing) are found by a
 SCAN of the keyspace once every :data:`FULL_SCAN_INTERVAL` seconds by one worker of the
 fleet, the one that takes the lease for it (see :meth:`RoomIndex.backstop`).
 
-The worker's upkeep thread (:mod:`~celery_semaphore.integration.upkeep`) drives this: a
-:meth:`RoomSweeper.tick` each interval and a :meth:`RoomSweeper.sweep_due` whenever rooms
-are due, off the worker's main loop.
+The worker's upkeep thread (:class:`~celery_semaphore.integration.worker.Upkeep`) drives
+this: a :meth:`RoomSweeper.tick` each interval and a :meth:`RoomSweeper.sweep_due` whenever
+rooms are due, off the worker's main loop.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from ...core.room import WaitingRoom
 from ...errors import SemaphoreBackendError
 from .. import stats
 from ..settings import app_settings, client_for, forget, journal_for
-from .endings import context_of, end_as_revoked, expires_at, message_of
 from .handoffs import publisher_for
 from .keeper import JournalKeeper
+from .parking import context_of, end_as_revoked, expires_at, message_of
 from .revoked import RevokedRuns
 
 logger = logging.getLogger(__name__)
@@ -81,15 +81,6 @@ class RoomSweeper:
         self._journal = JournalKeeper(app)
         self._revoked = RevokedRuns()
         self._room: WaitingRoom | None = None
-
-    @property
-    def interval(self) -> float:
-        """Seconds between two sweeps of one room by the fleet (``semaphore_sweep_interval``).
-
-        Raises:
-            SemaphoreValidationError: the app's settings are invalid.
-        """
-        return app_settings(self.app).sweep_interval
 
     def _waiting_room(self) -> WaitingRoom:
         if self._room is None:
