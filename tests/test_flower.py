@@ -133,8 +133,10 @@ def _serve(
     options: tuple[str, ...], started: list[subprocess.Popen[bytes]],
 ) -> str:  # fmt: skip
     """Start Flower's ``command`` (logging to ``log``), wait until it answers its health
-    check on ``port``, and return its base URL (with its ``--url_prefix``, if any)."""
-    with log.open("wb") as out:
+    check on ``port``, and return its base URL (with its ``--url_prefix``, if any). A port
+    another test's process took between ``_free_port`` and Flower's bind is given up for
+    another, as often as it happens."""
+    with log.open("ab") as out:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=out)
     started.append(proc)
     prefix = next((o.split("=", 1)[1] for o in options if o.startswith("--url_prefix=")), "")
@@ -149,6 +151,10 @@ def _serve(
             return False
 
     assert wait_for(answers, timeout=60, interval=0.1), log.read_text()
+    if proc.poll() is not None and "Address already in use" in log.read_text():
+        new = _free_port()
+        command = [arg.replace(f"--port={port}", f"--port={new}") for arg in command]
+        return _serve(command, cwd, env, log, new, options, started)
     assert proc.poll() is None, log.read_text()
     return base
 
