@@ -9,23 +9,15 @@ A change to the surface fails :func:`test_the_public_surface_is_the_listed_one` 
 from __future__ import annotations
 
 import ast
-import asyncio
 import importlib
 import inspect
 import re
 import textwrap
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 import celery_semaphore
-from celery_semaphore import Semaphore, SemaphoreAdmin, Slot
+from celery_semaphore import Semaphore, SemaphoreAdmin
 from celery_semaphore.asyncio import AsyncSemaphore
-from celery_semaphore.core.group import SlotGroup
-from celery_semaphore.core.replies import NotWaiting, Parked
-from celery_semaphore.testing import RedisServer
 
 MODULES = ["celery_semaphore", "celery_semaphore.asyncio", "celery_semaphore.core"]
 
@@ -100,30 +92,21 @@ SURFACE: dict[str, list[str]] = {
         "acquire_many",
         "admin",
         "available",
-        "claim",
-        "claim_many",
         "client",
         "close",
         "count",
-        "force_release",
-        "force_release_all",
         "handoffs",
         "hold",
         "hold_many",
-        "holders",
         "lease",
         "limit",
         "names",
-        "park",
-        "park_many",
         "prefix",
         "rates",
         "room",
         "run",
-        "set_limit",
     ],
     "celery_semaphore.SemaphoreAdmin": [
-        "cancel",
         "client",
         "feedback",
         "force_release",
@@ -137,13 +120,10 @@ SURFACE: dict[str, list[str]] = {
         "pause_of",
         "prefix",
         "resume",
-        "room",
-        "room_head",
         "scan_keys",
         "server_warnings",
         "set_limit",
         "set_rate",
-        "sweep",
     ],
     "celery_semaphore.SemaphoreBackendError": ["key", "limit", "message"],
     "celery_semaphore.SemaphoreError": ["key", "limit", "message"],
@@ -224,19 +204,15 @@ SURFACE: dict[str, list[str]] = {
         "available",
         "client",
         "count",
-        "force_release_all",
         "handoffs",
         "hold",
         "hold_many",
-        "holders",
         "lease",
         "limit",
-        "live_limit",
         "names",
         "prefix",
         "rates",
         "run",
-        "set_limit",
     ],
     "celery_semaphore.asyncio.AsyncSemaphoreAdmin": [
         "client",
@@ -333,7 +309,8 @@ DEPRECATED = {
         "cancel": "sem.room.cancel",
     },
 }
-"""The 0.1.0 spellings kept for 0.2.x (removed in 0.3.0), and their new spellings."""
+"""The 0.1.0 spellings kept for 0.2.x, deprecated there and removed in 0.3.0, and their new
+spellings."""
 
 
 def _members(cls: type) -> list[str]:
@@ -379,21 +356,14 @@ def test_the_public_surface_is_the_listed_one() -> None:
         )
 
 
-def test_every_deprecated_spelling_is_listed_and_marked() -> None:
+def test_the_spellings_deprecated_in_0_2_0_are_gone_and_the_changelog_says_so() -> None:
     classes = {"Semaphore": Semaphore, "AsyncSemaphore": AsyncSemaphore,
                "SemaphoreAdmin": SemaphoreAdmin}  # fmt: skip
+    removed = (Path(__file__).parent.parent / "CHANGELOG.md").read_text().split("## [0.2.0]")[0]
     for name, aliases in DEPRECATED.items():
-        for old, new in aliases.items():
-            alias = getattr(classes[name], old)
-            assert alias.__deprecated__ == new
-            assert "removed in 0.3.0" in alias.__doc__
-    marked = {
-        (name, member)
-        for name, cls in classes.items()
-        for member in dir(cls)
-        if hasattr(getattr(cls, member), "__deprecated__")
-    }
-    assert marked == {(name, old) for name, aliases in DEPRECATED.items() for old in aliases}
+        for old in aliases:
+            assert not hasattr(classes[name], old), f"{name}.{old}"
+            assert f"`{name}.{old}`" in removed or f"`{old}`" in removed, f"{name}.{old}"
 
 
 def test_the_version_is_the_distribution_s_and_the_changelog_names_it() -> None:
@@ -404,76 +374,3 @@ def test_the_version_is_the_distribution_s_and_the_changelog_names_it() -> None:
     changelog = (root / "CHANGELOG.md").read_text()
     assert "## [Unreleased]" in changelog
     assert re.search(rf"^## \[{re.escape(declared[1])}\] - \d{{4}}-\d\d-\d\d$", changelog, re.M)
-
-
-def old(call: Callable[[], Any], new: str) -> Any:
-    """What ``call`` of a deprecated spelling answers, checking it warned once, naming
-    ``new``, and pointed the warning at the caller's line."""
-    with pytest.warns(DeprecationWarning, match=re.escape(f"use {new}")) as warned:
-        answer = call()
-    assert [w.filename for w in warned] == [__file__]
-    return answer
-
-
-def test_the_deprecated_semaphore_spellings_warn_and_still_work(
-    redis_server: RedisServer,
-) -> None:
-    sem = Semaphore(redis_server.url, limit=1)
-    slot = sem.acquire("k")
-    assert slot is not None
-    assert [h.token for h in old(lambda: sem.holders("k"), "sem.admin.holders")] == [slot.token]
-    assert old(lambda: sem.force_release("k", slot.token), "sem.admin.force_release") is True
-    assert old(lambda: sem.set_limit("k", 2, by="ops"), "sem.admin.set_limit") is None
-    assert sem.admin.live_limit("k").limit == 2  # type: ignore[union-attr]
-    assert [sem.acquire("k") is not None for _ in range(2)] == [True, True]
-    assert old(lambda: sem.force_release_all("k"), "sem.admin.force_release_all") == 2
-
-    held = sem.acquire("room")
-    assert held is not None
-    parked = old(lambda: sem.park("room", "w1", b"run w1"), "sem.room.park")
-    assert isinstance(parked, Parked)
-    assert parked.position == 0
-    assert held.release() is True  # reserves the slot for w1
-    claimed = old(lambda: sem.claim("room", "w1"), "sem.room.claim")
-    assert isinstance(claimed, Slot)
-    assert claimed.release() is True
-
-    keys = [("a", 1), ("b", 1)]
-    group = old(lambda: sem.park_many(keys, "w2", b"run w2"), "sem.room.park_many")
-    assert isinstance(group, SlotGroup)
-    group.release()
-    assert isinstance(old(lambda: sem.claim_many(keys, "w2"), "sem.room.claim_many"), NotWaiting)
-    sem.close()
-
-
-def test_the_deprecated_admin_spellings_warn_and_still_work(redis_server: RedisServer) -> None:
-    sem = Semaphore(redis_server.url, limit=1)
-    admin = SemaphoreAdmin(sem.client)
-    held = sem.acquire("k")
-    assert held is not None
-    assert isinstance(sem.room.park("k", "w1", b"run w1"), Parked)
-    assert isinstance(sem.room.park("k", "w2", b"run w2"), Parked)
-    assert [w.waiter for w in old(lambda: admin.room("k"), "sem.room.waiters")] == ["w1", "w2"]
-    count, head = old(lambda: admin.room_head("k"), "sem.room.head")
-    assert (count, head.waiter) == (2, "w1")
-    assert old(lambda: admin.cancel("k", "w1"), "sem.room.cancel") is True
-    assert sem.room.waiters("k")[0].waiter == "w2"
-    assert old(lambda: admin.sweep("k"), "sem.room.sweep") == 0  # the slot is still held
-    assert held.release() is True
-    sem.close()
-
-
-def test_the_deprecated_asyncio_spellings_warn_and_still_work(redis_server: RedisServer) -> None:
-    async def main() -> None:
-        async with AsyncSemaphore(redis_server.url, limit=1) as sem:
-            slot = await sem.acquire("k")
-            assert slot is not None
-            holders = await old(lambda: sem.holders("k"), "sem.admin.holders")
-            assert [h.token for h in holders] == [slot.token]
-            assert await old(lambda: sem.set_limit("k", 3), "sem.admin.set_limit") is None
-            live = await old(lambda: sem.live_limit("k"), "sem.admin.live_limit")
-            assert live.limit == 3
-            displaced = await old(lambda: sem.force_release_all("k"), "sem.admin.force_release_all")
-            assert displaced == 1
-
-    asyncio.run(main())

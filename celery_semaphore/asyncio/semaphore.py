@@ -23,7 +23,6 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..core.calls import count_call
-from ..core.deprecated import AsyncSemaphoreMoved
 from ..core.feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from ..core.group import group_refused
 from ..core.handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
@@ -47,7 +46,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class AsyncSemaphore(AsyncSemaphoreMoved):
+class AsyncSemaphore:
     """A counting semaphore in Redis whose slots are held by leases, for asyncio code.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses

@@ -27,7 +27,6 @@ from .calls import (
     release_call,
     set_limit_call,
 )
-from .deprecated import AdminMoved
 from .handoff import DEFAULT_CLAIM_TIMEOUT, HandoffRoute
 from .live import Feedback as Feedback
 from .live import LiveLimit as LiveLimit
@@ -305,7 +304,7 @@ class AdminTrips:
                                               who))  # fmt: skip
 
 
-class SemaphoreAdmin(AdminTrips, AdminMoved):
+class SemaphoreAdmin(AdminTrips):
     """Read and free the slots of every semaphore under ``prefix``, whatever its limit.
 
     Args:

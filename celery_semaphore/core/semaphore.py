@@ -36,7 +36,6 @@ from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
 from .calls import block_call, count_call
 from .clients import RedisClient, client_of
-from .deprecated import SemaphoreMoved
 from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
 from .group import SlotGroup, group_refused, take_group
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
@@ -121,7 +120,7 @@ class guard(Generic[S]):
             raise slot.lease_lost_error()
 
 
-class Semaphore(SemaphoreMoved):
+class Semaphore:
     """A counting semaphore in Redis whose slots are held by leases.
 
     At most ``limit`` holders hold a slot of one key at once, across every process that uses
