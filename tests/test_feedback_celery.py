@@ -4,6 +4,7 @@ adaptive limit is cut. On a real redis-server and in-process workers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -287,3 +288,21 @@ def test_a_back_off_while_the_store_is_down_sheds_the_run_and_it_runs_later(
             semaphore_shed.receivers.clear()
         assert "Redis unreachable" in shed[0]["reason"]
         app.close()
+
+
+def test_a_bounded_coroutine_backs_off_on_its_back_off_on(redis_server: RedisServer) -> None:
+    """An ``async def`` under ``@bounded`` backs its key off on one of ``back_off_on``, with
+    the adaptive limit it declares, and lets the back-off out (as a plain call does)."""
+    app = make_app(redis_server.url)
+
+    @bounded("async-api", Adaptive(4, max=8), app=app, back_off_on=TooManyRequests)
+    async def fetch() -> None:
+        raise TooManyRequests("7")
+
+    with pytest.raises(BackOff) as backed:
+        asyncio.run(fetch())
+    assert isinstance(backed.value.__cause__, TooManyRequests)  # the provider's error, kept
+    feedback = Semaphore(redis_server.url, limit=1).admin.feedback("async-api")
+    assert feedback is not None
+    assert (feedback.last_hint, feedback.limit, feedback.max) == (7.0, 2, 8)
+    app.close()

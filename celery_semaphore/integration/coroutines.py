@@ -29,6 +29,7 @@ from ..asyncio.clients import AsyncClient
 from ..asyncio.guard import guard
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
+from ..core.feedback import BackOff
 from ..core.rates import units_from
 from ..core.refusals import is_paused_async, not_acquired
 from ..errors import SemaphoreValidationError
@@ -83,13 +84,14 @@ class CoroutineRunner:
             policy, limits = self.runner.policy_and_limits(app)
             semaphore = AsyncSemaphore(
                 self._client(app),
-                limits.default,
+                limits.adaptive or limits.default,
                 policy.lease,
                 DEFAULT_PREFIX if app is None else app_settings(app).prefix,
                 claim_timeout=policy.claim_timeout,
                 on_handoff=None if app is None else publisher_for(app),
                 handoff_grace=policy.handoff_grace,
                 rate=policy.rates,
+                max_cool_down=policy.max_cool_down,
             )
             found = made[app] = (semaphore, policy, limits)
         return found
@@ -134,4 +136,7 @@ class CoroutineRunner:
         if slot is None:
             raise not_acquired(key, limit, wait, paused=await is_paused_async(semaphore.admin, key))
         async with guard(slot, interval, interrupt=policy.interrupt):
-            return await fn(*args, **kwargs)
+            try:
+                return await fn(*args, **kwargs)
+            except policy.back_off_types as exc:  # the guard backs off on BackOff
+                raise BackOff.from_error(exc) from exc
