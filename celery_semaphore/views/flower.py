@@ -379,11 +379,8 @@ class _Api(BaseApiHandler):  # type: ignore[misc]
         JSON (None: ``write`` answered itself); 400 or 503 with the reason."""
         try:
             found = await _in_pool(call)
-        except SemaphoreValidationError as exc:
-            self.plain(400, str(exc))
-            return
-        except SemaphoreError as exc:
-            self.plain(503, str(exc))
+        except SemaphoreError as exc:  # bad input, else the store failed
+            self.plain(400 if isinstance(exc, SemaphoreValidationError) else 503, str(exc))
             return
         shown = write(found)
         if shown is not None:
