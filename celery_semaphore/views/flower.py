@@ -49,7 +49,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -206,38 +205,31 @@ class SemaphoreSource:
         return why(self.client, task_id, self.prefix)
 
 
-class _Sources:
-    """The :class:`SemaphoreSource` of each Flower application: one given to
-    :func:`add_semaphore_routes`, else made from the app it monitors, at its first request."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._made: weakref.WeakKeyDictionary[Any, SemaphoreSource] = weakref.WeakKeyDictionary()
-
-    def give(self, flower_app: Any, source: SemaphoreSource) -> None:
-        with self._lock:
-            self._made[flower_app] = source
-
-    def of(self, flower_app: Any) -> SemaphoreSource:
-        """Raises: SemaphoreError, as :meth:`SemaphoreSource.of_app`."""
-        with self._lock:
-            found = self._made.get(flower_app)
-            if found is None:
-                found = self._made[flower_app] = SemaphoreSource.of_app(flower_app.capp)
-            return found
+_SOURCE_LOCK = threading.Lock()
 
 
-SOURCES = _Sources()
+def _source_of(flower_app: Any) -> SemaphoreSource:
+    """The :class:`SemaphoreSource` of a Flower application: the one given to
+    :func:`add_semaphore_routes` or :func:`start_flower`, else one made from the app it
+    monitors, at its first request, and kept on the application.
+
+    Raises:
+        SemaphoreError: as :meth:`SemaphoreSource.of_app`.
+    """
+    with _SOURCE_LOCK:
+        found: SemaphoreSource | None = getattr(flower_app, "semaphore_source", None)
+        if found is None:
+            found = flower_app.semaphore_source = SemaphoreSource.of_app(flower_app.capp)
+        return found
 
 
 def _routes() -> list[Any]:
-    given = {"sources": SOURCES}
     return [
-        tornado.web.url(r"/semaphores", SemaphoresPage, given, name="semaphores"),
-        tornado.web.url(r"/api/semaphores", SemaphoresApi, given),
-        tornado.web.url(r"/api/semaphores/waiting", WaitingApi, given),
-        tornado.web.url(r"/api/semaphores/why", WhyApi, given, name="semaphore_why"),
-        tornado.web.url(r"/api/semaphores/limit", LiveLimitApi, given, name="semaphore_limit"),
+        tornado.web.url(r"/semaphores", SemaphoresPage, name="semaphores"),
+        tornado.web.url(r"/api/semaphores", SemaphoresApi),
+        tornado.web.url(r"/api/semaphores/waiting", WaitingApi),
+        tornado.web.url(r"/api/semaphores/why", WhyApi, name="semaphore_why"),
+        tornado.web.url(r"/api/semaphores/limit", LiveLimitApi, name="semaphore_limit"),
     ]
 
 
@@ -295,7 +287,7 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
     flower_command.extract_settings()
     flower_command.setup_logging()
     flower_app = Flower(capp=app, options=tornado_options, **flower_urls.settings)
-    SOURCES.give(flower_app, source)
+    flower_app.semaphore_source = source
     atexit.register(flower_app.stop)
     signal.signal(signal.SIGTERM, flower_command.sigterm_handler)
     try:
@@ -322,7 +314,7 @@ def add_semaphore_routes(flower_app: Any, source: SemaphoreSource | None = None)
             request.
     """
     if source is not None:
-        SOURCES.give(flower_app, source)
+        flower_app.semaphore_source = source
     handlers: list[Any] = _routes()
     prefix = flower_app.options.url_prefix
     if prefix:
@@ -337,15 +329,12 @@ async def _in_pool(call: Callable[[], T]) -> T:
 class SemaphoresPage(BaseHandler):  # type: ignore[misc]
     """``GET /semaphores``: the HTML page; 503 with a message when Redis fails."""
 
-    def initialize(self, sources: _Sources) -> None:
-        self.sources = sources
-
     @tornado.web.authenticated
     async def get(self) -> None:
         found: list[SemaphoreView] = []
         error = set_limit = None
         try:
-            source = await _in_pool(lambda: self.sources.of(self.application))
+            source = await _in_pool(lambda: _source_of(self.application))
             set_limit = source.set_limit
             found = await _in_pool(source.views)  # the page shows how many wait, and the oldest
         except SemaphoreError as exc:
@@ -392,9 +381,6 @@ class _JsonApi(_Api):
     """What the API's GET handlers share: their source, their query's numbers, and answers
     written here rather than raised (Flower 2.1 would write an HTTPError's format string)."""
 
-    def initialize(self, sources: _Sources) -> None:
-        self.sources = sources
-
     def number(self, name: str, default: int) -> object:
         """Query argument ``name`` as an int when it is one (else as sent, to be refused)."""
         raw = self.get_query_argument(name, None)
@@ -404,7 +390,7 @@ class _JsonApi(_Api):
 
     async def answer(self, read: Callable[[SemaphoreSource], T], write: Callable[[T], Any]) -> None:
         """``read`` the application's source, then write JSON (see :meth:`respond`)."""
-        await self.respond(lambda: read(self.sources.of(self.application)), write)
+        await self.respond(lambda: read(_source_of(self.application)), write)
 
 
 class SemaphoresApi(_JsonApi):
@@ -491,9 +477,9 @@ class LiveLimitApi(_Api):
     source's (see :class:`SemaphoreSource`).
     """
 
-    def initialize(self, sources: _Sources) -> None:
+    def initialize(self) -> None:
         try:
-            source = sources.of(self.application)
+            source = _source_of(self.application)
             self.set_limit, self.pause = source.set_limit, source.pause
         except SemaphoreError:
             self.set_limit = self.pause = None  # the page says why; a post is refused
