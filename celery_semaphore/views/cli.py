@@ -151,8 +151,10 @@ def render(semaphores: list[SemaphoreView]) -> str:
             shown = len(sem.waiting)
             lines.append(f"  waiting, first served first ({shown} of {sem.queued}):"
                          if shown < sem.queued else "  waiting, first served first:")  # fmt: skip
-            waiting = [("TASK ID", "WAITED")]
-            waiting += [(w.waiter, _seconds(w.waited)) for w in sem.waiting]
+            waiting = [
+                ("TASK ID", "WAITED"),
+                *((w.waiter, _seconds(w.waited)) for w in sem.waiting),
+            ]
             lines.extend("  " + line for line in _table(waiting))
     return "\n".join(lines)
 
