@@ -61,12 +61,10 @@ from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
 from ..core import validation as check
-from ..core.admin import SemaphoreAdmin
-from ..core.handoff import HandoffRoute
 from ..core.live import setter
 from ..errors import SemaphoreError, SemaphoreValidationError
 from ..integration.settings import app_settings
-from ..integration.waiting_room.handoffs import publisher_for
+from .cli import admin_of
 from .inspection import SemaphoreView, WaitingPage, check_page, semaphore_keys, views, waiting_page
 from .why import Standing, why
 
@@ -177,9 +175,7 @@ class SemaphoreSource:
         """
         settings = app_settings(app)
         client = settings.store.connect()
-        route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
-                             settings.policy.handoff_grace)  # fmt: skip
-        admin = SemaphoreAdmin(client, settings.prefix, route)
+        admin = admin_of(app, client)
         if not settings.flower_set_limit:
             return cls(client, settings.prefix, None)
 
