@@ -460,11 +460,5 @@ def runner_of(task: Any) -> tuple[Runner, bool] | None:
     return (found, takes_task) if isinstance(found, Runner) else None
 
 
-def refusal_of(task: Any) -> SemaphoreValidationError | None:
-    """The error every run of ``task`` raises because its semaphore options are invalid."""
-    error = getattr(run_function(task)[0], "__semaphore_error__", None)
-    return error if isinstance(error, SemaphoreValidationError) else None
-
-
 def _task_metadata(task: Task, request: Any) -> dict[str, Any]:
     return {"task_id": request.id, "task_name": task.name, "worker": request.hostname}

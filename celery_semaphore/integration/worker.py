@@ -60,7 +60,7 @@ from ..core.admin import Holder, SemaphoreAdmin
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
-from .runner import refusal_of, runner_of
+from .runner import run_function, runner_of
 from .settings import app_settings, client_for, forget, journal_for, task_policy
 from .store import broker_visibility_timeout
 from .store_watch import StoreWatch
@@ -410,8 +410,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             survive_broker_restarts()
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
-            refused = refusal_of(task)
-            if refused is not None:
+            # A task whose options are invalid runs task.refusing: every run raises its error.
+            refused = getattr(run_function(task)[0], "__semaphore_error__", None)
+            if isinstance(refused, SemaphoreValidationError):
                 raise refused
             found = runner_of(task)
             if found is None:
