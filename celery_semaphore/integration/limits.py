@@ -46,9 +46,12 @@ class LimitSpec:
         if isinstance(spec, Mapping):
             if not spec:
                 raise SemaphoreValidationError("limit mapping must name at least one key")
-            for key, value in spec.items():
-                check.check_key(key, "limit mapping key")
-                self._table[str(key)] = check.check_limit(value, f"limit[{key!r}]")
+            self._table = {
+                check.check_key(key, "limit mapping key"): check.check_limit(
+                    value, f"limit[{key!r}]"
+                )
+                for key, value in spec.items()
+            }
         elif callable(spec) and not isinstance(spec, type):
             self._call = spec
         elif isinstance(spec, Adaptive):
