@@ -351,8 +351,9 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
 
 class _Api(BaseApiHandler):  # type: ignore[misc]
     """What the API's handlers share: a plain-text answer, written here rather than raised
-    (Flower 2.1 writes an HTTPError's format string rather than its message), and how they
-    answer a call into the store."""
+    (Flower 2.1 writes an HTTPError's format string rather than its message), how they
+    answer a call into the store, and, for the GET handlers, their query's numbers and
+    their read of the application's source."""
 
     def plain(self, status: int, message: str) -> None:
         self.set_status(status)
@@ -372,11 +373,6 @@ class _Api(BaseApiHandler):  # type: ignore[misc]
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             self.finish(json.dumps(shown, default=str))
 
-
-class _JsonApi(_Api):
-    """What the API's GET handlers share: their source, their query's numbers, and answers
-    written here rather than raised (Flower 2.1 would write an HTTPError's format string)."""
-
     def number(self, name: str, default: int) -> object:
         """Query argument ``name`` as an int when it is one (else as sent, to be refused)."""
         raw = self.get_query_argument(name, None)
@@ -389,7 +385,7 @@ class _JsonApi(_Api):
         await self.respond(lambda: read(_source_of(self.application)), write)
 
 
-class SemaphoresApi(_JsonApi):
+class SemaphoresApi(_Api):
     """``GET /api/semaphores[?offset=0&limit=100&waiting=20]``: a JSON list of
     :meth:`SemaphoreView.as_dict`, sorted by key, one page of them; ``X-Total-Count`` says
     how many semaphores there are. 400 for a bad number, 503 when Redis fails."""
@@ -412,7 +408,7 @@ class SemaphoresApi(_JsonApi):
         await self.answer(read, write)
 
 
-class WaitingApi(_JsonApi):
+class WaitingApi(_Api):
     """``GET /api/semaphores/waiting?key=K[&offset=0&limit=100]``: one page of ``K``'s
     waiting room, first served first, as :meth:`WaitingPage.as_dict` (with ``total``). 400
     for a missing key or a bad number, 503 when Redis fails."""
@@ -429,7 +425,7 @@ class WaitingApi(_JsonApi):
         await self.answer(read, lambda found: found.as_dict())
 
 
-class WhyApi(_JsonApi):
+class WhyApi(_Api):
     """``GET /api/semaphores/why?task_id=T``: where run ``T`` stands, as ``celery semaphore
     why --json`` prints it (``standings``: one per room it waits in or key it holds; empty
     when none). 400 for a missing id, 503 when Redis fails."""
