@@ -235,14 +235,16 @@ def rate_states(raw: Mapping[Any, Any], declared: str | None, now_ms: int) -> tu
         tat, *under = (float(v) for v in fields.get("tat:" + name, "0").split())
         if under and interval_ms and under[0] != interval_ms and tat > now_ms:
             tat = now_ms + (tat - now_ms) * interval_ms / under[0]
+        left: int | None = None
         if not interval_ms:  # no burst known: its TAT is as late as the next unit can be
-            due = max(tat, now_ms)
-            found.append(RateState(name, None, None, due / 1000, None, lives.get(name),
-                                   (due - now_ms) / 1000))  # fmt: skip
-            continue
-        next_due = max(now_ms, tat - (burst - 1) * interval_ms)
-        left = min(burst, max(0, math.floor((now_ms - (tat - burst * interval_ms)) / interval_ms)))
-        found.append(RateState(name, interval_ms / 1000, burst, next_due / 1000, left,
+            next_due = max(tat, now_ms)
+        else:
+            next_due = max(now_ms, tat - (burst - 1) * interval_ms)
+            left = min(
+                burst, max(0, math.floor((now_ms - (tat - burst * interval_ms)) / interval_ms))
+            )
+        found.append(RateState(name, interval_ms / 1000 if interval_ms else None,
+                               burst if interval_ms else None, next_due / 1000, left,
                                lives.get(name), (next_due - now_ms) / 1000))  # fmt: skip
     return tuple(found)
 

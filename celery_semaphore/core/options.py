@@ -78,8 +78,8 @@ def _check_timing(
     return float(seconds), ms, attempts, check.check_delay(delay), waiting
 
 
-_timing = check.Memoised(_check_timing)
-"""acquire's timing arguments checked, once per distinct value (see :class:`Memoised`)."""
+_timing = check.memoised(_check_timing)
+"""acquire's timing arguments checked, once per distinct value (see :func:`.memoised`)."""
 
 
 PLAIN_KEPT = 4096

@@ -8,9 +8,10 @@ argument, so a caller sees which option is wrong before anything is written to R
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from collections.abc import Callable, Collection
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from ..errors import SemaphoreValidationError
 
@@ -214,37 +215,29 @@ def unknown_option(name: str, known: Collection[str]) -> SemaphoreValidationErro
 R = TypeVar("R")
 
 
-class Memoised(Generic[R]):
-    """``check(*args)``, run once per distinct arguments: callers pass the same few options
-    again and again, and the checks cost more than the rest of an acquire's client side.
+def memoised(check: Callable[..., R], size: int = 256) -> Callable[..., R]:
+    """``check(*args)``, run once per distinct arguments (:func:`functools.lru_cache`, at
+    most ``size`` of them): callers pass the same few options again and again, and the
+    checks cost more than the rest of an acquire's client side.
 
-    The arguments' types are part of the memo, so ``True`` is never taken for a valid ``1``;
-    unhashable arguments (which the checks refuse) are checked each time. At most ``size``
-    distinct arguments are kept.
+    The arguments' types are part of the memo (``typed``), so ``True`` is never taken for a
+    valid ``1``; a check that raises keeps nothing, and unhashable arguments (which the
+    checks refuse) are checked each time.
 
     Args:
-        check (Callable[..., R]): the check; it raises on invalid arguments (nothing is
-            kept then) or returns what the caller needs of valid ones.
+        check (Callable[..., R]): the check; it raises on invalid arguments or returns what
+            the caller needs of valid ones.
         size (int): how many distinct arguments to keep.
     """
+    cached = functools.lru_cache(maxsize=size, typed=True)(check)
 
-    def __init__(self, check: Callable[..., R], size: int = 256) -> None:
-        self._check = check
-        self._size = size
-        self._memo: dict[tuple[object, ...], R] = {}
-
-    def __call__(self, *args: Any) -> R:
-        """``check(*args)``, from the memo when these arguments were checked before."""
-        memo = (*args, *map(type, args))
+    def checked(*args: Any) -> R:
         try:
-            found = self._memo.get(memo)
-        except TypeError:
-            return self._check(*args)
-        if found is None:
-            found = self._check(*args)
-            if len(self._memo) < self._size:
-                self._memo[memo] = found
-        return found
+            return cached(*args)
+        except TypeError:  # an unhashable argument has no memo
+            return check(*args)
+
+    return checked
 
 
 def check_waiter(waiter: object, payload: object) -> None:
@@ -320,5 +313,5 @@ def _check_park_timing(
             lease_ms(room_ttl, "room_ttl"))  # fmt: skip
 
 
-_park_timing = Memoised(_check_park_timing)
+_park_timing = memoised(_check_park_timing)
 """A park's lease, room size and room TTL checked, once per distinct value."""

@@ -30,9 +30,9 @@ from ..asyncio.guard import guard
 from ..core import validation as check
 from ..core.admin import DEFAULT_PREFIX
 from ..core.feedback import BackOff
-from ..core.rates import units_from
 from ..core.refusals import is_paused_async, not_acquired
 from ..errors import SemaphoreValidationError
+from .asks import ask_for
 from .current import UNBOUNDED
 from .limits import LimitSpec
 from .policy import Policy
@@ -123,18 +123,16 @@ class CoroutineRunner:
         runner = self.runner
         named = runner.app is not None or runner.redis is not None
         semaphore, policy, limits = self.resolve(runner.app if named else get_current_app())
-        key = runner.template.render(args, kwargs)
-        limit = limits.for_call(key, args, kwargs)
-        weight = runner.weights.for_call(key, limit, args, kwargs)
+        ask = ask_for(runner.template, limits, runner.weights, args, kwargs, rates=policy.rates)
         wait = policy.wait_timeout if policy.on_full == "wait" else 0.0
         interval = check.heartbeat_interval(policy.heartbeat, policy.lease)
-        units = units_from(policy.rates, args, kwargs) if policy.rates else None
         slot = await semaphore.acquire(
-            key, limit=limit, weight=weight, retries=0 if wait else runner.retries,
-            retry_delay=runner.retry_delay, wait=wait, units=units,
+            ask.key, limit=ask.limit, weight=ask.weight, retries=0 if wait else runner.retries,
+            retry_delay=runner.retry_delay, wait=wait, units=ask.units,
         )  # fmt: skip
         if slot is None:
-            raise not_acquired(key, limit, wait, paused=await is_paused_async(semaphore.admin, key))
+            paused = await is_paused_async(semaphore.admin, ask.key)
+            raise not_acquired(ask.key, ask.limit, wait, paused=paused)
         async with guard(slot, interval, interrupt=policy.interrupt):
             try:
                 return await fn(*args, **kwargs)

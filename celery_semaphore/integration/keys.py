@@ -33,16 +33,9 @@ class KeyTemplate:
     """
 
     def __init__(self, spec: object, fn: Callable[..., Any]) -> None:
-        if callable(spec):
-            self._call: Callable[..., str] | None = spec
-            self._template = ""
-            self._signature: inspect.Signature | None = None
-            return
-        check.check_key(spec, "semaphore")
-        assert isinstance(spec, str)
-        self._call = None
-        self._template = spec
-        fields = _fields(spec)
+        self._call: Callable[..., str] | None = spec if callable(spec) else None
+        self._template = "" if callable(spec) else check.check_key(spec, "semaphore")
+        fields = _fields(self._template)
         self._signature = inspect.signature(fn) if fields else None
         if self._signature is not None:
             params = self._signature.parameters

@@ -46,9 +46,12 @@ class LimitSpec:
         if isinstance(spec, Mapping):
             if not spec:
                 raise SemaphoreValidationError("limit mapping must name at least one key")
-            for key, value in spec.items():
-                check.check_key(key, "limit mapping key")
-                self._table[str(key)] = check.check_limit(value, f"limit[{key!r}]")
+            self._table = {
+                check.check_key(key, "limit mapping key"): check.check_limit(
+                    value, f"limit[{key!r}]"
+                )
+                for key, value in spec.items()
+            }
         elif callable(spec) and not isinstance(spec, type):
             self._call = spec
         elif isinstance(spec, Adaptive):
@@ -114,12 +117,11 @@ class WeightSpec:
     """
 
     def __init__(self, spec: object) -> None:
-        self._call: Callable[..., Any] | None = None
-        self.fixed: int | None = None
-        if callable(spec) and not isinstance(spec, type):
-            self._call = spec
-        else:
-            self.fixed = check.check_limit(1 if spec is None else spec, "weight")
+        # A class is a value (refused as one), not a function of the arguments.
+        self._call = spec if callable(spec) and not isinstance(spec, type) else None
+        self.fixed = (
+            None if self._call else check.check_limit(1 if spec is None else spec, "weight")
+        )
 
     def for_call(
         self, key: str, limit: int, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -150,12 +152,9 @@ class HeadStartSpec:
     """
 
     def __init__(self, spec: object) -> None:
-        self._call: Callable[..., Any] | None = None
-        self.fixed = 0.0
-        if callable(spec) and not isinstance(spec, type):
-            self._call = spec
-        elif spec is not None:
-            self.fixed = check.head_start_ms(spec) / 1000
+        # A class is a value (refused as one), not a function of the arguments.
+        self._call = spec if callable(spec) and not isinstance(spec, type) else None
+        self.fixed = 0.0 if self._call or spec is None else check.head_start_ms(spec) / 1000
 
     def for_call(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> float:
         """The head start of a run with these arguments, float seconds.

@@ -87,8 +87,7 @@ def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str
     Raises:
         SemaphoreBackendError: Redis failed.
     """
-    client = client_for(app)
-    prefix = app_settings(app).prefix
+    client, prefix = client_for(app), app_settings(app).prefix
     names, scripts = Namespace(prefix, isinstance(client, RedisCluster)), Scripts(client)
     found = {}
     for key in sorted(set(keys)):

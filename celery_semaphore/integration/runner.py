@@ -267,7 +267,7 @@ class Runner:
         slot = take(bound.semaphore, ask, retries=self.retries, retry_delay=self.retry_delay)
         if slot is None:
             paused = is_paused(bound.semaphore.admin, ask.keys[0])
-            raise self._refused(None, not_acquired(ask.key, ask.limit, paused=paused), names)
+            raise report_refusal(None, not_acquired(ask.key, ask.limit, paused=paused), names)
         waited = time.monotonic() - started
         return run_body(None, slot, bound.policy, waited, names, fn, args, kwargs)
 
@@ -282,7 +282,7 @@ class Runner:
         while True:  # a run that backs off waits for a slot again, past the cool-down
             slot = take(semaphore, ask, wait=budget, metadata=_task_metadata(task, task.request))
             if slot is None:
-                raise self._refused(
+                raise report_refusal(
                     task,
                     SemaphoreNotAcquiredError(
                         f"semaphore {ask.key!r} had all {ask.limit} slots held for {budget:g}s "
@@ -324,7 +324,7 @@ class Runner:
             if slot is None:
                 slot = self._ask(task, semaphore, policy, ask, metadata, names)
         except SemaphoreNotAcquiredError as exc:  # a parked run's budget, or a full room
-            raise self._refused(task, exc, names) from None
+            raise report_refusal(task, exc, names) from None
         except SemaphoreBackendError as exc:
             policy = task_policy(task.app, self.options_of(task.app))
             if policy.on_full == "raise":
@@ -333,7 +333,7 @@ class Runner:
         if slot is None:
             if policy.on_full == "raise":
                 paused = is_paused(semaphore.admin, key)
-                raise self._refused(task, not_acquired(key, limit, paused=paused), names)
+                raise report_refusal(task, not_acquired(key, limit, paused=paused), names)
             self._shed(task, policy, names, limit, "all slots held")
         waited = time.monotonic() - started
         first = first_asked(request)
@@ -401,7 +401,7 @@ class Runner:
         if spent or policy.on_full == "raise":
             why = (f"backed off {back_offs} times (max_back_offs={policy.max_back_offs})"
                    if spent else f"backed off ({exc}); on_full='raise'")  # fmt: skip
-            raise self._refused(task, SemaphoreNotAcquiredError(
+            raise report_refusal(task, SemaphoreNotAcquiredError(
                 f"semaphore {names.key!r} (limit {slot.limit}): the provider is over its "
                 f"limit; task {task.request.id} {why}", names.key, slot.limit,
                 Refusal.BACK_OFF), names) from exc  # fmt: skip
@@ -431,13 +431,6 @@ class Runner:
         return park_or_take(task, bound.semaphore, policy, ask, metadata, names,
                             first_asked(request) or asked)  # fmt: skip
 
-    def _refused(
-        self, task: Task | None, error: SemaphoreNotAcquiredError, names: Names
-    ) -> SemaphoreNotAcquiredError:
-        """Report that a run will not get a slot (no shed: it fails); returns ``error``."""
-        report_refusal(task, error, names)
-        return error
-
     def _shed(
         self, task: Task, policy: Policy, names: Names, limit: int | None, reason: str,
         refusal: Refusal | None = None, at_least: float = 0.0,
@@ -448,7 +441,7 @@ class Runner:
         try:
             shed(task, policy, names, limit, reason, refusal, at_least)
         except SemaphoreNotAcquiredError as exc:
-            raise self._refused(task, exc, names) from None
+            raise report_refusal(task, exc, names) from None
 
 
 def run_function(task: Any) -> tuple[Any, bool]:
@@ -465,12 +458,6 @@ def runner_of(task: Any) -> tuple[Runner, bool] | None:
     fn, takes_task = run_function(task)
     found = getattr(fn, "__semaphore__", None)
     return (found, takes_task) if isinstance(found, Runner) else None
-
-
-def refusal_of(task: Any) -> SemaphoreValidationError | None:
-    """The error every run of ``task`` raises because its semaphore options are invalid."""
-    error = getattr(run_function(task)[0], "__semaphore_error__", None)
-    return error if isinstance(error, SemaphoreValidationError) else None
 
 
 def _task_metadata(task: Task, request: Any) -> dict[str, Any]:

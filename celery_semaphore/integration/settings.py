@@ -243,8 +243,9 @@ def journal_for(app: Celery) -> Journal | None:
     if settings.journal is None:
         return None
     if "_semaphore_journal" not in app.__dict__:
-        found = open_journal(settings.journal, settings.store.url, settings.prefix)
-        app.__dict__["_semaphore_journal"] = found
+        app.__dict__["_semaphore_journal"] = open_journal(
+            settings.journal, settings.store.url, settings.prefix
+        )
     journal: Journal | None = app.__dict__["_semaphore_journal"]
     return journal
 

@@ -156,7 +156,11 @@ def shed(
     headers.update(
         {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
     )
-    mark_retry(task)
+    # RETRY, stored before the message is published again (see above for why before),
+    # unless the task ignores results or there is no backend.
+    if not (task.ignore_result or getattr(request, "ignore_result", False)):
+        with contextlib.suppress(NotImplementedError):  # no result backend configured
+            task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
     if HANDOFF_HEADER in (request.headers or {}):
         # A run that parked before lives in the broker again: the journal must not send it
@@ -176,12 +180,3 @@ def shed(
     send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
     bump(task.app, request.hostname, "shed")
     raise Ignore()
-
-
-def mark_retry(task: Task) -> None:
-    """Store state RETRY for the running task, before its message is published again (see
-    :func:`shed` for why before), unless it ignores results or there is no backend."""
-    request = task.request
-    if not (task.ignore_result or getattr(request, "ignore_result", False)):
-        with contextlib.suppress(NotImplementedError):  # no result backend configured
-            task.backend.mark_as_retry(request.id, None, request=request)

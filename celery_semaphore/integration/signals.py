@@ -167,10 +167,13 @@ def report_lease_lost(task: Task | None, slot: Slot | SlotGroup, names: Names) -
         stats.bump(task.app, task.request.hostname, "lease_lost")
 
 
-def report_refusal(task: Task | None, error: SemaphoreNotAcquiredError, names: Names) -> None:
+def report_refusal(
+    task: Task | None, error: SemaphoreNotAcquiredError, names: Names
+) -> SemaphoreNotAcquiredError:
     """Log, signal and trace that a run fails for want of a slot, with ``error.reason``: one
     INFO line (Celery logs the failure itself), ``semaphore_refused``, and a
-    ``semaphore.refused`` event on the current span, if one records."""
+    ``semaphore.refused`` event on the current span, if one records. Returns ``error``, for
+    the caller to raise."""
     logger.info(
         "%ssemaphore %r (limit %s): refused (%s): %s",
         task_label(task),
@@ -184,6 +187,7 @@ def report_refusal(task: Task | None, error: SemaphoreNotAcquiredError, names: N
         **names.fields(),
     )  # fmt: skip
     refusal_event(names.key, error.limit, error.reason.value)
+    return error
 
 
 def report_back_off(

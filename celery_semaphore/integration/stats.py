@@ -47,12 +47,12 @@ class _Pending:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.counts: dict[tuple[Celery, str], collections.Counter[str]] = {}
+        self.counts: dict[Celery, dict[str, collections.Counter[str]]] = {}
         self.timer: threading.Timer | None = None
 
     def add(self, app: Celery, worker: str, field: str, by: int) -> None:
         with self.lock:
-            self.counts.setdefault((app, worker), collections.Counter())[field] += by
+            self.counts.setdefault(app, {}).setdefault(worker, collections.Counter())[field] += by
             if self.timer is None:
                 self.timer = threading.Timer(FLUSH_DELAY, self.flush)
                 self.timer.daemon = True
@@ -62,14 +62,11 @@ class _Pending:
         """Write every count held, one round trip per app. Never raises."""
         with self.lock:
             counts, self.counts, self.timer = self.counts, {}, None
-        by_app: dict[Celery, list[tuple[str, collections.Counter[str]]]] = {}
-        for (app, worker), fields in counts.items():
-            by_app.setdefault(app, []).append((worker, fields))
-        for app, workers in by_app.items():
+        for app, workers in counts.items():
             try:
                 prefix = app_settings(app).prefix
                 pipe = client_for(app).pipeline(transaction=False)
-                for worker, fields in workers:
+                for worker, fields in workers.items():
                     key = stats_key(prefix, worker)
                     for field, by in fields.items():
                         pipe.hincrby(key, field, by)

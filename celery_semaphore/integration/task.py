@@ -117,11 +117,10 @@ class SemaphoreTask(Task):  # type: ignore[misc]
         try:
             _check_unknown_options(cls)
             options = {name: getattr(cls, name) for name in POLICY_FIELDS}
-            runner = Runner(
+            wrapped: Any = Runner(
                 fn, cls.semaphore, cls.limit, options, app=app, weight=cls.weight,
                 fair_by=cls.fair_by, head_start=cls.head_start,
-            )  # fmt: skip
-            wrapped: Any = runner.wrap(fn)
+            ).wrap(fn)  # fmt: skip
         except SemaphoreValidationError as exc:
             error = SemaphoreValidationError(f"task {cls.name!r}: {exc}", exc.key, exc.limit)
             cls.run = refusing(fn, error) if takes_task else staticmethod(refusing(fn, error))

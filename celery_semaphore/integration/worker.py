@@ -60,7 +60,7 @@ from ..core.admin import Holder, SemaphoreAdmin
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
-from .runner import refusal_of, runner_of
+from .runner import run_function, runner_of
 from .settings import app_settings, client_for, forget, journal_for, task_policy
 from .store import broker_visibility_timeout
 from .store_watch import StoreWatch
@@ -172,49 +172,44 @@ class DeadRunReleaser:
             return 0
         released = 0
         for key, holder in holders:
-            release = _Release(self, admin, key, holder, task_id)
-            if release.attempt():
+            if self._release_if_gone(admin, key, holder, task_id):
                 released += 1
             else:
-                self.timer.call_after(RECHECK, release.retry)
+                self._recheck(admin, key, holder, task_id, time.monotonic() + PATIENCE)
         return released
 
-
-class _Release:
-    """Releases one dead run's slot once its process is gone."""
-
-    def __init__(
-        self,
-        releaser: DeadRunReleaser,
-        admin: SemaphoreAdmin,
-        key: str,
-        holder: Holder,
-        task_id: str,
-    ) -> None:
-        self.releaser, self.admin, self.key = releaser, admin, key
-        self.holder, self.task_id = holder, task_id
-        self.deadline = time.monotonic() + PATIENCE
-
-    def attempt(self) -> bool:
-        """Release if the holder's process is gone; True when released (or already free)."""
-        pid = self.holder.metadata.get("pid")
+    def _release_if_gone(
+        self, admin: SemaphoreAdmin, key: str, holder: Holder, task_id: str
+    ) -> bool:
+        """Release one dead run's slot if the holder's process is gone; True when released
+        (or already free)."""
+        pid = holder.metadata.get("pid")
         if isinstance(pid, int) and not _pid_gone(pid):
             return False
         try:
-            if self.admin.force_release(self.key, self.holder.token):
-                stats.bump(self.releaser.app, self.holder.metadata.get("worker"), "dead_released")
+            if admin.force_release(key, holder.token):
+                stats.bump(self.app, holder.metadata.get("worker"), "dead_released")
                 logger.warning(
-                    "semaphore %r: released the slot of task %s, whose process died",
-                    self.key,
-                    self.task_id,
+                    "semaphore %r: released the slot of task %s, whose process died", key, task_id
                 )
         except SemaphoreError as exc:
-            logger.warning("could not release the slot of dead task %s: %s", self.task_id, exc)
+            logger.warning("could not release the slot of dead task %s: %s", task_id, exc)
         return True
 
-    def retry(self) -> None:
-        if not self.attempt() and time.monotonic() < self.deadline:
-            self.releaser.timer.call_after(RECHECK, self.retry)
+    def _recheck(
+        self, admin: SemaphoreAdmin, key: str, holder: Holder, task_id: str, deadline: float
+    ) -> None:
+        """Try :meth:`_release_if_gone` again every ``RECHECK`` seconds, on the worker's
+        timer, until it releases or ``deadline`` (monotonic) passes."""
+
+        def again() -> None:
+            if (
+                not self._release_if_gone(admin, key, holder, task_id)
+                and time.monotonic() < deadline
+            ):
+                self.timer.call_after(RECHECK, again)
+
+        self.timer.call_after(RECHECK, again)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -350,11 +345,6 @@ class Upkeep:
             return False
         return True
 
-    @property
-    def alive(self) -> bool:
-        """Whether the thread runs."""
-        return self._thread is not None and self._thread.is_alive()
-
     def _run(self) -> None:
         try:
             self._loop()
@@ -420,8 +410,9 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
             survive_broker_restarts()
         unreachable: SemaphoreBackendError | None = None
         for task in list(app.tasks.values()):
-            refused = refusal_of(task)
-            if refused is not None:
+            # A task whose options are invalid runs task.refusing: every run raises its error.
+            refused = getattr(run_function(task)[0], "__semaphore_error__", None)
+            if isinstance(refused, SemaphoreValidationError):
                 raise refused
             found = runner_of(task)
             if found is None:

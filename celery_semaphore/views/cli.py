@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 import click
+import redis
 from celery import Celery
 
 from ..core.admin import SemaphoreAdmin
@@ -151,8 +152,10 @@ def render(semaphores: list[SemaphoreView]) -> str:
             shown = len(sem.waiting)
             lines.append(f"  waiting, first served first ({shown} of {sem.queued}):"
                          if shown < sem.queued else "  waiting, first served first:")  # fmt: skip
-            waiting = [("TASK ID", "WAITED")]
-            waiting += [(w.waiter, _seconds(w.waited)) for w in sem.waiting]
+            waiting = [
+                ("TASK ID", "WAITED"),
+                *((w.waiter, _seconds(w.waited)) for w in sem.waiting),
+            ]
             lines.extend("  " + line for line in _table(waiting))
     return "\n".join(lines)
 
@@ -202,7 +205,7 @@ def set_limit_command(ctx: click.Context, key: str, limit: int | None, clear: bo
     """
     if (limit is None) == (not clear):
         raise click.UsageError("give a LIMIT, or --clear (not both)")
-    previous = _admin(_app(ctx)).set_limit(key, limit)
+    previous = admin_of(_app(ctx)).set_limit(key, limit)
     was = "none" if previous is None else previous
     now = "cleared" if limit is None else f"set to {limit}"
     click.echo(f"Live limit of {key!r} {now} (was {was}).")
@@ -240,18 +243,18 @@ def set_rate_command(
     if (rate is None) == (not clear):
         raise click.UsageError("give a RATE, or --clear (not both)")
     new = None if rate is None else Rate(rate, burst=burst, name=name)
-    previous = _admin(_app(ctx)).set_rate(key, new, name=name, by=by)
+    previous = admin_of(_app(ctx)).set_rate(key, new, name=name, by=by)
     now = "cleared" if new is None else f"set to {new.spec} (burst {new.burst})"
     click.echo(f"Live {name} rate of {key!r} {now} (was {previous or 'none'}).")
 
 
-def _admin(app: Celery) -> SemaphoreAdmin:
-    """An admin of ``app``'s store that publishes the hand-offs its changes make, as the
-    app's workers would."""
+def admin_of(app: Celery, client: redis.Redis | None = None) -> SemaphoreAdmin:
+    """An admin of ``app``'s store (through ``client``, else the app's own) that publishes
+    the hand-offs its changes make, as the app's workers would."""
     settings = app_settings(app)
     route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
                          settings.policy.handoff_grace)  # fmt: skip
-    return SemaphoreAdmin(client_for(app), settings.prefix, route)
+    return SemaphoreAdmin(client_for(app) if client is None else client, settings.prefix, route)
 
 
 @semaphore.command()
@@ -265,7 +268,7 @@ def pause(ctx: click.Context, key: str, by: str | None) -> None:
     or shed or fail as their on_full says (SemaphoreNotAcquiredError, reason "paused"). Its
     live limit, if any, is kept. status shows who paused it and when; `resume` undoes it.
     """
-    was = _admin(_app(ctx)).pause(key, by)
+    was = admin_of(_app(ctx)).pause(key, by)
     click.echo(f"{key!r} was paused already." if was else f"Paused {key!r}.")
 
 
@@ -275,7 +278,7 @@ def pause(ctx: click.Context, key: str, by: str | None) -> None:
 @click.pass_context
 def resume(ctx: click.Context, key: str, by: str | None) -> None:
     """Resume KEY after `pause`: its free slots go to the oldest parked runs at once."""
-    was = _admin(_app(ctx)).resume(key, by)
+    was = admin_of(_app(ctx)).resume(key, by)
     click.echo(f"Resumed {key!r}." if was else f"{key!r} was not paused: nothing to resume.")
 
 
@@ -349,7 +352,7 @@ def release_all_command(ctx: click.Context, key: str, yes: bool) -> None:
         return
     if not yes:
         click.confirm(f"Free all {sem.in_use} slot(s) of {key!r}?", abort=True)
-    displaced = _admin(app).force_release_all(key)
+    displaced = admin_of(app).force_release_all(key)
     click.echo(f"Released {key!r}: {displaced} live holder(s) displaced.")
 
 

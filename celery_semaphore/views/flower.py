@@ -49,7 +49,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -62,12 +61,10 @@ from tornado.ioloop import IOLoop
 from tornado.options import options as tornado_options
 
 from ..core import validation as check
-from ..core.admin import SemaphoreAdmin
-from ..core.handoff import HandoffRoute
 from ..core.live import setter
 from ..errors import SemaphoreError, SemaphoreValidationError
 from ..integration.settings import app_settings
-from ..integration.waiting_room.handoffs import publisher_for
+from .cli import admin_of
 from .inspection import SemaphoreView, WaitingPage, check_page, semaphore_keys, views, waiting_page
 from .why import Standing, why
 
@@ -178,9 +175,7 @@ class SemaphoreSource:
         """
         settings = app_settings(app)
         client = settings.store.connect()
-        route = HandoffRoute(settings.policy.claim_timeout, publisher_for(app),
-                             settings.policy.handoff_grace)  # fmt: skip
-        admin = SemaphoreAdmin(client, settings.prefix, route)
+        admin = admin_of(app, client)
         if not settings.flower_set_limit:
             return cls(client, settings.prefix, None)
 
@@ -206,38 +201,31 @@ class SemaphoreSource:
         return why(self.client, task_id, self.prefix)
 
 
-class _Sources:
-    """The :class:`SemaphoreSource` of each Flower application: one given to
-    :func:`add_semaphore_routes`, else made from the app it monitors, at its first request."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._made: weakref.WeakKeyDictionary[Any, SemaphoreSource] = weakref.WeakKeyDictionary()
-
-    def give(self, flower_app: Any, source: SemaphoreSource) -> None:
-        with self._lock:
-            self._made[flower_app] = source
-
-    def of(self, flower_app: Any) -> SemaphoreSource:
-        """Raises: SemaphoreError, as :meth:`SemaphoreSource.of_app`."""
-        with self._lock:
-            found = self._made.get(flower_app)
-            if found is None:
-                found = self._made[flower_app] = SemaphoreSource.of_app(flower_app.capp)
-            return found
+_SOURCE_LOCK = threading.Lock()
 
 
-SOURCES = _Sources()
+def _source_of(flower_app: Any) -> SemaphoreSource:
+    """The :class:`SemaphoreSource` of a Flower application: the one given to
+    :func:`add_semaphore_routes` or :func:`start_flower`, else one made from the app it
+    monitors, at its first request, and kept on the application.
+
+    Raises:
+        SemaphoreError: as :meth:`SemaphoreSource.of_app`.
+    """
+    with _SOURCE_LOCK:
+        found: SemaphoreSource | None = getattr(flower_app, "semaphore_source", None)
+        if found is None:
+            found = flower_app.semaphore_source = SemaphoreSource.of_app(flower_app.capp)
+        return found
 
 
 def _routes() -> list[Any]:
-    given = {"sources": SOURCES}
     return [
-        tornado.web.url(r"/semaphores", SemaphoresPage, given, name="semaphores"),
-        tornado.web.url(r"/api/semaphores", SemaphoresApi, given),
-        tornado.web.url(r"/api/semaphores/waiting", WaitingApi, given),
-        tornado.web.url(r"/api/semaphores/why", WhyApi, given, name="semaphore_why"),
-        tornado.web.url(r"/api/semaphores/limit", LiveLimitApi, given, name="semaphore_limit"),
+        tornado.web.url(r"/semaphores", SemaphoresPage, name="semaphores"),
+        tornado.web.url(r"/api/semaphores", SemaphoresApi),
+        tornado.web.url(r"/api/semaphores/waiting", WaitingApi),
+        tornado.web.url(r"/api/semaphores/why", WhyApi, name="semaphore_why"),
+        tornado.web.url(r"/api/semaphores/limit", LiveLimitApi, name="semaphore_limit"),
     ]
 
 
@@ -295,7 +283,7 @@ def start_flower(app: Celery, argv: Sequence[str]) -> None:
     flower_command.extract_settings()
     flower_command.setup_logging()
     flower_app = Flower(capp=app, options=tornado_options, **flower_urls.settings)
-    SOURCES.give(flower_app, source)
+    flower_app.semaphore_source = source
     atexit.register(flower_app.stop)
     signal.signal(signal.SIGTERM, flower_command.sigterm_handler)
     try:
@@ -322,7 +310,7 @@ def add_semaphore_routes(flower_app: Any, source: SemaphoreSource | None = None)
             request.
     """
     if source is not None:
-        SOURCES.give(flower_app, source)
+        flower_app.semaphore_source = source
     handlers: list[Any] = _routes()
     prefix = flower_app.options.url_prefix
     if prefix:
@@ -337,15 +325,12 @@ async def _in_pool(call: Callable[[], T]) -> T:
 class SemaphoresPage(BaseHandler):  # type: ignore[misc]
     """``GET /semaphores``: the HTML page; 503 with a message when Redis fails."""
 
-    def initialize(self, sources: _Sources) -> None:
-        self.sources = sources
-
     @tornado.web.authenticated
     async def get(self) -> None:
         found: list[SemaphoreView] = []
         error = set_limit = None
         try:
-            source = await _in_pool(lambda: self.sources.of(self.application))
+            source = await _in_pool(lambda: _source_of(self.application))
             set_limit = source.set_limit
             found = await _in_pool(source.views)  # the page shows how many wait, and the oldest
         except SemaphoreError as exc:
@@ -366,8 +351,9 @@ class SemaphoresPage(BaseHandler):  # type: ignore[misc]
 
 class _Api(BaseApiHandler):  # type: ignore[misc]
     """What the API's handlers share: a plain-text answer, written here rather than raised
-    (Flower 2.1 writes an HTTPError's format string rather than its message), and how they
-    answer a call into the store."""
+    (Flower 2.1 writes an HTTPError's format string rather than its message), how they
+    answer a call into the store, and, for the GET handlers, their query's numbers and
+    their read of the application's source."""
 
     def plain(self, status: int, message: str) -> None:
         self.set_status(status)
@@ -379,24 +365,13 @@ class _Api(BaseApiHandler):  # type: ignore[misc]
         JSON (None: ``write`` answered itself); 400 or 503 with the reason."""
         try:
             found = await _in_pool(call)
-        except SemaphoreValidationError as exc:
-            self.plain(400, str(exc))
-            return
-        except SemaphoreError as exc:
-            self.plain(503, str(exc))
+        except SemaphoreError as exc:  # bad input, else the store failed
+            self.plain(400 if isinstance(exc, SemaphoreValidationError) else 503, str(exc))
             return
         shown = write(found)
         if shown is not None:
             self.set_header("Content-Type", "application/json; charset=UTF-8")
             self.finish(json.dumps(shown, default=str))
-
-
-class _JsonApi(_Api):
-    """What the API's GET handlers share: their source, their query's numbers, and answers
-    written here rather than raised (Flower 2.1 would write an HTTPError's format string)."""
-
-    def initialize(self, sources: _Sources) -> None:
-        self.sources = sources
 
     def number(self, name: str, default: int) -> object:
         """Query argument ``name`` as an int when it is one (else as sent, to be refused)."""
@@ -407,10 +382,10 @@ class _JsonApi(_Api):
 
     async def answer(self, read: Callable[[SemaphoreSource], T], write: Callable[[T], Any]) -> None:
         """``read`` the application's source, then write JSON (see :meth:`respond`)."""
-        await self.respond(lambda: read(self.sources.of(self.application)), write)
+        await self.respond(lambda: read(_source_of(self.application)), write)
 
 
-class SemaphoresApi(_JsonApi):
+class SemaphoresApi(_Api):
     """``GET /api/semaphores[?offset=0&limit=100&waiting=20]``: a JSON list of
     :meth:`SemaphoreView.as_dict`, sorted by key, one page of them; ``X-Total-Count`` says
     how many semaphores there are. 400 for a bad number, 503 when Redis fails."""
@@ -433,7 +408,7 @@ class SemaphoresApi(_JsonApi):
         await self.answer(read, write)
 
 
-class WaitingApi(_JsonApi):
+class WaitingApi(_Api):
     """``GET /api/semaphores/waiting?key=K[&offset=0&limit=100]``: one page of ``K``'s
     waiting room, first served first, as :meth:`WaitingPage.as_dict` (with ``total``). 400
     for a missing key or a bad number, 503 when Redis fails."""
@@ -450,7 +425,7 @@ class WaitingApi(_JsonApi):
         await self.answer(read, lambda found: found.as_dict())
 
 
-class WhyApi(_JsonApi):
+class WhyApi(_Api):
     """``GET /api/semaphores/why?task_id=T``: where run ``T`` stands, as ``celery semaphore
     why --json`` prints it (``standings``: one per room it waits in or key it holds; empty
     when none). 400 for a missing id, 503 when Redis fails."""
@@ -494,9 +469,9 @@ class LiveLimitApi(_Api):
     source's (see :class:`SemaphoreSource`).
     """
 
-    def initialize(self, sources: _Sources) -> None:
+    def initialize(self) -> None:
         try:
-            source = sources.of(self.application)
+            source = _source_of(self.application)
             self.set_limit, self.pause = source.set_limit, source.pause
         except SemaphoreError:
             self.set_limit = self.pause = None  # the page says why; a post is refused
