@@ -147,15 +147,13 @@ def claim_or_end(
             whose task already ran or runs elsewhere).
     """
     delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
-    result: Slot | SlotGroup | Parked | NotWaiting
-    if many:
-        result = semaphore.room.claim_many(
-            many, task.request.id, metadata=metadata, delivery=delivery
-        )
-    else:
-        result = semaphore.room.claim(
+    result: Slot | SlotGroup | Parked | NotWaiting = (
+        semaphore.room.claim_many(many, task.request.id, metadata=metadata, delivery=delivery)
+        if many
+        else semaphore.room.claim(
             key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
         )
+    )
     if isinstance(result, (Slot, SlotGroup)):
         forget(task.app, task.request.id)  # out of the room: nothing for the journal
         # A run parked in an older incarnation of the store (one restored from a snapshot,

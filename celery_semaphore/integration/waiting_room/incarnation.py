@@ -20,6 +20,8 @@ from typing import Any
 import redis
 from redis.exceptions import WatchError
 
+from ...core.live import text_of
+
 _CACHE_SECONDS = 1.0
 """How long a parking or claiming process trusts the marker it read: a run parked within a
 second of a restart may be stamped with the old one, and is then looked for again (found, or
@@ -35,17 +37,13 @@ def marker_key(prefix: str) -> str:
 
 
 def _run_id(client: redis.Redis | redis.RedisCluster) -> str:
-    if isinstance(client, redis.RedisCluster):
-        return ""
-    info: Any = client.info("server")
+    info: Any = {} if isinstance(client, redis.RedisCluster) else client.info("server")
     return str(info.get("run_id", ""))
 
 
 def incarnation_of(value: object) -> str:
     """The marker as read from Redis (bytes, text, or None when missing: "")."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return "" if value is None else text_of(value)
 
 
 def incarnation(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:

@@ -11,7 +11,6 @@ journal is gone through a page per tick, from the start again once it reaches th
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import socket
@@ -155,7 +154,6 @@ class JournalKeeper:
                     put_back(admin, field, value)
             say_feedback_lost(self.app)
             self._loss = (current, {**self._held, **self._pass}, time.time())
-            self._held, self._pass, self._rooms_at = {}, {}, 0
         self._seen = (current, store)
         self._count_rooms(client, prefix, current)
         if journal is None:
@@ -174,7 +172,6 @@ class JournalKeeper:
         )
         if incarnation_of(marker) != current:
             return
-        lost: collections.Counter[str] = collections.Counter()
         settled = time.time() - SETTLE
         for entry, here in zip(entries, parked, strict=True):
             if here:
@@ -184,12 +181,10 @@ class JournalKeeper:
                 continue
             elif entry.incarnation == current:
                 journal.forget(entry.waiter)  # it left the room: claimed elsewhere, or ended
-            elif self._resend(journal, entry):
-                lost[entry.key] += 1
+            elif self._resend(journal, entry):  # counted for the fleet's line (_count_rooms)
+                client.hincrby(f"{prefix}:resent:{current}", entry.key, 1)
+                client.expire(f"{prefix}:resent:{current}", LOSS_KEPT)
         self._after = entries[-1].row
-        for key, count in lost.items():  # counted for the fleet's one line (_count_rooms)
-            client.hincrby(f"{prefix}:resent:{current}", key, count)
-            client.expire(f"{prefix}:resent:{current}", LOSS_KEPT)
 
     def _count_rooms(self, client: redis.Redis, prefix: str, current: str) -> None:
         """Count the runs in line in a page of the room index's rooms (a ``ZCARD`` each);
@@ -212,8 +207,8 @@ class JournalKeeper:
             f"{prefix}:loss:{current}", socket.gethostname(), nx=True, ex=LOSS_KEPT
         ):
             return  # another restart since, or another worker of the fleet says it
-        raw = client.hgetall(f"{prefix}:resent:{current}")
-        resent = {text_of(key): int(count) for key, count in raw.items()}
+        raw = client.hgetall(f"{prefix}:resent:{current}").items()
+        resent = {text_of(key): int(count) for key, count in raw}
         now = room_sizes(client, prefix, 0, 0, sorted(held))
         for key in sorted(set(held) | set(resent)):
             before, after, sent = held.get(key, 0), now.get(key, 0), resent.get(key, 0)

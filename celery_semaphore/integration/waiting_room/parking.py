@@ -97,15 +97,14 @@ def has_ended(app: Celery, task_id: str, within: float = 0.0) -> bool:
     when there is no backend, when it fails, or for a task that stores no result: the
     caller must then assume it did not run. Never raises."""
     deadline = time.monotonic() + within
-    while True:
-        try:
-            if app.backend.get_state(task_id) in states.READY_STATES:
-                return True
-        except Exception:  # NotImplementedError with no backend, or any backend's error
-            return False
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
+    try:
+        while app.backend.get_state(task_id) not in states.READY_STATES:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+    except Exception:  # NotImplementedError with no backend, or any backend's error
+        return False
+    return True
 
 
 def expires_at(expires: object) -> float | None:
