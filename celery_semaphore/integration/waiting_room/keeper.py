@@ -4,9 +4,16 @@ again the ones the store lost; and copy the operators' decisions, putting back t
 restart of the store lost (:func:`put_back`).
 
 The cost of a tick is one page (:data:`PAGE` entries, one pipelined round trip, two
-``HEXISTS`` each), three reads of the incarnation marker and one ``HGETALL`` of the
-decisions hash (sized by the keys that ever had a decision), whatever the backlog: a host's
-journal is gone through a page per tick, from the start again once it reaches the end.
+``HEXISTS`` each), three reads of the incarnation marker, one ``HGETALL`` of the
+decisions hash (sized by the keys that ever had a decision), and a page of the room index
+(one ``ZRANGE``, then a ``ZCARD`` per room in one pipelined round trip: see
+:meth:`JournalKeeper._count_rooms`), whatever the backlog: a host's journal, and the index,
+are gone through a page per tick, from the start again once they reach the end.
+
+State in the store, and its recovery story: ``<prefix>:resent:<incarnation>`` counts the runs
+the journals sent again after a restart, and ``<prefix>:loss:<incarnation>`` marks that a
+worker said what it lost; both live a day (:data:`LOSS_KEPT`), and a restart that takes them
+makes them anew under the next incarnation.
 """
 
 from __future__ import annotations
