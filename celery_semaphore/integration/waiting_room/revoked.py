@@ -57,9 +57,6 @@ class RevokedRuns:
         ``revoked`` is given): once per sweep interval is enough."""
         now = time.monotonic()
         current = _ids(worker_state.revoked if revoked is None else revoked)
-        if not current:
-            self._learned, self._fresh, self._old, self.new = {}, [], [], []
-            return
         self.new = [task_id for task_id in current if task_id not in self._learned]
         self._learned = {task_id: self._learned.get(task_id, now) for task_id in current}
         self._fresh = [t for t, at in self._learned.items() if now - at < FRESH]
@@ -82,8 +79,6 @@ class RevokedRuns:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        if not ids:
-            return []
         return found_in_room(room.client, room.names, key, ids)
 
 
