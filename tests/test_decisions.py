@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -15,15 +17,19 @@ import redis.asyncio as aioredis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import SemaphoreAdmin
+from celery_semaphore import Semaphore, SemaphoreAdmin, Slot
 from celery_semaphore.asyncio import AsyncSemaphoreAdmin
 from celery_semaphore.core.names import redis_keys
-from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
+from celery_semaphore.integration.settings import journal_for
+from celery_semaphore.integration.waiting_room import keeper
+from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
+from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
 from .test_asyncio import close
+from .test_journal import _payload
 
 KEEPER = "celery_semaphore.integration.waiting_room.keeper"
 
@@ -204,3 +210,51 @@ def test_a_worker_puts_back_a_pause_the_store_lost_within_a_few_sweeps(
     paused = admin.pause_of("dec:paused")
     assert paused is not None
     assert paused.by == "ops"
+
+
+def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
+    store: RedisServer,
+    store_app: Celery,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Proves: when the store restarts without its rooms, the fleet says once, in one ERROR
+    line per key, how many runs the room held before the restart (5), how many the journals
+    sent again (the 2 this host journaled) and how many are left over (3, parked by hosts
+    whose journals are not here), however many workers see it and however many ticks they
+    take; the runs sent again are each said at INFO only. (Before: a line per worker per
+    tick that sent runs, each with its own count, and no word of the others.)"""
+    monkeypatch.setattr(keeper, "REPORT_AFTER", 1.0, raising=False)
+    sem = Semaphore(store.url, limit=1)
+    assert sem.acquire("loss:k") is not None
+    journal = journal_for(store_app)
+    assert journal is not None
+    stamp = checked_incarnation(store.client(), "semaphore")
+    for n in range(5):
+        task_id = str(uuid.uuid4())
+        payload = _payload(store_app, task_id)
+        assert not isinstance(sem.room.park("loss:k", task_id, payload), Slot)
+        if n < 2:  # journaled by this host (long enough ago to be judged at once)
+            journal.record(task_id, ["loss:k"], payload, stamp, at=time.time() - 2 * SETTLE)
+    workers = [JournalKeeper(store_app), JournalKeeper(store_app)]  # two workers of a fleet
+    for worker in workers:
+        worker.keep()
+    _restart(store, "none")
+    caplog.set_level(logging.INFO)
+
+    def said() -> list[str]:
+        for worker in workers:
+            worker.keep()
+        return [line for line in _lost_lines(caplog) if "'loss:k'" in line]
+
+    assert wait_for(lambda: len(said()) >= 1, timeout=30)
+    for _ in range(3):  # more ticks of both: nothing more is said
+        said()
+    assert said() == [
+        "semaphore 'loss:k': a restart of the store lost runs of its waiting room: it held 5 "
+        "at the last look before the restart and 0 after; the hosts' journals sent 2 again; "
+        "the other 3 were parked by hosts whose journals are not here (no journal, or no "
+        "worker of theirs running), and are lost"
+    ]
+    resent = [r for r in caplog.records if "sent lost run" in r.getMessage()]
+    assert [r.levelno for r in resent] == [logging.INFO] * 2

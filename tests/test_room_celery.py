@@ -13,6 +13,7 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.worker import state as worker_state
 
 from celery_semaphore import Semaphore, SemaphoreNotAcquiredError, SemaphoreTask, WaitingRoom
 from celery_semaphore.core.handoff import HandoffRoute
@@ -97,6 +98,10 @@ def test_a_revoked_parked_run_leaves_the_room(app: Celery, client: redis.Redis) 
         kept = task.delay(2, 0.0)
         assert wait_for(lambda: len(sem.room.waiters("queued")) == 2, timeout=30)
         doomed.revoke()
+        # The revoke reaches the worker by broadcast, on a channel of its own: a hand-off
+        # published before the worker has it (a loaded machine) would run the run, as
+        # Celery runs a task whose revoke comes late. Release once the worker knows.
+        assert wait_for(lambda: doomed.id in worker_state.revoked, timeout=30)
         for slot in held:
             assert slot is not None
             slot.release()

@@ -9,7 +9,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import redis
 
@@ -199,9 +199,8 @@ class RoomIndex:
             keys = scan_keys(self.client, self.names.prefix, sys.maxsize, rooms=True)
             added = 0
             for start in range(0, len(keys), _ADD_BATCH):
-                batch = keys[start : start + _ADD_BATCH]
-                new: Any = self.client.zadd(self.key, dict.fromkeys(batch, 0), nx=True)
-                added += int(new)
+                batch = dict.fromkeys(keys[start : start + _ADD_BATCH], 0)
+                added += cast(int, self.client.zadd(self.key, batch, nx=True))
             ttl_ms = max(1, round(ttl * 1000))
             if added and self.client.pttl(self.key) < ttl_ms / 2:
                 self.client.pexpire(self.key, ttl_ms)

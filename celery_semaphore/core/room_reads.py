@@ -215,3 +215,21 @@ def parked_or_claimed(
     # Each run's own answers, in order (a list: any() must not stop short), then the key's.
     found = [any([next(answers) for _ in range(2 * len(keys))]) for _, keys in runs]
     return found, next(answers)
+
+
+def room_sizes(
+    client: redis.Redis, prefix: str, start: int, count: int, keys: Sequence[str] = ()
+) -> dict[str, int]:
+    """How many runs wait in line in each of ``count`` rooms of the room index from rank
+    ``start`` (and in each room of ``keys``): a ``ZRANGE`` of the index, then one ``ZCARD``
+    per room in one pipelined round trip. Empty past the index's end.
+
+    Raises:
+        redis.RedisError: Redis failed (the caller words it).
+    """
+    names = Namespace(prefix, isinstance(client, redis.RedisCluster))
+    found = [*keys, *map(text_of, client.zrange(names.room_index, start, start + count - 1))]
+    with client.pipeline(transaction=False) as pipe:
+        for key in found:
+            pipe.zcard(names.keys_of(key).room)
+        return dict(zip(found, map(int, pipe.execute()), strict=True))

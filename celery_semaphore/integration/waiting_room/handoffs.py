@@ -32,7 +32,7 @@ from ..settings import app_settings, forget
 from ..shedding import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
 from ..signals import task_label
 from ..stats import bump
-from .parking import has_ended, message_of
+from .parking import INCARNATION_HEADER, has_ended, message_of, stamp_of
 from .queues import handoff_queue
 
 logger = logging.getLogger(__name__)
@@ -147,18 +147,27 @@ def claim_or_end(
             whose task already ran or runs elsewhere).
     """
     delivery = str((task.request.headers or {}).get(HANDOFF_ID_HEADER) or "")
-    result: Slot | SlotGroup | Parked | NotWaiting
-    if many:
-        result = semaphore.room.claim_many(
-            many, task.request.id, metadata=metadata, delivery=delivery
-        )
-    else:
-        result = semaphore.room.claim(
+    result: Slot | SlotGroup | Parked | NotWaiting = (
+        semaphore.room.claim_many(many, task.request.id, metadata=metadata, delivery=delivery)
+        if many
+        else semaphore.room.claim(
             key, task.request.id, limit=limit, weight=weight, metadata=metadata, delivery=delivery
         )
+    )
     if isinstance(result, (Slot, SlotGroup)):
         forget(task.app, task.request.id)  # out of the room: nothing for the journal
-        return result
+        # A run parked in an older incarnation of the store (one restored from a snapshot,
+        # say) may have run since, in the store that was lost: the result backend says.
+        stamp = (task.request.headers or {}).get(INCARNATION_HEADER)
+        if stamp == stamp_of(semaphore) or not has_ended(task.app, task.request.id):
+            return result
+        result.release()
+        logger.warning(
+            "%sa hand-off of semaphore %r reached a run that already ran (the store came back "
+            "from before it ran: an older snapshot, a failover); its slot goes on, unused",
+            task_label(task), key,
+        )  # fmt: skip
+        raise Ignore()
     if isinstance(result, NotWaiting):
         # The broker delivers a message again when the run it started was lost (its worker
         # died): the claim it made is then on record, unless the store lost the record in a

@@ -20,9 +20,13 @@ from typing import Any
 import redis
 from redis.exceptions import WatchError
 
+from ...core.live import text_of
+
 _CACHE_SECONDS = 1.0
-"""How long a parking process trusts the marker it read: a run parked within a second of a
-restart may be stamped with the old one, and is then looked for again (found, or sent)."""
+"""How long a parking or claiming process trusts the marker it read: a run parked within a
+second of a restart may be stamped with the old one, and is then looked for again (found, or
+sent); a hand-off claimed within a second of a restart is not checked against the result
+backend (see :func:`~.handoffs.claim_or_end`)."""
 
 _cached: dict[tuple[int, str], tuple[float, str]] = {}
 
@@ -33,34 +37,27 @@ def marker_key(prefix: str) -> str:
 
 
 def _run_id(client: redis.Redis | redis.RedisCluster) -> str:
-    if isinstance(client, redis.RedisCluster):
-        return ""
-    info: Any = client.info("server")
+    info: Any = {} if isinstance(client, redis.RedisCluster) else client.info("server")
     return str(info.get("run_id", ""))
 
 
 def incarnation_of(value: object) -> str:
     """The marker as read from Redis (bytes, text, or None when missing: "")."""
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return "" if value is None else text_of(value)
 
 
 def incarnation(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:
-    """The store's incarnation, as a parking process stamps a run with it: the marker, read
-    at most once a second per process (and made if missing).
+    """The store's incarnation, as a parking or claiming process reads it: that of
+    :func:`checked_incarnation`, at most once a second per process.
 
     Raises:
         redis.RedisError: the store failed.
     """
     now = time.monotonic()
     found = _cached.get((id(client), prefix))
-    if found is not None and now - found[0] < _CACHE_SECONDS:
-        return found[1]
-    value = client.get(marker_key(prefix))
-    current = incarnation_of(value) if value is not None else _make(client, prefix)
-    _cached[(id(client), prefix)] = (now, current)
-    return current
+    if found is None or now - found[0] >= _CACHE_SECONDS:
+        found = _cached[(id(client), prefix)] = (now, checked_incarnation(client, prefix))
+    return found[1]
 
 
 def checked_incarnation(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:
@@ -72,26 +69,17 @@ def checked_incarnation(client: redis.Redis | redis.RedisCluster, prefix: str) -
     """
     key = marker_key(prefix)
     value = client.get(key)
-    if value is None:
-        return _make(client, prefix)
-    current = incarnation_of(value)
     run_id = _run_id(client)
-    if not run_id or current.endswith(f"|{run_id}"):
-        return current
+    if value is not None and (not run_id or incarnation_of(value).endswith(f"|{run_id}")):
+        return incarnation_of(value)
     fresh = f"{secrets.token_hex(8)}|{run_id}"
-    with client.pipeline(transaction=True) as pipe:  # leaving it unwatches the key
-        pipe.watch(key)
-        if pipe.get(key) == value:
-            pipe.multi()
-            pipe.set(key, fresh)
-            with contextlib.suppress(WatchError):
+    if value is None:
+        client.set(key, fresh, nx=True)  # whoever comes first makes it
+    else:  # leaving the pipeline unwatches the key; another worker may make it anew first
+        with client.pipeline(transaction=True) as pipe, contextlib.suppress(WatchError):
+            pipe.watch(key)
+            if pipe.get(key) == value:
+                pipe.multi()
+                pipe.set(key, fresh)
                 pipe.execute()
-                return fresh
-    return incarnation_of(client.get(key))  # another worker made it anew first
-
-
-def _make(client: redis.Redis | redis.RedisCluster, prefix: str) -> str:
-    """Make the marker if it is missing (whoever comes first makes it); the marker then."""
-    key = marker_key(prefix)
-    client.set(key, f"{secrets.token_hex(8)}|{_run_id(client)}", nx=True)
     return incarnation_of(client.get(key))

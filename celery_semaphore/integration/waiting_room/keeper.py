@@ -4,25 +4,33 @@ again the ones the store lost; and copy the operators' decisions, putting back t
 restart of the store lost (:func:`put_back`).
 
 The cost of a tick is one page (:data:`PAGE` entries, one pipelined round trip, two
-``HEXISTS`` each), three reads of the incarnation marker and one ``HGETALL`` of the
-decisions hash (sized by the keys that ever had a decision), whatever the backlog: a host's
-journal is gone through a page per tick, from the start again once it reaches the end.
+``HEXISTS`` each), three reads of the incarnation marker, one ``HGETALL`` of the
+decisions hash (sized by the keys that ever had a decision), and a page of the room index
+(one ``ZRANGE``, then a ``ZCARD`` per room in one pipelined round trip: see
+:meth:`JournalKeeper._count_rooms`), whatever the backlog: a host's journal, and the index,
+are gone through a page per tick, from the start again once they reach the end.
+
+State in the store, and its recovery story: ``<prefix>:resent:<incarnation>`` counts the runs
+the journals sent again after a restart, and ``<prefix>:loss:<incarnation>`` marks that a
+worker said what it lost; both live a day (:data:`LOSS_KEPT`), and a restart that takes them
+makes them anew under the next incarnation.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
+import socket
 import sqlite3
 import time
 
+import redis
 from celery import Celery
 
 from ...core.admin import SemaphoreAdmin
 from ...core.live import setter, text_of
 from ...core.rates import Rate
-from ...core.room_reads import parked_or_claimed
+from ...core.room_reads import parked_or_claimed, room_sizes
 from ...core.scripts import REDIS_ERRORS
 from ...errors import SemaphoreBackendError, SemaphoreRunLostError
 from ..runner import runner_of
@@ -36,6 +44,13 @@ logger = logging.getLogger(__name__)
 
 PAGE = 500
 """Journaled runs looked up per tick."""
+
+REPORT_AFTER = 30.0
+"""Seconds after a restart of the store is seen before the fleet's one line of what it lost
+is said: the hosts' journals have sent the lost runs again by then (each settled entry
+within a tick, a page at a time)."""
+LOSS_KEPT = 24 * 3600
+"""Seconds the store keeps its count of the runs sent again, and its loss marker."""
 
 SETTLE = 10.0
 """Seconds a journal entry is left alone when its run is not in the room: a run is journaled
@@ -104,6 +119,12 @@ class JournalKeeper:
         # The store's incarnation and decisions hash at the last tick: a copy in memory, not
         # in the journal file, which may have missed a clear while its worker was down.
         self._seen: tuple[str, dict[str, str]] | None = None
+        # Runs in line per room: the last pass through the room index, and this one so far.
+        self._held: dict[str, int] = {}
+        self._pass: dict[str, int] = {}
+        self._rooms_at = 0
+        # After a restart: its incarnation, the rooms' counts before it, when it was seen.
+        self._loss: tuple[str, dict[str, int], float] | None = None
 
     def keep(self) -> None:
         """Put back the operators' decisions a restart of the store lost (see
@@ -139,7 +160,9 @@ class JournalKeeper:
                 if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
                     put_back(admin, field, value)
             say_feedback_lost(self.app)
+            self._loss = (current, {**self._held, **self._pass}, time.time())
         self._seen = (current, store)
+        self._count_rooms(client, prefix, current)
         if journal is None:
             return
         entries = journal.page(self._after, PAGE)
@@ -156,7 +179,6 @@ class JournalKeeper:
         )
         if incarnation_of(marker) != current:
             return
-        lost: collections.Counter[str] = collections.Counter()
         settled = time.time() - SETTLE
         for entry, here in zip(entries, parked, strict=True):
             if here:
@@ -166,15 +188,45 @@ class JournalKeeper:
                 continue
             elif entry.incarnation == current:
                 journal.forget(entry.waiter)  # it left the room: claimed elsewhere, or ended
-            elif self._resend(journal, entry):
-                lost[entry.key] += 1
+            elif self._resend(journal, entry):  # counted for the fleet's line (_count_rooms)
+                client.hincrby(f"{prefix}:resent:{current}", entry.key, 1)
+                client.expire(f"{prefix}:resent:{current}", LOSS_KEPT)
         self._after = entries[-1].row
-        for key, count in sorted(lost.items()):
-            logger.error(
-                "semaphore %r: the store lost %d parked run(s) (restarted without persistence, "
-                "or from an older snapshot); sent them again from this host's journal", key,
-                count,
-            )  # fmt: skip
+
+    def _count_rooms(self, client: redis.Redis, prefix: str, current: str) -> None:
+        """Count the runs in line in a page of the room index's rooms (a ``ZCARD`` each);
+        and, :data:`REPORT_AFTER` seconds after a restart of the store, say what it lost, in
+        one ERROR line per key for the whole fleet (the worker that makes the store's loss
+        marker for its incarnation says it): the runs each room held at this worker's last
+        look before the restart and after it, how many the hosts' journals sent again, and
+        how many are left over, parked by hosts whose journals are not here."""
+        sizes = room_sizes(client, prefix, self._rooms_at, PAGE)
+        self._pass.update(sizes)
+        if sizes:
+            self._rooms_at += PAGE
+        else:  # a whole pass through the index: the rooms gone since drop out
+            self._held, self._pass, self._rooms_at = self._pass, {}, 0
+        if self._loss is None or time.time() - self._loss[2] < REPORT_AFTER:
+            return
+        seen, held, _ = self._loss
+        self._loss = None
+        if seen != current or not client.set(
+            f"{prefix}:loss:{current}", socket.gethostname(), nx=True, ex=LOSS_KEPT
+        ):
+            return  # another restart since, or another worker of the fleet says it
+        raw = client.hgetall(f"{prefix}:resent:{current}").items()
+        resent = {text_of(key): int(count) for key, count in raw}
+        now = room_sizes(client, prefix, 0, 0, sorted(held))
+        for key in sorted(set(held) | set(resent)):
+            before, after, sent = held.get(key, 0), now.get(key, 0), resent.get(key, 0)
+            if sent or before > after:
+                logger.error(
+                    "semaphore %r: a restart of the store lost runs of its waiting room: it held "
+                    "%d at the last look before the restart and %d after; the hosts' journals "
+                    "sent %d again; the other %d were parked by hosts whose journals are not "
+                    "here (no journal, or no worker of theirs running), and are lost", key,
+                    before, after, sent, max(0, before - after - sent),
+                )  # fmt: skip
 
     def _resend(self, journal: Journal, entry: Entry) -> bool:
         """Send a run the store lost again; True when sent. The host's workers share its

@@ -63,6 +63,9 @@ from .queues import handoff_queue_for
 
 logger = logging.getLogger(__name__)
 
+INCARNATION_HEADER = "semaphore_incarnation"
+"""The header of a parked run's message that holds the store's incarnation when it parked."""
+
 
 def payload_of(task: Task, request: Any, headers: dict[str, Any]) -> bytes:
     """The running task's message (``request``) as Celery's ``retry()`` would publish it,
@@ -94,15 +97,14 @@ def has_ended(app: Celery, task_id: str, within: float = 0.0) -> bool:
     when there is no backend, when it fails, or for a task that stores no result: the
     caller must then assume it did not run. Never raises."""
     deadline = time.monotonic() + within
-    while True:
-        try:
-            if app.backend.get_state(task_id) in states.READY_STATES:
-                return True
-        except Exception:  # NotImplementedError with no backend, or any backend's error
-            return False
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.1)
+    try:
+        while app.backend.get_state(task_id) not in states.READY_STATES:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+    except Exception:  # NotImplementedError with no backend, or any backend's error
+        return False
+    return True
 
 
 def expires_at(expires: object) -> float | None:
@@ -253,13 +255,17 @@ def park_or_take(
     made: list[bytes] = []
 
     def payload() -> bytes:
-        """The message to park, journaled first (see :mod:`.journal` for why before)."""
+        """The message to park, stamped with the store's incarnation and journaled first
+        (see :mod:`.journal` for why before, and :func:`.handoffs.claim_or_end` for the
+        stamp)."""
+        stamp = stamp_of(semaphore)
         headers = retry_headers(request)
-        headers.update(
-            {HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival, SHED_ATTEMPT_HEADER: attempt}
-        )
+        headers.update({HANDOFF_HEADER: attempt, FIRST_SHED_HEADER: arrival,
+                        SHED_ATTEMPT_HEADER: attempt, INCARNATION_HEADER: stamp})  # fmt: skip
         made.append(payload_of(task, request, headers))
-        _journal(task, semaphore, ask.keys, made[-1])
+        journal = journal_for(task.app)
+        if journal is not None:
+            journal.record(request.id, ask.keys, made[-1], stamp)
         return made[-1]
 
     # The room judges the wait on the store's clock: it is told how long this run has asked
@@ -303,18 +309,13 @@ def park_or_take(
     _parked(task, names, result.limit or limit, result)
 
 
-def _journal(task: Task, semaphore: Semaphore, keys: list[str], payload: bytes) -> None:
-    """Write the run of ``keys`` about to park to this host's journal (see :mod:`.journal`),
-    stamped with the store's incarnation ("" if it cannot be read: the keeper then looks the
-    run up as if the store had changed)."""
-    journal = journal_for(task.app)
-    if journal is None:
-        return
+def stamp_of(semaphore: Semaphore) -> str:
+    """The store's incarnation, as a parked run is stamped with it ("" if it cannot be read:
+    the run is then looked up as if the store had changed)."""
     try:
-        stamp = incarnation(semaphore.client, semaphore.prefix)
+        return incarnation(semaphore.client, semaphore.prefix)
     except REDIS_ERRORS:
-        stamp = ""
-    journal.record(task.request.id, keys, payload, stamp)
+        return ""
 
 
 def _parked(task: Task, names: Names, limit: int, parked: Parked) -> NoReturn:

@@ -64,17 +64,15 @@ def consume_handoff_queues(app: Celery) -> list[str]:
     # transport with queue_order_strategy "priority") then serves hand-offs first.
     # (By key: Celery may key a queue by its alias, a broadcast queue's for one.)
     consumed = queues.consume_from
-    ordered = []
-    for key, queue in list(consumed.items()):
-        if key in added:
-            continue
-        if queue.name + SUFFIX in added:
-            ordered.append((queue.name + SUFFIX, consumed[queue.name + SUFFIX]))
-        ordered.append((key, queue))
-    for key, _ in ordered:
-        del consumed[key]
-    for key, queue in ordered:
-        consumed[key] = queue
+    place = {queue.name: n for n, queue in enumerate(consumed.values())}
+
+    def rank(item: tuple[str, Queue]) -> int:  # a hand-off queue added ranks before its own
+        key, queue = item
+        return place[queue.name.removesuffix(SUFFIX)] - 1 if key in added else place[queue.name]
+
+    ordered = sorted(consumed.items(), key=rank)  # stable: in order otherwise
+    consumed.clear()
+    consumed.update(ordered)
     return added
 
 
@@ -151,9 +149,7 @@ def broadcast_queue_of(app: Celery, delivery_info: Mapping[str, Any] | None) -> 
     or shed is refused there (see :func:`broadcast_refusal`).
     """
     exchange = (delivery_info or {}).get("exchange")
-    if not exchange:
-        return None
-    for queue in app.amqp.queues.consume_from.values():
+    for queue in app.amqp.queues.consume_from.values():  # a fanout exchange has a name
         if _fanout(queue) and queue.exchange.name == exchange:
             return str(getattr(queue, "alias", None) or queue.name)
     return None

@@ -18,8 +18,8 @@ for, never with the room:
   its revoke (a ``"wait"`` run revoked while it waited) is still found, without every sweep
   paying for every id the worker remembers;
 - each id is one ``HEXISTS`` of the room's parked runs and one ``ZSCORE`` of a reservation
-  for it, pipelined in one round trip; past :data:`MOST` ids at once, reading the whole room
-  (its parked runs and its holders) costs less, and is done instead.
+  for it, pipelined in one round trip, however many ids (reading the whole room instead,
+  past 50 ids, made a sweep's cost grow with the room).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from collections.abc import Iterable
 
 from celery.worker import state as worker_state
 
-from ...core.admin import SemaphoreAdmin
 from ...core.room import WaitingRoom
 from ...core.room_reads import found_in_room
 
@@ -39,8 +38,6 @@ for the run."""
 OLD_EVERY = 30
 """Every this many sweep intervals at most, a room a worker sweeps is searched for every
 revoked run the worker remembers."""
-MOST = 50
-"""Revoked ids looked up one by one in a room; past this, the room is read whole."""
 
 
 class RevokedRuns:
@@ -60,9 +57,6 @@ class RevokedRuns:
         ``revoked`` is given): once per sweep interval is enough."""
         now = time.monotonic()
         current = _ids(worker_state.revoked if revoked is None else revoked)
-        if not current:
-            self._learned, self._fresh, self._old, self.new = {}, [], [], []
-            return
         self.new = [task_id for task_id in current if task_id not in self._learned]
         self._learned = {task_id: self._learned.get(task_id, now) for task_id in current}
         self._fresh = [t for t, at in self._learned.items() if now - at < FRESH]
@@ -85,21 +79,11 @@ class RevokedRuns:
         Raises:
             SemaphoreBackendError: Redis failed.
         """
-        if not ids:
-            return []
-        if len(ids) > MOST:
-            in_room = {w.waiter for w in room.waiters(key)}
-            admin = SemaphoreAdmin(room.client, room.names.prefix)
-            in_room.update(str(h.metadata.get("reserved_for") or "") for h in admin.holders(key))
-            return [task_id for task_id in ids if task_id in in_room]
         return found_in_room(room.client, room.names, key, ids)
 
 
 def _ids(revoked: Iterable[str]) -> set[str]:
-    """The ids of ``revoked``: a LimitedSet (Celery's) is read through its dict of items,
-    in one step (its iterator sorts every entry, and the worker's main thread adds to it
-    meanwhile); anything else is iterated."""
-    data = getattr(revoked, "_data", None)
-    if isinstance(data, dict):
-        return {str(task_id) for task_id in set(data)}
-    return {str(task_id) for task_id in revoked}
+    """The ids of ``revoked``: a LimitedSet (Celery's) is read through its dict of items
+    (``_data``), in one step (its iterator sorts every entry, and the worker's main thread
+    adds to it meanwhile); anything else is iterated."""
+    return {str(task_id) for task_id in set(getattr(revoked, "_data", revoked))}

@@ -146,15 +146,6 @@ class RoomSweeper:
             self._expired.clear()
         return None
 
-    def sweep(self) -> None:
-        """A :meth:`tick`, then every room due now, a page at a time: what a worker's upkeep
-        does over one interval, at once. Never raises."""
-        self.tick()
-        while True:
-            due = self.sweep_due()
-            if due is None or due.next_ms < 0 or due.next_ms > due.now_ms:
-                return
-
     def _give_up_or_publish(self, key: str, handoffs: Sequence[Handoff]) -> None:
         """The sweep's publisher: a give-up of a run whose ``expires`` has passed is kept
         for :meth:`_end_expired`, since its message would only be discarded by the worker
