@@ -71,7 +71,7 @@ def run_body(
     send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
     started = time.monotonic()
     try:
-        with guard(slot, interval, renew_failed_reporter(task, slot, names)):
+        with guard(slot, interval, renew_failed_reporter(task, slot, names), later=True):
             token = CURRENT.set(slot)
             try:
                 with interrupter:
