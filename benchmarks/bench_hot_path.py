@@ -6,7 +6,9 @@ Sections, each printing a table:
 
 * ``pairs``: uncontended acquire+release pairs per second, one client, against the physical
   limit (two EVALSHA of a trivial script through redis-py ``Script`` objects on the same
-  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds.
+  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds; and the
+  pair a Celery run makes, whose release is handed to the release thread (``guard(...,
+  later=True)``) on its own client, timed until the release is queued.
 * ``async-pairs``: the same for :class:`AsyncSemaphore` on one ``redis.asyncio`` client,
   against two async EVALSHA of a trivial script (``redis.asyncio`` ``Script`` objects) on the
   same connection, in interleaved rounds.
@@ -48,6 +50,7 @@ from rich.table import Table
 from celery_semaphore import Semaphore
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core import heartbeat
+from celery_semaphore.core.semaphore import guard
 from celery_semaphore.testing import RedisServer
 
 TRIVIAL = "return 1"
@@ -98,6 +101,8 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
         client = server.client()
         trivial = client.register_script(TRIVIAL)
         sem = Semaphore(client, limit=10, lease=60.0)
+        # The release thread is slower than the acquires: a limit they never reach.
+        later = Semaphore(server.client(), limit=1_000_000, lease=60.0)
         lock = client.lock("bench:lock", timeout=60)
         prl = redis_lock.Lock(client, "bench:prl", expire=60)
 
@@ -110,6 +115,10 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
             assert slot is not None
             slot.release()
 
+        def ours_later() -> None:
+            with guard(later.acquire("bench"), None, later=True):  # type: ignore[type-var]
+                pass
+
         def redis_py_lock() -> None:
             assert lock.acquire(blocking=False)
             lock.release()
@@ -121,6 +130,7 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
         setups = {
             "two EVALSHA of a trivial script (the limit)": anchor,
             "celery-semaphore acquire + release": ours,
+            "celery-semaphore acquire + release sent later (a Celery run's path)": ours_later,
             "redis-py Lock acquire + release": redis_py_lock,
             "python-redis-lock acquire + release": python_redis_lock,
         }
