@@ -14,6 +14,7 @@ Sections, each printing a table:
   same connection, in interleaved rounds.
 * ``renewal``: round trips per renewal tick and renewal threads alive, for 1, 10, 100 and
   1,000 slots held by one process.
+* ``release-gap``: how long after a run's end its release, sent later, is answered.
 * ``server``: Redis's own microseconds per call (``INFO commandstats``) for acquire, extend
   (batched, per slot) and release, against a minimal sorted-set acquire/release script
   pair, and the pairs-per-second ceiling of one key that follows.
@@ -259,6 +260,27 @@ def renewal(args: argparse.Namespace, console: Console) -> None:
     console.print(table)
 
 
+def release_gap(args: argparse.Namespace, console: Console) -> None:
+    """How long after a run's end its release, sent later, is in: from leaving the guard to
+    the slot's release answered (milliseconds), one run at a time, the runner idle meanwhile
+    (it sleeps 0.1 ms at a time, as a worker waiting for its next message would)."""
+    gaps = []
+    with RedisServer() as server:
+        sem = Semaphore(server.client(), limit=10, lease=60.0)
+        for _ in range(max(100, args.pairs // 10)):
+            slot = sem.acquire("gap")
+            assert slot is not None
+            ended = time.perf_counter()
+            with guard(slot, None, later=True):
+                ended = time.perf_counter()
+            while not slot.released:
+                time.sleep(0.0001)
+            gaps.append((time.perf_counter() - ended) * 1000)
+    qs = statistics.quantiles(gaps, n=100)
+    console.print(f"Release gap, ms, {len(gaps)} runs: median {statistics.median(gaps):.2f}, "
+                  f"p90 {qs[89]:.2f}, p99 {qs[98]:.2f}, max {max(gaps):.2f}")  # fmt: skip
+
+
 def server(args: argparse.Namespace, console: Console) -> None:
     n = args.pairs
     with RedisServer() as srv:
@@ -365,7 +387,8 @@ def server(args: argparse.Namespace, console: Console) -> None:
                   f"(minimal pair: {1e6 / statistics.median(minimal):,.0f})")  # fmt: skip
 
 
-SECTIONS = {"pairs": pairs, "async-pairs": async_pairs, "renewal": renewal, "server": server}
+SECTIONS = {"pairs": pairs, "async-pairs": async_pairs, "renewal": renewal, "server": server,
+            "release-gap": release_gap}  # fmt: skip
 
 
 def main() -> None:

@@ -18,6 +18,9 @@ asyncio renewer; this module runs the threads.
 The threads exist only while slots are held (and for :data:`LINGER` seconds after), and a
 forked child starts its own. A slot released before its first renewal is due never starts
 the sender thread.
+
+The module also keeps the process's release thread (:func:`release_later`): a Celery run
+hands its slot's release to it and goes on, and it sends the release at once.
 """
 
 from __future__ import annotations
