@@ -88,7 +88,7 @@ class guard(Generic[S]):
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
     """
 
-    __slots__ = ("_beat", "interval", "later", "on_renew_error", "slot")
+    __slots__ = ("_beat", "_members", "interval", "later", "on_renew_error", "slot")
 
     def __init__(
         self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None,
@@ -99,15 +99,12 @@ class guard(Generic[S]):
         self.on_renew_error = on_renew_error
         self.later = later
         self._beat: Renewer | None = None
-
-    def _members(self) -> tuple[Slot, ...]:
-        slot = self.slot
-        return slot.slots if isinstance(slot, SlotGroup) else (slot,)
+        self._members: tuple[Slot, ...] = slot.slots if isinstance(slot, SlotGroup) else (slot,)
 
     def __enter__(self) -> S:
         if self.interval is not None:
             beat = renewer()
-            for member in self._members():
+            for member in self._members:
                 beat.add(member, self.interval, self.on_renew_error)
             self._beat = beat
         return self.slot
@@ -115,11 +112,11 @@ class guard(Generic[S]):
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         slot = self.slot
         if self._beat is not None:
-            for member in self._members():
+            for member in self._members:
                 self._beat.remove(member)
         slot._check_deadline()
         if self.later and not isinstance(exc, BackOff):
-            for member in self._members():
+            for member in self._members:
                 release_later(member, member._verdict())
         else:
             try:
