@@ -81,6 +81,15 @@ def noop_two_trips(n: int) -> int:
     return n
 
 
+@app.task(name="noop_one_trip")
+def noop_one_trip(n: int) -> int:
+    """The same body after one EVALSHA of a trivial script on the semaphore's Redis: the one
+    round trip a bounded run must wait for, its acquire (bench_overhead.py's limit, now that
+    the release is sent after the run)."""
+    _trivial(keys=["bench:trivial"], args=[1])
+    return n
+
+
 def _turn_body(tenant: str, seconds: float) -> str:
     from celery import current_task
 

@@ -6,12 +6,15 @@ Sections, each printing a table:
 
 * ``pairs``: uncontended acquire+release pairs per second, one client, against the physical
   limit (two EVALSHA of a trivial script through redis-py ``Script`` objects on the same
-  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds.
+  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds; and the
+  pair a Celery run makes, whose release is handed to the release thread (``guard(...,
+  later=True)``) on its own client, timed until the release is queued.
 * ``async-pairs``: the same for :class:`AsyncSemaphore` on one ``redis.asyncio`` client,
   against two async EVALSHA of a trivial script (``redis.asyncio`` ``Script`` objects) on the
   same connection, in interleaved rounds.
 * ``renewal``: round trips per renewal tick and renewal threads alive, for 1, 10, 100 and
   1,000 slots held by one process.
+* ``release-gap``: how long after a run's end its release, sent later, is answered.
 * ``server``: Redis's own microseconds per call (``INFO commandstats``) for acquire, extend
   (batched, per slot) and release, against a minimal sorted-set acquire/release script
   pair, and the pairs-per-second ceiling of one key that follows.
@@ -48,6 +51,7 @@ from rich.table import Table
 from celery_semaphore import Semaphore
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core import heartbeat
+from celery_semaphore.core.semaphore import guard
 from celery_semaphore.testing import RedisServer
 
 TRIVIAL = "return 1"
@@ -98,6 +102,8 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
         client = server.client()
         trivial = client.register_script(TRIVIAL)
         sem = Semaphore(client, limit=10, lease=60.0)
+        # The release thread is slower than the acquires: a limit they never reach.
+        later = Semaphore(server.client(), limit=1_000_000, lease=60.0)
         lock = client.lock("bench:lock", timeout=60)
         prl = redis_lock.Lock(client, "bench:prl", expire=60)
 
@@ -110,6 +116,10 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
             assert slot is not None
             slot.release()
 
+        def ours_later() -> None:
+            with guard(later.acquire("bench"), None, later=True):  # type: ignore[type-var]
+                pass
+
         def redis_py_lock() -> None:
             assert lock.acquire(blocking=False)
             lock.release()
@@ -121,6 +131,7 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
         setups = {
             "two EVALSHA of a trivial script (the limit)": anchor,
             "celery-semaphore acquire + release": ours,
+            "celery-semaphore acquire + release sent later (a Celery run's path)": ours_later,
             "redis-py Lock acquire + release": redis_py_lock,
             "python-redis-lock acquire + release": python_redis_lock,
         }
@@ -249,6 +260,27 @@ def renewal(args: argparse.Namespace, console: Console) -> None:
     console.print(table)
 
 
+def release_gap(args: argparse.Namespace, console: Console) -> None:
+    """How long after a run's end its release, sent later, is in: from leaving the guard to
+    the slot's release answered (milliseconds), one run at a time, the runner idle meanwhile
+    (it sleeps 0.1 ms at a time, as a worker waiting for its next message would)."""
+    gaps = []
+    with RedisServer() as server:
+        sem = Semaphore(server.client(), limit=10, lease=60.0)
+        for _ in range(max(100, args.pairs // 10)):
+            slot = sem.acquire("gap")
+            assert slot is not None
+            ended = time.perf_counter()
+            with guard(slot, None, later=True):
+                ended = time.perf_counter()
+            while not slot.released:
+                time.sleep(0.0001)
+            gaps.append((time.perf_counter() - ended) * 1000)
+    qs = statistics.quantiles(gaps, n=100)
+    console.print(f"Release gap, ms, {len(gaps)} runs: median {statistics.median(gaps):.2f}, "
+                  f"p90 {qs[89]:.2f}, p99 {qs[98]:.2f}, max {max(gaps):.2f}")  # fmt: skip
+
+
 def server(args: argparse.Namespace, console: Console) -> None:
     n = args.pairs
     with RedisServer() as srv:
@@ -355,7 +387,8 @@ def server(args: argparse.Namespace, console: Console) -> None:
                   f"(minimal pair: {1e6 / statistics.median(minimal):,.0f})")  # fmt: skip
 
 
-SECTIONS = {"pairs": pairs, "async-pairs": async_pairs, "renewal": renewal, "server": server}
+SECTIONS = {"pairs": pairs, "async-pairs": async_pairs, "renewal": renewal, "server": server,
+            "release-gap": release_gap}  # fmt: skip
 
 
 def main() -> None:

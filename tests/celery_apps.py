@@ -155,6 +155,17 @@ def make_app(redis_url: str, broker_url: str | None = None, **conf: Any) -> Cele
             time.sleep(seconds)
         return "woke"
 
+    @app.task(base=SemaphoreTask, semaphore="paused-release", limit=4, lease=60.0,
+              shared=False, name="csem.pause_writes_then_end")  # fmt: skip
+    def pause_writes_then_end(ms: int) -> int:
+        """Ends with the semaphore's store refusing writes (scripts too) for ``ms``: its
+        release, sent after the body, cannot have reached the store when the run is over
+        (the result goes to another server: CSEM_TEST_SEMAPHORE_URL)."""
+        store = redis.Redis.from_url(app.conf.semaphore_url)
+        store.execute_command("CLIENT", "PAUSE", ms, "WRITE")
+        store.close()
+        return os.getpid()
+
     @app.task(base=SemaphoreTask, semaphore="long", limit=1, lease=1.0, shared=False,
               name="csem.long_body")  # fmt: skip
     def long_body(seconds: float) -> str:
@@ -241,6 +252,8 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
         _extra.update(AT_LEAST_ONCE)
     if "CSEM_TEST_SWEEP_INTERVAL" in os.environ:
         _extra["semaphore_sweep_interval"] = float(os.environ["CSEM_TEST_SWEEP_INTERVAL"])
+    if "CSEM_TEST_MAX_TASKS_PER_CHILD" in os.environ:
+        _extra["worker_max_tasks_per_child"] = int(os.environ["CSEM_TEST_MAX_TASKS_PER_CHILD"])
     if "CSEM_TEST_DEFAULT_QUEUE" in os.environ:
         _extra["task_default_queue"] = os.environ["CSEM_TEST_DEFAULT_QUEUE"]
     app = make_app(

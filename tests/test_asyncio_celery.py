@@ -29,6 +29,7 @@ from celery_semaphore import (
 from celery_semaphore.testing import RedisServer, unbounded
 
 from . import history
+from .helpers import wait_for
 from .test_asyncio import run
 
 LIMIT = 3
@@ -89,7 +90,8 @@ def test_a_threads_worker_and_50_coroutines_never_exceed_the_limit(
     spans = [r for r in bodies.completed if r.task_id.startswith("coroutine-")]
     tasks = [r for r in bodies.completed if not r.task_id.startswith("coroutine-")]
     assert any(s.start < (t.end or 0) and t.start < (s.end or 0) for s in spans for t in tasks)
-    assert Semaphore(client, limit=LIMIT).count("mixed") == 0
+    # The tasks' runs send their releases after they return: wait for them.
+    assert wait_for(lambda: Semaphore(client, limit=LIMIT).count("mixed") == 0, timeout=10)
 
 
 def test_a_bounded_coroutine_counts_against_the_tasks_key(redis_server: RedisServer) -> None:

@@ -95,7 +95,8 @@ def test_30_tasks_on_limit_3_never_exceed_3(
     # Shedding happened, and none of it counted against max_retries=0.
     assert any(v["sheds"] for v in values)
     assert all(v["retries"] == 0 for v in values)
-    assert _semaphore(app).count("provider") == 0
+    # A run in a worker sends its release after it returns: wait for it.
+    assert wait_for(lambda: _semaphore(app).count("provider") == 0, timeout=10)
 
 
 def test_solo_pool_runs_bounded_tasks(solo_worker: Celery, client: redis.Redis) -> None:
@@ -103,7 +104,8 @@ def test_solo_pool_runs_bounded_tasks(solo_worker: Celery, client: redis.Redis) 
     results = [task.delay(n, 0.01) for n in range(5)]
     assert [r.get(timeout=60)["n"] for r in results] == [0, 1, 2, 3, 4]
     History.load(client, BODIES).assert_ok({"provider": 3}, tasks=[r.id for r in results])
-    assert _semaphore(solo_worker).count("provider") == 0
+    # A run in a worker sends its release after it returns: wait for it.
+    assert wait_for(lambda: _semaphore(solo_worker).count("provider") == 0, timeout=10)
 
 
 def test_decorator_bounds_a_plain_task(threads_worker: Celery, client: redis.Redis) -> None:
@@ -130,7 +132,8 @@ def test_a_task_that_raises_releases_its_slot(worker: str, request: pytest.Fixtu
     result = app.tasks["csem.failing"].delay()
     with pytest.raises(ValueError, match="the body failed"):
         result.get(timeout=60)
-    assert _semaphore(app).count("boom") == 0
+    # A run in a worker sends its release after it returns: wait for it.
+    assert wait_for(lambda: _semaphore(app).count("boom") == 0, timeout=10)
 
 
 @pytest.mark.parametrize("worker", WORKERS)
@@ -140,7 +143,8 @@ def test_a_task_that_retries_itself_releases_its_slot(
     app: Celery = request.getfixturevalue(worker)
     # limit=1: the second run could not start if the first had kept its slot.
     assert app.tasks["csem.self_retry"].delay().get(timeout=60) == 1
-    assert _semaphore(app).count("again") == 0
+    # A run in a worker sends its release after it returns: wait for it.
+    assert wait_for(lambda: _semaphore(app).count("again") == 0, timeout=10)
 
 
 def test_lease_lost_fails_the_task_by_default(threads_worker: Celery, client: redis.Redis) -> None:

@@ -280,7 +280,7 @@ SURFACE: dict[str, list[str]] = {
         "publisher",
         "release_claim_ms",
     ],
-    "celery_semaphore.core.guard": ["interval", "on_renew_error", "slot"],
+    "celery_semaphore.core.guard": ["interval", "later", "on_renew_error", "slot"],
 }
 """Each module's ``__all__``, then the public members (methods, properties, class and
 instance attributes) of each class it exports, under the first module that exports it."""

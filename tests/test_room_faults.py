@@ -148,9 +148,9 @@ def test_a_releaser_killed_between_the_hand_off_and_its_publish_loses_nothing(
         assert wait_for(lambda: _drained(sem) and _broker_idle(client), timeout=30)
     # The worker is stopped: nothing can start run 1 again. Each body ran once.
     _check(client, releaser.id, parked.id)
-    # Run 0's body ran, but its process died before the task returned: Celery (acks early)
-    # reports the run lost, as for any pool process killed mid-task.
-    assert releaser.state == "FAILURE"
+    # Run 0 returned before its release was sent (a run's release is sent after it, by its
+    # process's release thread), so Celery saw it succeed before the kill.
+    assert releaser.state == "SUCCESS"
 
 
 # -- a worker dies with a hand-off ---------------------------------------------------------

@@ -18,19 +18,26 @@ asyncio renewer; this module runs the threads.
 The threads exist only while slots are held (and for :data:`LINGER` seconds after), and a
 forked child starts its own. A slot released before its first renewal is due never starts
 the sender thread.
+
+The module also keeps the process's release thread (:func:`release_later`): a Celery run
+hands its slot's release to it and goes on, and it sends the release at once.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import process
 from .lease import Flight, Renewals, RenewErrorCallback
 from .slot import Slot
+
+logger = logging.getLogger(__name__)
 
 LINGER = 2.0
 """Seconds the renewal thread outlives the last slot it renewed, so that a worker running
@@ -157,6 +164,40 @@ def renewer() -> Renewer:
         if _renewer is None or _renewer.pid != process.pid():
             _renewer = Renewer()
         return _renewer
+
+
+def _give_back(slot: Slot, verdict: tuple[str, ...]) -> None:
+    try:
+        slot._give_back(verdict)
+    except Exception:  # the lease runs out by itself; a lost reply is put right
+        logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+
+
+_releases: tuple[int, ThreadPoolExecutor] | None = None  # this process's, and its pid
+
+
+def release_later(slot: Slot, verdict: tuple[str, ...]) -> None:
+    """Give ``slot`` back with ``verdict`` (see ``LeaseRecord._verdict``) from this
+    process's release thread, which sends it at once (after any handed off before it); the
+    caller does not wait. A failure is logged, and a lost reply put right, as for
+    :meth:`Slot.release`; a release that finds the slot gone marks it lost then. What is
+    still queued as the interpreter ends is sent first (:mod:`concurrent.futures` joins
+    its threads); a Celery pool process, which ends without that, calls
+    :func:`flush_releases`."""
+    global _releases
+    with _renewer_lock:
+        if _releases is None or _releases[0] != process.pid():  # a forked child's is new
+            _releases = process.pid(), ThreadPoolExecutor(1, "semaphore-release")
+        _releases[1].submit(_give_back, slot, verdict)
+
+
+def flush_releases() -> None:
+    """Send what :func:`release_later` still holds, and wait until it is answered."""
+    global _releases
+    with _renewer_lock:
+        releases, _releases = _releases, None
+    if releases is not None and releases[0] == process.pid():
+        releases[1].shutdown()
 
 
 def threads() -> list[Any]:

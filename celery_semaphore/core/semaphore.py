@@ -36,10 +36,10 @@ from . import validation as check
 from .admin import DEFAULT_PREFIX, SemaphoreAdmin
 from .calls import block_call, count_call
 from .clients import RedisClient, client_of
-from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive
+from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive, BackOff
 from .group import SlotGroup, group_refused, take_group
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .heartbeat import Renewer, renewer
+from .heartbeat import Renewer, release_later, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
@@ -78,29 +78,33 @@ class guard(Generic[S]):
             (each renewed, all released); released on every path out of the block.
         interval (float | None): seconds between renewals; None for no renewal.
         on_renew_error: see :meth:`Semaphore.hold`.
+        later (bool): hand the release to the process's release thread
+            (:func:`~celery_semaphore.core.heartbeat.release_later`) and leave the block at
+            once: the Celery glue's run path. Its answer then comes after the block, so a slot
+            only the release finds gone is marked lost then, not raised here (the deadline
+            still is). A back-off is sent before the block is left, as ever.
 
     Raises:
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
     """
 
-    __slots__ = ("_beat", "interval", "on_renew_error", "slot")
+    __slots__ = ("_beat", "_members", "interval", "later", "on_renew_error", "slot")
 
     def __init__(
-        self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None
-    ) -> None:
+        self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None,
+        later: bool = False,
+    ) -> None:  # fmt: skip
         self.slot = slot
         self.interval = interval
         self.on_renew_error = on_renew_error
+        self.later = later
         self._beat: Renewer | None = None
-
-    def _members(self) -> tuple[Slot, ...]:
-        slot = self.slot
-        return slot.slots if isinstance(slot, SlotGroup) else (slot,)
+        self._members: tuple[Slot, ...] = slot.slots if isinstance(slot, SlotGroup) else (slot,)
 
     def __enter__(self) -> S:
         if self.interval is not None:
             beat = renewer()
-            for member in self._members():
+            for member in self._members:
                 beat.add(member, self.interval, self.on_renew_error)
             self._beat = beat
         return self.slot
@@ -108,14 +112,18 @@ class guard(Generic[S]):
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         slot = self.slot
         if self._beat is not None:
-            for member in self._members():
+            for member in self._members:
                 self._beat.remove(member)
         slot._check_deadline()
-        try:
-            slot.__exit__(exc_type, exc, tb)  # a release, or a back-off
-        except Exception:
-            # The lease runs out by itself; a failed release must not mask the body's outcome.
-            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+        if self.later and not isinstance(exc, BackOff):
+            for member in self._members:
+                release_later(member, member._verdict())
+        else:
+            try:
+                slot.__exit__(exc_type, exc, tb)  # a release, or a back-off
+            except Exception:
+                # The lease runs out by itself; a failed release must not mask the body's outcome.
+                logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
         if exc_type is None and slot.lost.is_set():
             raise slot.lease_lost_error()
 

@@ -71,7 +71,10 @@ def run_body(
     send_event(task, "acquired", key=slot.key, limit=slot.limit, waited=waited)
     started = time.monotonic()
     try:
-        with guard(slot, interval, renew_failed_reporter(task, slot, names)):
+        # In a worker the release is sent after the run (the process goes on to its next
+        # task); a plain, eager or direct call gives the slot back before it returns.
+        later = task is not None and not (task.request.is_eager or task.request.called_directly)
+        with guard(slot, interval, renew_failed_reporter(task, slot, names), later):
             token = CURRENT.set(slot)
             try:
                 with interrupter:

@@ -57,6 +57,7 @@ from celery.signals import (
 )
 
 from ..core.admin import Holder, SemaphoreAdmin
+from ..core.heartbeat import flush_releases
 from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationError
 from . import stats
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
@@ -511,6 +512,8 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
 
 def _flush_counts(**_: Any) -> None:
+    # A pool process that ends (it runs no atexit hook): its runs' releases first.
+    flush_releases()
     stats.flush()
 
 

@@ -1,0 +1,128 @@
+"""Releases sent after the run (the Celery glue's path, ``guard(..., later=True)``): sent at
+once by the process's release thread, still sent by a process that ends, put right when
+their reply is lost, and left to the lease by a process killed before it sent them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from celery_semaphore import Semaphore
+from celery_semaphore.core import heartbeat, recovery
+from celery_semaphore.core.semaphore import guard
+from celery_semaphore.testing import RedisServer
+
+from .celery_apps import make_app
+from .helpers import Published, prefork_worker_process, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_release_sent_later_frees_the_slot_and_carries_the_runs_verdict(
+    make_semaphore: type[Semaphore],
+) -> None:
+    sem = make_semaphore(limit=1, lease=60.0)
+    slot = sem.acquire("k")
+    assert slot is not None
+    with guard(slot, 0.5, later=True):
+        pass
+    assert wait_for(lambda: slot.released, timeout=10)
+    assert sem.count("k") == 0
+    assert not slot.lost.is_set()
+
+
+def test_an_interpreter_that_ends_sends_the_releases_it_queued(redis_server: RedisServer) -> None:
+    script = textwrap.dedent(f"""
+        from celery_semaphore import Semaphore
+        from celery_semaphore.core.semaphore import guard
+        sem = Semaphore({redis_server.url!r}, limit=500, lease=60.0)
+        for _ in range(200):
+            with guard(sem.acquire("exit"), None, later=True):
+                pass
+    """)  # the interpreter ends right after the last hand-off
+    subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=60)
+    assert Semaphore(redis_server.url, limit=1).count("exit") == 0
+
+
+def test_a_lost_release_reply_is_put_right_and_its_handoff_published(
+    own_redis: RedisServer, published: Published
+) -> None:
+    recovery_times = recovery.FIRST_TRY, recovery.MAX_BACKOFF
+    recovery.FIRST_TRY, recovery.MAX_BACKOFF = 0.05, 0.1
+    client = own_redis.client(socket_timeout=0.3)
+    sem = Semaphore(client, limit=1, lease=60.0, on_handoff=published, handoff_grace=0)
+    try:
+        slot = sem.acquire("k")
+        assert slot is not None
+        sem.room.park("k", "w1", b"payload")
+        own_redis.pause()  # the release runs when the store wakes; its reply is lost
+        with guard(slot, None, later=True):
+            pass
+        heartbeat.flush_releases()  # waits for the release thread: the reply timed out
+        assert not slot.released
+        own_redis.resume()
+        assert wait_for(lambda: published.waiters, timeout=30)  # put right, and published
+        assert published.waiters == ["w1"]
+    finally:
+        own_redis.resume()
+        recovery.FIRST_TRY, recovery.MAX_BACKOFF = recovery_times
+        client.close()
+
+
+@pytest.fixture
+def store(own_redis: RedisServer) -> Iterator[RedisServer]:
+    """The semaphore's store, apart from the broker and the results: pausing its writes
+    holds up a release and nothing else."""
+    yield own_redis
+    own_redis.client().execute_command("CLIENT", "UNPAUSE")
+
+
+@contextlib.contextmanager
+def _worker(
+    redis_server: RedisServer, store: RedisServer, tmp_path: Path, **env: str
+) -> Iterator[tuple[Celery, subprocess.Popen[bytes]]]:
+    app = make_app(redis_server.url, semaphore_url=store.url)
+    env = {"CSEM_TEST_SEMAPHORE_URL": store.url, **env}
+    with prefork_worker_process(app, tmp_path / "worker.log", concurrency=1, env=env) as proc:
+        yield app, proc
+
+
+def test_a_pool_process_that_ends_after_its_run_sends_its_release_first(
+    redis_server: RedisServer, store: RedisServer, tmp_path: Path
+) -> None:
+    # Each pool process runs one task, then ends (a pool restart): its release, held up by
+    # the paused store, must still be sent before it goes.
+    with _worker(redis_server, store, tmp_path, CSEM_TEST_MAX_TASKS_PER_CHILD="1") as (app, _):
+        sem = Semaphore(store.url, limit=4)
+        pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
+        assert wait_for(lambda: not _alive(pid), timeout=30)  # the process is gone...
+        assert wait_for(lambda: sem.count("paused-release") == 0, timeout=15)  # its slot too
+
+
+def test_a_pool_process_killed_before_it_sent_its_release_leaves_the_slot_to_its_lease(
+    redis_server: RedisServer, store: RedisServer, tmp_path: Path
+) -> None:
+    with _worker(redis_server, store, tmp_path) as (app, _):
+        sem = Semaphore(store.url, limit=4)
+        pid = app.tasks["csem.pause_writes_then_end"].delay(3000).get(timeout=60)
+        os.kill(pid, signal.SIGKILL)  # the body has ended; its release waits on the store
+        store.client().execute_command("CLIENT", "UNPAUSE")
+        [holder] = sem.admin.holders("paused-release")
+        assert holder.metadata["pid"] == pid  # left to its 60 s lease, as before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
