@@ -21,10 +21,11 @@ from .celery_apps import MADE, make_app
 from .helpers import Published
 from .servers import ClusterServers, SentinelServers, ha_capable
 
-# Celery's fixtures (celery_app, celery_worker, ...: Celery no longer loads them by itself),
-# and pytester for the test that pytest finds our plugin. Our plugin (celery_semaphore's
-# pytest11 entry point) loads by itself and isolates in-process workers' event loops.
-pytest_plugins = ("celery.contrib.pytest", "pytester")
+# pytester, for the test that pytest finds our plugin. Celery's fixtures (celery_app,
+# celery_worker, ...) come from pytest-celery (the test extra), and our plugin
+# (celery_semaphore's pytest11 entry point) loads by itself and isolates in-process workers'
+# event loops.
+pytest_plugins = ("pytester",)
 
 
 def pytest_report_header() -> list[str]:
