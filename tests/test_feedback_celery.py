@@ -28,6 +28,7 @@ from celery_semaphore import (
 )
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.core.slot import Slot
+from celery_semaphore.integration.remote import waiting_by_key
 from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
 from celery_semaphore.signals import semaphore_backed_off, semaphore_shed
 from celery_semaphore.testing import RedisServer
@@ -208,6 +209,9 @@ def test_every_view_shows_the_adaptive_limit_and_the_cool_down(
     assert found["feedback"]["back_offs"] == 1
     assert found["feedback"]["max"] == 6
     assert "COOLING until" in _cli(app, "why", "w1")
+    inspected = waiting_by_key(app, ["k"])["k"]  # what `celery inspect semaphores` shows
+    assert inspected["feedback"]["back_offs"] == 1
+    assert inspected["feedback"]["limit"] == 2
     rooms = CollectorRegistry()
     rooms.register(RoomCollector(client))
     assert rooms.get_sample_value("semaphore_limit_current", {"key": "k"}) == 2

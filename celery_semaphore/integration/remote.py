@@ -8,6 +8,7 @@ line) and its counters (:mod:`.stats`). Registered with Celery's remote control 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -16,7 +17,7 @@ from celery import Celery
 from celery.worker.control import inspect_command
 from redis import RedisCluster
 
-from ..core.admin import holder_from_reply, scan_keys
+from ..core.admin import SemaphoreAdmin, holder_from_reply, scan_keys
 from ..core.calls import holders_call, waiting_call
 from ..core.live import read_rate_states
 from ..core.names import Namespace
@@ -80,9 +81,10 @@ def held_by_worker(
 
 def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str, Any]:
     """For each of ``keys``: how many runs its room holds, how long the oldest has waited
-    (seconds; None when none waits), the task ids of the ``first`` served next, and its
-    start rates (``rates``: name, units free, seconds until the next falls due); one or two
-    round trips a key.
+    (seconds; None when none waits), the task ids of the ``first`` served next, its start
+    rates (``rates``: name, units free, seconds until the next falls due) and what the
+    provider's answers decided (``feedback``: the adaptive limit, the cool-down, the last
+    back-off; None: nothing); two or three round trips a key.
 
     Raises:
         SemaphoreBackendError: Redis failed.
@@ -94,7 +96,9 @@ def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str
         with backend_errors(key):
             now_ms, total, rows = scripts.run(waiting_call(names.keys_of(key), first - 1))
             rates = read_rate_states(client, names.keys_of(key))
-        found[key] = {"queued": total, "first": [waiter for waiter, _ in rows],
+        fed = SemaphoreAdmin(client, prefix).feedback(key)
+        found[key] = {"feedback": None if fed is None else dataclasses.asdict(fed),
+                      "queued": total, "first": [waiter for waiter, _ in rows],
                       "oldest_wait": (now_ms - rows[0][1]) / 1000 if rows else None,
                       "rates": [{"name": r.name, "free": r.left, "next_due_in": r.due_in}
                                 for r in rates]}  # fmt: skip
