@@ -12,8 +12,9 @@
 --   "a:ceiling"   the limit at which the last cut came: the limit grows back to one below
 --                 it, and to it only to probe, once "a:probe_at" (epoch ms) has come; a
 --                 failed probe doubles the gap to the next, "a:probe_ms"
---   "a:cut_at"    when the last cut came (epoch ms): a run that started before it answers a
---                 limit already cut, and cuts no more
+--   "a:cut_at"    when the last cut came (epoch ms): a run that started before it (or in the
+--                 same millisecond: a 429 takes a round trip) answers a limit already cut,
+--                 and cuts no more
 -- So the limit finds the provider's capacity, holds just under it, and pays the cool-down a
 -- probe costs (every worker idle for it) once per probe gap, not on every climb as a plain
 -- additive-increase, multiplicative-decrease sawtooth would.
@@ -81,7 +82,7 @@ local function adapt_back_off(limits, spec, hint_ms, cap_ms, started, by, now)
   redis.call('HSET', limits, 'cool:until', ends,
     'cool:last', cjson.encode({by = by, at = now, hint_ms = hint_ms}))
   redis.call('HINCRBY', limits, 'cool:count', 1)
-  if spec ~= '' and not s[7] and not s[8] and started >= (tonumber(s[5]) or 0) then
+  if spec ~= '' and not s[7] and not s[8] and started > (tonumber(s[5]) or 0) then
     local initial, low, high = adapt_spec(spec)
     local current = tonumber(s[3]) or initial
     local limit, ceiling = math.floor(current), tonumber(s[4])
