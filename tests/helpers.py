@@ -21,10 +21,12 @@ from typing import Any
 
 import pytest
 import redis
+from click.testing import CliRunner
 from kombu.exceptions import OperationalError
 
 from celery_semaphore.core.replies import Handoff
 from celery_semaphore.integration.waiting_room.queues import SUFFIX
+from celery_semaphore.views.cli import semaphore as semaphore_cli
 
 from . import history
 from .history import BODIES
@@ -232,3 +234,11 @@ def rabbitmq_up() -> bool:
     except OSError:
         return False
     return True
+
+
+def cli(app: Any, *args: str) -> str:
+    """What ``celery semaphore <args>`` prints for ``app``, which must exit 0."""
+    ctx = type("Ctx", (), {"app": app})()
+    out = CliRunner().invoke(semaphore_cli, list(args), obj=ctx)
+    assert out.exit_code == 0, out.output
+    return out.output

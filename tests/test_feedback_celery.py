@@ -14,7 +14,6 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from click.testing import CliRunner
 from prometheus_client import CollectorRegistry
 
 from celery_semaphore import (
@@ -32,11 +31,10 @@ from celery_semaphore.integration.remote import waiting_by_key
 from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
 from celery_semaphore.signals import semaphore_backed_off, semaphore_shed
 from celery_semaphore.testing import RedisServer
-from celery_semaphore.views.cli import semaphore as semaphore_cli
 from celery_semaphore.views.metrics import RoomCollector
 
 from .celery_apps import make_app
-from .helpers import Published
+from .helpers import Published, cli
 
 
 class TooManyRequests(Exception):
@@ -199,16 +197,16 @@ def test_every_view_shows_the_adaptive_limit_and_the_cool_down(
     assert isinstance(held, Slot)
     held.back_off(30)
     assert isinstance(sem.room.park("k", "w1", b"p"), Parked)  # slots free, none given
-    status = _cli(app, "status", "k")
+    status = cli(app, "status", "k")
     assert "adaptive limit 2 (from 2 to 6)" in status, status
     assert "COOLING until" in status, status
     assert "1 back-off(s), the last by" in status, status
     assert "(hint 30s)" in status, status
-    [found] = json.loads(_cli(app, "status", "k", "--json"))
+    [found] = json.loads(cli(app, "status", "k", "--json"))
     assert found["limit"] == 2
     assert found["feedback"]["back_offs"] == 1
     assert found["feedback"]["max"] == 6
-    assert "COOLING until" in _cli(app, "why", "w1")
+    assert "COOLING until" in cli(app, "why", "w1")
     inspected = waiting_by_key(app, ["k"])["k"]  # what `celery inspect semaphores` shows
     assert inspected["feedback"]["back_offs"] == 1
     assert inspected["feedback"]["limit"] == 2
@@ -218,13 +216,6 @@ def test_every_view_shows_the_adaptive_limit_and_the_cool_down(
     cooling = rooms.get_sample_value("semaphore_cooling_until_seconds", {"key": "k"})
     assert cooling is not None
     assert cooling > time.time() + 20
-
-
-def _cli(app: Celery, *args: str) -> str:
-    ctx = type("Ctx", (), {"app": app})()
-    out = CliRunner().invoke(semaphore_cli, list(args), obj=ctx)
-    assert out.exit_code == 0, out.output
-    return out.output
 
 
 def test_a_restart_of_the_store_that_loses_the_adaptive_limit_says_so(

@@ -11,7 +11,6 @@ import pytest
 import redis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from click.testing import CliRunner
 
 from celery_semaphore import (
     Refusal,
@@ -25,17 +24,9 @@ from celery_semaphore.core.replies import Parked
 from celery_semaphore.core.slot import Slot
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.testing import RedisServer
-from celery_semaphore.views.cli import semaphore as semaphore_cli
 
-from .helpers import Published, wait_for
+from .helpers import Published, cli, wait_for
 from .history import BODIES, History
-
-
-def _cli(app: Celery, *args: str) -> str:
-    ctx = type("Ctx", (), {"app": app})()
-    out = CliRunner().invoke(semaphore_cli, list(args), obj=ctx)
-    assert out.exit_code == 0, out.output
-    return out.output
 
 
 def test_a_paused_key_refuses_new_holders_keeps_running_ones_and_hands_off_on_resume(
@@ -160,7 +151,7 @@ def test_a_paused_key_parks_a_workers_runs_and_resume_starts_them_oldest_first(
     sem = Semaphore(app.conf.semaphore_url, limit=3, on_handoff=publisher_for(app))
     running = sem.acquire("queued")  # a body already running: it keeps its slot
     assert running is not None
-    assert "Paused 'queued'" in _cli(app, "pause", "queued", "--by", "ops on call")
+    assert "Paused 'queued'" in cli(app, "pause", "queued", "--by", "ops on call")
     with start_worker(app, pool="threads", concurrency=4, perform_ping_check=False):
         results = []
         for n in range(4):
@@ -169,11 +160,11 @@ def test_a_paused_key_parks_a_workers_runs_and_resume_starts_them_oldest_first(
             results.append(task.delay(n, 3.0 if n < 3 else 0.0))
             assert wait_for(lambda n=n: len(sem.room.waiters("queued")) == n + 1, timeout=30)
         assert sem.count("queued") == 1  # two slots free, and nothing started
-        status = _cli(app, "status", "queued")
+        status = cli(app, "status", "queued")
         assert "PAUSED by ops on call" in status, status
         assert running.release()  # the running body ends: still nothing starts
         assert sem.room.head("queued")[0] == 4
-        assert "Resumed 'queued'" in _cli(app, "resume", "queued")
+        assert "Resumed 'queued'" in cli(app, "resume", "queued")
         assert [w.waiter for w in sem.room.waiters("queued")] == [results[3].id]
         assert [r.get(timeout=60) for r in results] == [0, 1, 2, 3]
     runs = History.load(client, BODIES)
