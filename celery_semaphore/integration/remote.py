@@ -91,12 +91,12 @@ def waiting_by_key(app: Celery, keys: Iterable[str], first: int = 3) -> dict[str
     """
     client, prefix = client_for(app), app_settings(app).prefix
     names, scripts = Namespace(prefix, isinstance(client, RedisCluster)), Scripts(client)
-    found = {}
+    found, admin = {}, SemaphoreAdmin(client, prefix)
     for key in sorted(set(keys)):
         with backend_errors(key):
             now_ms, total, rows = scripts.run(waiting_call(names.keys_of(key), first - 1))
             rates = read_rate_states(client, names.keys_of(key))
-        fed = SemaphoreAdmin(client, prefix).feedback(key)
+        fed = admin.feedback(key)
         found[key] = {"feedback": None if fed is None else dataclasses.asdict(fed),
                       "queued": total, "first": [waiter for waiter, _ in rows],
                       "oldest_wait": (now_ms - rows[0][1]) / 1000 if rows else None,
