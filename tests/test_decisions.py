@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -222,7 +223,8 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
     line per key, how many runs the room held before the restart (5), how many the journals
     sent again (the 2 this host journaled) and how many are left over (3, parked by hosts
     whose journals are not here), however many workers see it and however many ticks they
-    take; the runs sent again are each said at INFO only. (Before: a line per worker per
+    take, naming the hosts listed before the restart that keep no journal or have not
+    ticked since; the runs sent again are each said at INFO only. (Before: a line per worker per
     tick that sent runs, each with its own count, and no word of the others.)"""
     monkeypatch.setattr(keeper, "REPORT_AFTER", 1.0, raising=False)
     sem = Semaphore(store.url, limit=1)
@@ -239,6 +241,16 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
     workers = [JournalKeeper(store_app), JournalKeeper(store_app)]  # two workers of a fleet
     for worker in workers:
         worker.keep()
+    # Two more hosts of the fleet tick before the restart: one with no journal, and one that
+    # is gone (with its journal) by the time the store comes back.
+    bare = make_app(store_app.conf.broker_url, semaphore_url=store.url, semaphore_journal=False)
+    for host, app in (("bare-host", bare), ("gone-host", store_app)):
+        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
+        JournalKeeper(app).keep()
+    monkeypatch.undo()
+    monkeypatch.setattr(keeper, "REPORT_AFTER", 1.0, raising=False)
+    for worker in workers:  # the hosts as listed before the restart, as a worker sees them
+        worker.keep()
     _restart(store, "none")
     caplog.set_level(logging.INFO)
 
@@ -254,7 +266,9 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
         "semaphore 'loss:k': a restart of the store lost runs of its waiting room: it held 5 "
         "at the last look before the restart and 0 after; the hosts' journals sent 2 again; "
         "the other 3 were parked by hosts whose journals are not here (no journal, or no "
-        "worker of theirs running), and are lost"
+        "worker of theirs running: bare-host (no journal), gone-host (not seen since)), and "
+        "are lost"
     ]
+    bare.close()
     resent = [r for r in caplog.records if "sent lost run" in r.getMessage()]
     assert [r.levelno for r in resent] == [logging.INFO] * 2

@@ -13,7 +13,11 @@ are gone through a page per tick, from the start again once they reach the end.
 State in the store, and its recovery story: ``<prefix>:resent:<incarnation>`` counts the runs
 the journals sent again after a restart, and ``<prefix>:loss:<incarnation>`` marks that a
 worker said what it lost; both live a day (:data:`LOSS_KEPT`), and a restart that takes them
-makes them anew under the next incarnation.
+makes them anew under the next incarnation. ``<prefix>:journals:<incarnation>`` lists the
+hosts whose workers ticked under that incarnation in the last day (:data:`LOSS_KEPT`), each
+with whether it keeps a journal: the hosts listed before a restart that keep none, or that
+have not ticked under the next incarnation, are the ones the line of a loss names (the
+keepers' copy in memory spans the restart).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ REPORT_AFTER = 30.0
 """Seconds after a restart of the store is seen before the fleet's one line of what it lost
 is said: the hosts' journals have sent the lost runs again by then (each settled entry
 within a tick, a page at a time)."""
+NO_JOURNAL = " (no journal)"
+"""How ``<prefix>:journals`` lists a host whose workers keep no journal."""
 LOSS_KEPT = 24 * 3600
 """Seconds the store keeps its count of the runs sent again, and its loss marker."""
 
@@ -123,8 +129,10 @@ class JournalKeeper:
         self._held: dict[str, int] = {}
         self._pass: dict[str, int] = {}
         self._rooms_at = 0
-        # After a restart: its incarnation, the rooms' counts before it, when it was seen.
-        self._loss: tuple[str, dict[str, int], float] | None = None
+        # The hosts that ticked (up to a page), as the store last listed them.
+        self._hosts: list[str] = []
+        # After a restart: its incarnation, the rooms' counts and the hosts before it, when.
+        self._loss: tuple[str, dict[str, int], list[str], float] | None = None
 
     def keep(self) -> None:
         """Put back the operators' decisions a restart of the store lost (see
@@ -160,9 +168,9 @@ class JournalKeeper:
                 if json.loads(value)[2] > json.loads(store.get(field, "[0, 0, 0]"))[2]:
                     put_back(admin, field, value)
             say_feedback_lost(self.app)
-            self._loss = (current, {**self._held, **self._pass}, time.time())
+            self._loss = (current, {**self._held, **self._pass}, self._hosts, time.time())
         self._seen = (current, store)
-        self._count_rooms(client, prefix, current)
+        self._count_rooms(client, prefix, current, journal is not None)
         if journal is None:
             return
         entries = journal.page(self._after, PAGE)
@@ -193,22 +201,30 @@ class JournalKeeper:
                 client.expire(f"{prefix}:resent:{current}", LOSS_KEPT)
         self._after = entries[-1].row
 
-    def _count_rooms(self, client: redis.Redis, prefix: str, current: str) -> None:
-        """Count the runs in line in a page of the room index's rooms (a ``ZCARD`` each);
-        and, :data:`REPORT_AFTER` seconds after a restart of the store, say what it lost, in
-        one ERROR line per key for the whole fleet (the worker that makes the store's loss
-        marker for its incarnation says it): the runs each room held at this worker's last
-        look before the restart and after it, how many the hosts' journals sent again, and
-        how many are left over, parked by hosts whose journals are not here."""
+    def _count_rooms(self, client: redis.Redis, prefix: str, current: str, kept: bool) -> None:
+        """Count the runs in line in a page of the room index's rooms (a ``ZCARD`` each), and
+        list this host in ``<prefix>:journals:<current>`` (``kept``: with a journal); and,
+        :data:`REPORT_AFTER` seconds after a restart of the store, say what it lost, in one
+        ERROR line per key for the whole fleet (the worker that makes the store's loss marker
+        for its incarnation says it): the runs each room held at this worker's last look
+        before the restart and after it, how many the hosts' journals sent again, and how
+        many are left over, parked by hosts whose journals are not here, naming the hosts
+        listed before the restart that keep no journal or have not ticked since."""
+        now_ms, hosts = time.time() * 1000, f"{prefix}:journals:{current}"
+        with client.pipeline(transaction=False) as pipe:
+            pipe.zadd(hosts, {socket.gethostname() + ("" if kept else NO_JOURNAL): now_ms})
+            pipe.zremrangebyscore(hosts, 0, now_ms - LOSS_KEPT * 1000)
+            pipe.expire(hosts, LOSS_KEPT)
+            self._hosts = list(map(text_of, pipe.zrange(hosts, 0, PAGE - 1).execute()[-1]))
         sizes = room_sizes(client, prefix, self._rooms_at, PAGE)
         self._pass.update(sizes)
         if sizes:
             self._rooms_at += PAGE
         else:  # a whole pass through the index: the rooms gone since drop out
             self._held, self._pass, self._rooms_at = self._pass, {}, 0
-        if self._loss is None or time.time() - self._loss[2] < REPORT_AFTER:
+        if self._loss is None or time.time() - self._loss[3] < REPORT_AFTER:
             return
-        seen, held, _ = self._loss
+        seen, held, listed, _ = self._loss
         self._loss = None
         if seen != current or not client.set(
             f"{prefix}:loss:{current}", socket.gethostname(), nx=True, ex=LOSS_KEPT
@@ -217,6 +233,12 @@ class JournalKeeper:
         raw = client.hgetall(f"{prefix}:resent:{current}").items()
         resent = {text_of(key): int(count) for key, count in raw}
         now = room_sizes(client, prefix, 0, 0, sorted(held))
+        gone = [
+            host if host.endswith(NO_JOURNAL) else f"{host} (not seen since)"
+            for host in listed
+            if host.endswith(NO_JOURNAL) or host not in self._hosts
+        ]
+        named = f": {', '.join(gone[:10])}{', ...' * (len(gone) > 10)}" if gone else ""
         for key in sorted(set(held) | set(resent)):
             before, after, sent = held.get(key, 0), now.get(key, 0), resent.get(key, 0)
             if sent or before > after:
@@ -224,8 +246,8 @@ class JournalKeeper:
                     "semaphore %r: a restart of the store lost runs of its waiting room: it held "
                     "%d at the last look before the restart and %d after; the hosts' journals "
                     "sent %d again; the other %d were parked by hosts whose journals are not "
-                    "here (no journal, or no worker of theirs running), and are lost", key,
-                    before, after, sent, max(0, before - after - sent),
+                    "here (no journal, or no worker of theirs running%s), and are lost", key,
+                    before, after, sent, max(0, before - after - sent), named,
                 )  # fmt: skip
 
     def _resend(self, journal: Journal, entry: Entry) -> bool:
