@@ -21,6 +21,7 @@ from celery.contrib.testing.worker import start_worker
 from celery_semaphore import Semaphore, SemaphoreAdmin, Slot
 from celery_semaphore.asyncio import AsyncSemaphoreAdmin
 from celery_semaphore.core.names import redis_keys
+from celery_semaphore.core.rates import Rate
 from celery_semaphore.integration.settings import journal_for
 from celery_semaphore.integration.waiting_room import keeper
 from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
@@ -272,3 +273,24 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
     bare.close()
     resent = [r for r in caplog.records if "sent lost run" in r.getMessage()]
     assert [r.levelno for r in resent] == [logging.INFO] * 2
+
+
+def test_a_store_restored_from_an_older_snapshot_gives_back_the_rate_units_taken_since(
+    store: RedisServer,
+) -> None:
+    """Proves the guarantees table's cell for a rate's state after a restart from an older
+    snapshot: the rate's state is the snapshot's, so the units taken since it are free again
+    (here 2 of a burst of 3 at 1/m: 5 starts within the minute where 3 would be allowed)."""
+    sem = Semaphore(store.url, limit=10, rate=Rate("1/m", burst=3))
+    first = sem.acquire("snap:rated")
+    assert first is not None
+    assert store.client().save()  # the snapshot: one unit of the burst taken
+    since = [sem.acquire("snap:rated") for _ in range(3)]
+    assert [slot is not None for slot in since] == [True, True, False]  # the burst is spent
+    for slot in (first, *since):
+        if slot is not None:
+            slot.release()
+    _restart(store, "snapshot")
+    again = [sem.acquire("snap:rated") for _ in range(3)]
+    assert [slot is not None for slot in again] == [True, True, False]
+    sem.client.close()

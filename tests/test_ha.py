@@ -1,14 +1,16 @@
 """High availability: the semaphore on a Redis Cluster and behind Redis Sentinel.
 
 Each set-up is started once for the module (a 3-primary cluster; a primary, a replica and one
-Sentinel) and emptied before each test. The failover test runs last: it swaps the Sentinel
+Sentinel) and emptied before each test. The failover tests run last: they swap the Sentinel
 set's primary.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -27,12 +29,17 @@ from celery_semaphore import (
 from celery_semaphore.core.admin import SemaphoreAdmin
 from celery_semaphore.core.clients import client_from_url
 from celery_semaphore.core.names import redis_keys
-from celery_semaphore.integration.settings import app_settings
+from celery_semaphore.integration.settings import app_settings, journal_for
+from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation, marker_key
+from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
+from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.inspection import views
 
+from .celery_apps import make_app
 from .helpers import acquire_at_once, assert_force_release_is_reported, run_callers, wait_for
 from .history import BODIES, History
 from .servers import ClusterServers, SentinelServers
+from .test_journal import _payload
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -433,3 +440,60 @@ def test_a_sentinel_broker_or_backend_is_the_default_store(
     assert app_settings(app).store.setting == setting
     client_for(app).set(f"probe:{setting}", 1)
     assert sentinel_set.master_client().get(f"probe:{setting}") == b"1"
+
+
+def test_a_failover_to_a_replica_that_missed_writes_loses_no_decision_and_no_parked_run(
+    sentinel_set: SentinelServers,
+    master: redis.Redis,
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Proves the guarantees table's failover row: a promoted replica that missed the last
+    writes (a pause, a live limit, three parks) is a new incarnation of the store (its own
+    ``run_id``), so a worker's next ticks put the decisions back, in one ERROR line each, and
+    its host's journal sends the three parked runs again, as after an older snapshot."""
+    app = make_app(redis_server.url, semaphore_url=sentinel_set.url)
+    admin = SemaphoreAdmin(master, "semaphore")
+    worker = JournalKeeper(app)
+    worker.keep()  # the incarnation the writes below are made under
+    admin.pause("fo:paused", by="ops")
+    admin.set_limit("fo:limited", 1, by="ops")
+    sem = Semaphore(sentinel_set.url, limit=1)
+    assert sem.acquire("fo:room") is not None
+    journal = journal_for(app)
+    assert journal is not None
+    stamp = checked_incarnation(master, "semaphore")
+    parked = [str(uuid.uuid4()) for _ in range(3)]
+    for task_id in parked:
+        payload = _payload(app, task_id)
+        assert not isinstance(sem.room.park("fo:room", task_id, payload), Slot)
+        journal.record(task_id, ["fo:room"], payload, stamp, at=time.time() - 2 * SETTLE)
+    worker.keep()  # the decisions, as the worker saw them before the failover
+    replica = sentinel_set.replica().client()
+    room = redis_keys("semaphore", "fo:room").room
+    assert wait_for(lambda: replica.zcard(room) == 3 and replica.hlen("semaphore:decisions") == 2)
+    replica.close()
+
+    new = sentinel_set.failover().client()
+    # The writes the promoted replica missed: all but the store's incarnation marker.
+    for name in new.keys("semaphore*"):
+        if name != marker_key("semaphore").encode():
+            new.delete(name)
+    new.close()
+    caplog.set_level(logging.INFO)
+
+    def put_right() -> bool:
+        worker.keep()
+        return (
+            admin.pause_of("fo:paused") is not None
+            and getattr(admin.live_limit("fo:limited"), "limit", None) == 1
+            and sum("sent lost run" in r.getMessage() for r in caplog.records) == 3
+        )
+
+    assert wait_for(put_right, timeout=30)
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sum("a restart of the store lost its pause" in line for line in lines) == 1
+    assert sum("a restart of the store lost its live limit 1" in line for line in lines) == 1
+    assert not {entry.waiter for entry in journal.page(0, 1000)} & set(parked)
+    sem.client.close()
+    app.close()

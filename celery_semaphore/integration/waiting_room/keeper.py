@@ -215,7 +215,8 @@ class JournalKeeper:
             pipe.zadd(hosts, {socket.gethostname() + ("" if kept else NO_JOURNAL): now_ms})
             pipe.zremrangebyscore(hosts, 0, now_ms - LOSS_KEPT * 1000)
             pipe.expire(hosts, LOSS_KEPT)
-            self._hosts = list(map(text_of, pipe.zrange(hosts, 0, PAGE - 1).execute()[-1]))
+            pipe.zrange(hosts, 0, PAGE - 1)
+            self._hosts = list(map(text_of, pipe.execute()[-1]))
         sizes = room_sizes(client, prefix, self._rooms_at, PAGE)
         self._pass.update(sizes)
         if sizes:
