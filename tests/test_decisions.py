@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Semaphore, SemaphoreAdmin, Slot
+from celery_semaphore import Adaptive, Semaphore, SemaphoreAdmin, Slot
 from celery_semaphore.asyncio import AsyncSemaphoreAdmin
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.rates import Rate
@@ -293,4 +293,22 @@ def test_a_store_restored_from_an_older_snapshot_gives_back_the_rate_units_taken
     _restart(store, "snapshot")
     again = [sem.acquire("snap:rated") for _ in range(3)]
     assert [slot is not None for slot in again] == [True, True, False]
+    sem.client.close()
+
+
+def test_a_store_restored_from_an_older_snapshot_forgets_a_later_cool_down(
+    store: RedisServer,
+) -> None:
+    """Proves the guarantees table's cell for provider feedback after a restart from an
+    older snapshot: a back-off made since the snapshot is gone with it (no cool-down, the
+    adaptive limit as the snapshot had it), as a restart without persistence would do."""
+    sem = Semaphore(store.url, limit=Adaptive(initial=4, min=1, max=8))
+    assert store.client().save()
+    slot = sem.acquire("snap:adaptive")
+    assert slot is not None
+    assert slot.back_off(retry_after=60) > time.time() + 30  # cooling for a minute
+    assert sem.acquire("snap:adaptive") is None
+    _restart(store, "snapshot")
+    feedback = SemaphoreAdmin(store.client(), "semaphore").feedback("snap:adaptive")
+    assert sem.acquire("snap:adaptive") is not None, feedback
     sem.client.close()
