@@ -148,6 +148,11 @@ def shed(
     cooling = float(headers.pop(COOL_DOWN_HEADER, 0) or 0) - time.time()
     at_least = max(at_least, cooling)
     attempt = request.retries or 0
+    # A hand-off that found the store out of reach keeps its marks (and its journal entry):
+    # back, it claims, so that a second copy of a run that claimed already (a sweep's
+    # publish after its reservation lapsed) ends there instead of running as a new run.
+    if refusal is Refusal.BACKEND and (request.headers or {}).get(HANDOFF_HEADER) == attempt:
+        headers.update({k: v for k, v in request.headers.items() if k in HANDOFF_HEADERS})
     same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
     sheds = int(headers.get(SHEDS_HEADER) or 0) if same_attempt else 0
     first = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
@@ -177,7 +182,7 @@ def shed(
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
-    if HANDOFF_HEADER in (request.headers or {}):
+    if HANDOFF_HEADER in (request.headers or {}) and HANDOFF_HEADER not in headers:
         # A run that parked before lives in the broker again: the journal must not send it
         # again as lost from a store it could not reach (see waiting_room.journal).
         forget(task.app, request.id)
