@@ -64,7 +64,8 @@ its hand-off to; the message's own routing is the run's own queue, which a sweep
 
 HANDOFF_HEADERS = frozenset((HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER,
                              HANDOFF_QUEUE_HEADER))  # fmt: skip
-"""The marks of one delivery, which a message published again (shed or parked) leaves out."""
+"""The marks of one delivery, which a message published again (shed or parked) leaves out;
+but a hand-off shed because the store was out of reach keeps them (see :func:`shed`)."""
 
 BROKER_HEADERS = frozenset(
     {
@@ -125,6 +126,11 @@ def shed(
     A longer cool-down is waited out in pieces: the run comes back still cooling, finds no
     slot, and is shed again for the rest of it (:data:`COOL_DOWN_HEADER`), which neither
     counts as a shed nor spends the shed budget.
+
+    A hand-off shed because the store was out of reach (``refusal`` ``BACKEND``) keeps its
+    hand-off marks and stays in the host's journal: back, it claims its slot as a hand-off
+    does, and a second copy of it (a sweep published it again while the first copy's run
+    was claiming) ends there rather than asking for a slot as a new run and running twice.
 
     Args:
         task (Task): the running task.

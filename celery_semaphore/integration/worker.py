@@ -224,10 +224,8 @@ def _pid_gone(pid: int) -> bool:
         pass
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
+    except OSError as exc:  # no such process; or another user's, alive (PermissionError)
+        return isinstance(exc, ProcessLookupError)
     return False
 
 
