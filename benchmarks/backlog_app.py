@@ -162,6 +162,20 @@ def rated_tokens(n: int, seconds: float, tokens: int) -> int:
     return _rated_body(n, seconds, tokens)
 
 
+@app.task(base=SemaphoreTask, semaphore="rated5", limit=5, rate=RATE, on_full="queue",
+          name="rated5_queue")  # fmt: skip
+def rated5_queue(n: int, seconds: float) -> int:
+    """bench_rate.py --modes: the rate with a limit of 5, runs parked in the room."""
+    return _rated_body(n, seconds)
+
+
+@app.task(base=SemaphoreTask, semaphore="rated5w", limit=5, rate=RATE, on_full="wait",
+          name="rated5_wait")  # fmt: skip
+def rated5_wait(n: int, seconds: float) -> int:
+    """bench_rate.py --modes: the same with ``on_full="wait"`` (the room after the wait)."""
+    return _rated_body(n, seconds)
+
+
 @app.task(name="probe")
 def probe() -> float:
     """A plain task that answers when its body started (epoch seconds): bench_sweeps.py's

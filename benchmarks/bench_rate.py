@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rate.py [--runs 1000] [--workers 4] [--concurrency 4]
                                     [--duration 0.05] [--setups requests tokens]
+    python benchmarks/bench_rate.py --modes --runs 200 --workers 3 --concurrency 2
 
 Private redis-servers (broker and store); ``--workers`` prefork workers of ``backlog_app``
 (``-c concurrency`` each) share one key with a limit of 20. Each body records its start
@@ -12,6 +13,11 @@ outside the library. Two setups:
 * **tokens**: ``rate=["20/s", Rate("60000/m", name="tokens", burst=300, units=...)]``, each
   run's tokens drawn from 50 to 150 (its argument): 1,000 tokens a second, and never more
   than 20 runs a second.
+
+``--modes`` runs two other setups instead: ``rate="10/s"`` with a limit of 5, by runs that
+park in the room at once (``on_full="queue"``) and by runs that wait in their pool process
+first (``on_full="wait"``); their throughput (runs a second from the first start to the
+last) is the figure to compare with the rate.
 
 Reported, per setup (issue 25's targets): the most units started in any 1 s window against
 the rate plus the burst, by the bodies' starts and by the instants the store granted (a
@@ -45,6 +51,12 @@ SETUPS = {
     "requests: 10/s": ("rated", 10.0, 1, None),
     "tokens: 60000/m, burst 300": ("rated_tokens", 1000.0, 300, (50, 150)),
 }
+MODES = {
+    # --modes: the same rate, limit 5, runs that park at once against runs that wait first
+    "queue: 10/s, limit 5": ("rated5_queue", 10.0, 1, None),
+    "wait: 10/s, limit 5": ("rated5_wait", 10.0, 1, None),
+}
+SETUPS.update(MODES)
 
 
 def busiest(rows: list[tuple[float, int]]) -> int:
@@ -104,6 +116,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "grant_p95": statistics.quantiles(after, n=20)[-1],
         "grant_max": max(after),
         "runs": len(rows),
+        "throughput": (len(rows) - 1) / (starts[-1] - first),
+        "x_rate": (len(rows) - 1) / (starts[-1] - first) / per_second,
         "units": sum(units),
     }
 
@@ -124,27 +138,33 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--duration", type=float, default=0.05)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--setups", nargs="*", choices=list(SETUPS), default=list(SETUPS))
+    parser.add_argument("--setups", nargs="*", choices=list(SETUPS),
+                        default=[name for name in SETUPS if name not in MODES])  # fmt: skip
+    parser.add_argument("--modes", action="store_true", help="queue against wait, limit 5")
     args = parser.parse_args()
+    if args.modes:
+        args.setups = list(MODES)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.setups}
     for _ in range(args.rounds):  # interleaved: each round runs every setup once
         for name in args.setups:
             rows[name].append(run(name, args))
             print(f"{name}: {rows[name][-1]}", file=sys.stderr, flush=True)
     table = Table(
-        title=f"{args.runs} runs, {args.workers} prefork workers -c {args.concurrency}, limit 20,"
+        title=f"{args.runs} runs, {args.workers} prefork workers -c {args.concurrency}, limit 20"
+        f" (5 with --modes),"
         f" bodies of {args.duration}s, {args.rounds} round(s): median (min-max); units are runs"
         " (requests) or tokens"
     )
     for column in ("setup", "busiest second: starts", "granted", "rate + burst",
                    "steady 30 s, per s", "start after its instant, ms: median", "p95",
-                   "behind the ideal schedule, ms", "runs"):  # fmt: skip
+                   "behind the ideal schedule, ms", "runs a second", "x rate", "runs"):  # fmt: skip
         table.add_column(column)
     for name, found in rows.items():
         table.add_row(name, _cell(found, "busiest_second"), _cell(found, "busiest_granted"),
                       f"{found[0]['bound']:g}", _cell(found, "steady", "{:.1f}"),
                       _cell(found, "grant_median"), _cell(found, "grant_p95"),
                       _cell(found, "late_median"),
+                      _cell(found, "throughput", "{:.2f}"), _cell(found, "x_rate", "{:.2f}"),
                       "/".join(str(r["runs"]) for r in found))  # fmt: skip
     Console(width=180).print(table)
 

@@ -211,8 +211,12 @@ class Acquirer:
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, plan.seconds, reply, sent_at, plan.weight)
                     return slot
-                lapse = reply.first_lapse(now_ms)
-                await self._block(keys, key, min(remaining, lapse, MAX_BLOCK), stop)
+                lapse = min(remaining, reply.first_lapse(now_ms), MAX_BLOCK)
+                if reply.start_ms:  # a rate's instant: slept out here (see Semaphore._wait)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), lapse)
+                else:
+                    await self._block(keys, key, lapse, stop)
             return None
         finally:
             self._stops.discard(stop)

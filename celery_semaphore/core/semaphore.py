@@ -324,8 +324,13 @@ class Semaphore:
                     if isinstance(reply, Admitted):
                         return self._slot(plan.keys, plan.key, plan.token, plan.seconds, reply,
                                           sent_at, plan.weight)  # fmt: skip
-                    lapse = reply.first_lapse(now_ms)
-                    client.blpop([plan.keys.wake], timeout=min(remaining, lapse, MAX_BLOCK))
+                    lapse = min(remaining, reply.first_lapse(now_ms), MAX_BLOCK)
+                    if reply.start_ms:
+                        # Only a rate's instant ends this wait; Redis times a BLPOP out on
+                        # its next tick (hz 10: up to 100 ms late), which spent the rate.
+                        time.sleep(lapse)
+                    else:
+                        client.blpop([plan.keys.wake], timeout=lapse)
             return None
         finally:
             with contextlib.suppress(SemaphoreBackendError), backend_errors(plan.key, plan.limit):

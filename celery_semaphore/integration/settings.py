@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Celery
@@ -178,10 +178,8 @@ def _journal(value: object, where: str) -> str | None:
     """``semaphore_journal`` checked: True ("": the default places, see
     :func:`~.waiting_room.journal.default_directories`), False (off), or a directory (a str
     or path-like)."""
-    if value is True:
-        return ""
-    if value is False:
-        return None
+    if isinstance(value, bool):
+        return "" if value else None
     if isinstance(value, (str, os.PathLike)) and str(value):
         return str(value)
     raise SemaphoreValidationError(f"{where} must be True, False or a directory, got {value!r}")
@@ -190,9 +188,9 @@ def _journal(value: object, where: str) -> str | None:
 def _priority(value: object, where: str) -> int | None:
     """``semaphore_handoff_priority`` checked: None, or an int from 0 to 255 (AMQP's range;
     kombu's Redis transport uses 0 to 9, 0 first)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255
+    ):
         raise SemaphoreValidationError(
             f"{where} must be None or an int from 0 to 255, got {value!r}"
         )
@@ -246,15 +244,13 @@ def journal_for(app: Celery) -> Journal | None:
         app.__dict__["_semaphore_journal"] = open_journal(
             settings.journal, settings.store.url, settings.prefix
         )
-    journal: Journal | None = app.__dict__["_semaphore_journal"]
-    return journal
+    return cast("Journal | None", app.__dict__["_semaphore_journal"])
 
 
 def forget(app: Celery, task_id: str) -> None:
     """Strike run ``task_id`` out of this host's journal of the app's parked runs (it left
     the room, by a claim, a give-up, a revoke or an expiry), if there is a journal."""
-    journal = journal_for(app)
-    if journal is not None:
+    if (journal := journal_for(app)) is not None:
         journal.forget(task_id)
 
 

@@ -33,6 +33,9 @@ SHEDS_HEADER = "semaphore_sheds"
 """Message header: how many times this task was shed so far."""
 FIRST_SHED_HEADER = "semaphore_first_shed_at"
 """Message header: epoch seconds of the first shed, for the ``shed_timeout`` budget."""
+COOL_DOWN_HEADER = "semaphore_cool_down_ends"
+"""Message header: when the cool-down this run was shed for ends (epoch seconds), if its
+countdown was cut to ``shed_max_countdown`` (see :func:`shed`)."""
 BACK_OFFS_HEADER = "semaphore_back_offs"
 """Message header: how many times this run backed off so far (see ``max_back_offs``)."""
 SHED_ATTEMPT_HEADER = "semaphore_shed_attempt"
@@ -61,7 +64,8 @@ its hand-off to; the message's own routing is the run's own queue, which a sweep
 
 HANDOFF_HEADERS = frozenset((HANDOFF_HEADER, HANDOFF_ID_HEADER, GIVE_UP_HEADER,
                              HANDOFF_QUEUE_HEADER))  # fmt: skip
-"""The marks of one delivery, which a message published again (shed or parked) leaves out."""
+"""The marks of one delivery, which a message published again (shed or parked) leaves out;
+but a hand-off shed because the store was out of reach keeps them (see :func:`shed`)."""
 
 BROKER_HEADERS = frozenset(
     {
@@ -116,6 +120,18 @@ def shed(
     Celery's ``task_retry`` signal and ``on_retry`` hook therefore do not fire for a shed;
     :data:`~celery_semaphore.signals.semaphore_shed` does.
 
+    No countdown is longer than ``shed_max_countdown``, a back-off's cool-down included: a
+    message held back longer than a broker allows is delivered twice (a Redis broker's
+    ``visibility_timeout``; the worker refuses a ``shed_max_countdown`` over half of it).
+    A longer cool-down is waited out in pieces: the run comes back still cooling, finds no
+    slot, and is shed again for the rest of it (:data:`COOL_DOWN_HEADER`), which neither
+    counts as a shed nor spends the shed budget.
+
+    A hand-off shed because the store was out of reach (``refusal`` ``BACKEND``) keeps its
+    hand-off marks and stays in the host's journal: back, it claims its slot as a hand-off
+    does, and a second copy of it (a sweep published it again while the first copy's run
+    was claiming) ends there rather than asking for a slot as a new run and running twice.
+
     Args:
         task (Task): the running task.
         policy (Policy): its options (the shed countdowns and budget).
@@ -134,7 +150,15 @@ def shed(
     key = names.key
     request = task.request
     headers = retry_headers(request)
+    # The rest of a cool-down that an earlier shed's countdown was cut short of.
+    cooling = float(headers.pop(COOL_DOWN_HEADER, 0) or 0) - time.time()
+    at_least = max(at_least, cooling)
     attempt = request.retries or 0
+    # A hand-off that found the store out of reach keeps its marks (and its journal entry):
+    # back, it claims, so that a second copy of a run that claimed already (a sweep's
+    # publish after its reservation lapsed) ends there instead of running as a new run.
+    if refusal is Refusal.BACKEND and (request.headers or {}).get(HANDOFF_HEADER) == attempt:
+        headers.update({k: v for k, v in request.headers.items() if k in HANDOFF_HEADERS})
     same_attempt = headers.get(SHED_ATTEMPT_HEADER) == attempt
     sheds = int(headers.get(SHEDS_HEADER) or 0) if same_attempt else 0
     first = float(headers.get(FIRST_SHED_HEADER) or time.time()) if same_attempt else time.time()
@@ -145,7 +169,7 @@ def shed(
     elif policy.shed_timeout is not None and time.time() - first >= policy.shed_timeout:
         spent = f"shed for {time.time() - first:.1f}s (shed_timeout={policy.shed_timeout:g})"
         refusal = refusal or Refusal.TIMEOUT
-    if spent:
+    if spent and cooling <= 0:
         raise SemaphoreNotAcquiredError(
             f"semaphore {key!r} (limit {limit}): {reason}; task {request.id} {spent}",
             key,
@@ -153,16 +177,18 @@ def shed(
             refusal or Refusal.FULL,
         )
     delay = max(at_least, countdown(policy, sheds, random.random()))
-    headers.update(
-        {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
-    )
+    if delay > policy.shed_max_countdown:  # a cool-down: waited out in pieces (see above)
+        headers[COOL_DOWN_HEADER] = time.time() + delay
+        delay = policy.shed_max_countdown
+    sheds += cooling <= 0  # a piece of a cool-down is not a shed of its own
+    headers.update({SHEDS_HEADER: sheds, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt})
     # RETRY, stored before the message is published again (see above for why before),
     # unless the task ignores results or there is no backend.
     if not (task.ignore_result or getattr(request, "ignore_result", False)):
         with contextlib.suppress(NotImplementedError):  # no result backend configured
             task.backend.mark_as_retry(request.id, None, request=request)
     task.signature_from_request(request, countdown=delay, headers=headers).apply_async()
-    if HANDOFF_HEADER in (request.headers or {}):
+    if HANDOFF_HEADER in (request.headers or {}) and HANDOFF_HEADER not in headers:
         # A run that parked before lives in the broker again: the journal must not send it
         # again as lost from a store it could not reach (see waiting_room.journal).
         forget(task.app, request.id)
@@ -175,8 +201,8 @@ def shed(
         delay,
     )
     semaphore_shed.send(
-        sender=task, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason, **names.fields()
+        sender=task, limit=limit, countdown=delay, sheds=sheds, reason=reason, **names.fields()
     )
-    send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds + 1, reason=reason)
+    send_event(task, "shed", key=key, limit=limit, countdown=delay, sheds=sheds, reason=reason)
     bump(task.app, request.hostname, "shed")
     raise Ignore()

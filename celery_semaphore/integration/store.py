@@ -203,11 +203,9 @@ def _db(vhost: object) -> int:
     if isinstance(vhost, numbers.Integral):
         return int(vhost)
     text = str(vhost or "").lstrip("/")
-    if not text:
-        return 0
-    if not text.isdigit():
+    if text and not text.isdigit():
         raise SemaphoreValidationError(f"broker_url: database must be a number, got {vhost!r}")
-    return int(text)
+    return int(text or 0)
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:

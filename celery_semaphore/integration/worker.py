@@ -62,7 +62,7 @@ from ..errors import SemaphoreBackendError, SemaphoreError, SemaphoreValidationE
 from . import stats
 from .remote import worker_report  # importing it registers `celery inspect semaphores`
 from .runner import run_function, runner_of
-from .settings import app_settings, client_for, forget, journal_for, task_policy
+from .settings import app_settings, client_for, forget, journal_for
 from .store import broker_visibility_timeout
 from .store_watch import StoreWatch
 from .waiting_room.queues import (
@@ -224,10 +224,8 @@ def _pid_gone(pid: int) -> bool:
         pass
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
+    except OSError as exc:  # no such process; or another user's, alive (PermissionError)
+        return isinstance(exc, ProcessLookupError)
     return False
 
 
@@ -389,9 +387,13 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
     of failing the task's first run; so does a task whose own options are invalid. With a
     Redis broker, a ``shed_max_countdown`` above half the broker's ``visibility_timeout`` is
     refused the same way: a message held back longer than that is delivered again, and the
-    task runs twice. So is a task that parks or sheds (any ``on_full`` but ``"raise"``) and
-    is routed to a broadcast queue (see
-    :func:`~celery_semaphore.integration.waiting_room.queues.broadcast_queue_of`).
+    task runs twice (a back-off's longer cool-down is shed in pieces of at most that
+    countdown: see :func:`~.shedding.shed`). So is a task that parks or sheds (any
+    ``on_full`` but ``"raise"``) and is routed to a broadcast queue (see
+    :func:`~celery_semaphore.integration.waiting_room.queues.broadcast_queue_of`). A task
+    whose start rate can hand a run off for an instant further ahead than half the
+    ``visibility_timeout`` (about its limit times the rate's spacing) is named in a WARNING
+    line: it starts, as the backlog that would take a hand-off that far may never come.
     """
 
     requires = ("celery.worker.components:Timer", "celery.worker.components:Pool")
@@ -420,7 +422,7 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 continue
             self.bounded = True
             try:
-                policy = task_policy(app, found[0].options_of(app))
+                policy, limits = found[0].policy_and_limits(app)
             except SemaphoreValidationError as exc:
                 raise SemaphoreValidationError(
                     f"task {task.name!r}: {exc} (its options, over its semaphore's "
@@ -439,6 +441,21 @@ class SemaphoreStep(bootsteps.StartStopStep):  # type: ignore[misc]
                     f"must be at most half the Redis broker's visibility_timeout "
                     f"({visibility:g}s), or held-back messages are delivered twice",
                 )
+            # A rate's hand-off waits in a worker for its instant: with the whole limit
+            # reserved in a row, the last one about limit x units x spacing ahead (a callable
+            # limit or units counts 1: at least that far).
+            most = limits.adaptive.max if limits.adaptive else limits.default
+            ahead, rate = max(
+                ((most * (r.units if isinstance(r.units, int) else 1) - r.burst)
+                 * r.interval_ms / 1000, r.spec) for r in policy.rates
+            ) if policy.rates else (0.0, "")  # fmt: skip
+            if visibility is not None and ahead > visibility / 2:
+                logger.warning(
+                    "task %r: under its rate %s, a hand-off can wait %gs for its instant, more "
+                    "than half the Redis broker's visibility_timeout (%gs): the broker delivers "
+                    "it again meanwhile (a task with ignore_result runs twice); raise "
+                    "visibility_timeout, or lower the limit", task.name, rate, ahead, visibility,
+                )  # fmt: skip
             try:
                 found[0].resolve(app)
             except SemaphoreBackendError as exc:
