@@ -15,11 +15,13 @@ from __future__ import annotations
 import threading
 import time
 
+from ..errors import SemaphoreBackendError
 from .calls import held_call
 from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
+from .replies import Released
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 
@@ -142,20 +144,30 @@ class Slot(LeaseRecord[Scripts]):
             try:
                 if mark:
                     self._scripts.client.zadd(index, mark, xx=True, lt=True)
-                owned, handed, cooling_ms = self._scripts.release(
+                reply = self._scripts.release(
                     self._keys, self._member, self._handoffs.release_claim_ms, self.weight,
                     verdict,
                 )  # fmt: skip
             except REDIS_ERRORS as exc:
-                # It may have run: its hand-off, or the slot, must not wait for a lease.
-                recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
-                              sent_at, exc)  # fmt: skip
-                raise backend_error(exc, self.key, self.limit) from exc
-            self.cooling_until = cooling_ms / 1000
-            self._released = self._given_back(owned)
-            if handed:
-                self._handoffs.deliver(self.key, handed, self._scripts)
-        return self._released
+                raise self._release_lost(sent_at, exc) from exc
+            self._take_release(reply)
+        return bool(self._released)
+
+    def _release_lost(self, sent_at: float, exc: BaseException) -> SemaphoreBackendError:
+        """The error to raise for a release sent at ``sent_at`` (``time.monotonic()``) that
+        failed with ``exc``, a redis-py error. It may have run: its hand-off, or the slot,
+        must not wait for a lease, so the call is put right once the store answers."""
+        recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
+                      sent_at, exc)  # fmt: skip
+        return backend_error(exc, self.key, self.limit)
+
+    def _take_release(self, reply: Released) -> None:
+        """Take in a release's answer: released, lost if it was not ours, hand-offs sent on."""
+        owned, handed, cooling_ms = reply
+        self.cooling_until = cooling_ms / 1000
+        self._released = self._given_back(owned)
+        if handed:
+            self._handoffs.deliver(self.key, handed, self._scripts)
 
     def __enter__(self) -> Slot:
         return self
