@@ -168,88 +168,49 @@ def renewer() -> Renewer:
         return _renewer
 
 
-Release = tuple[Slot, tuple[str, ...]]
-"""A slot to give back from the release thread, and the verdict to give it back with."""
-BATCH = 256
-"""Releases the release thread sends in one round trip at most."""
-
-
-def _give_back(slot: Slot, verdict: tuple[str, ...]) -> None:
-    try:
-        slot._give_back(verdict)
-    except Exception:  # the lease runs out by itself; a lost reply is put right
-        logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+Release = tuple[Slot, tuple[str, ...]]  # a slot to give back, and its verdict
 
 
 def give_back(releases: list[Release]) -> None:
-    """Give back each slot of ``releases`` (see :func:`release_later`); those of one client
-    that may go together in one pipelined round trip (redis-py's cluster pipeline makes it
-    one per node). A slot alone on its client, or whose release writes the room index
-    first (:meth:`HandoffRoute.mark_before`), goes in a round trip of its own. Never
-    raises: a failure is logged, and a lost reply put right, as for :meth:`Slot.release`."""
+    """Give back each slot of ``releases`` not given back yet (see :func:`release_later`),
+    those of one client in one pipelined round trip (redis-py's cluster pipeline makes it
+    one per node); a slot whose release writes the room index first
+    (:meth:`HandoffRoute.mark_before`) in its own. Never raises: a failure is logged, and a
+    lost reply put right, as for :meth:`Slot.release`."""
     clients: dict[int, list[Release]] = {}
     for slot, verdict in releases:
-        if slot._released is None:  # not given back meanwhile by the body itself
-            clients.setdefault(id(slot._scripts), []).append((slot, verdict))
+        if slot._released is None:  # not given back by the body itself
+            alone = slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]
+            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append((slot, verdict))
     for rows in clients.values():
-        together: list[Release] = []
-        for slot, verdict in rows:
-            if len(rows) == 1 or slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]:
-                _give_back(slot, verdict)
-            else:
-                together.append((slot, verdict))
-        if len(together) == 1:
-            _give_back(*together[0])
-        elif together:
-            _give_back_together(together)
-
-
-def _give_back_together(rows: list[Release]) -> None:
-    slots = [slot for slot, _ in rows]
-    calls = [slot._release_call(verdict) for slot, verdict in rows]
-    sent_at = time.monotonic()
-    try:
-        replies = slots[0]._scripts.run_many(calls)
-    except REDIS_ERRORS as exc:  # which of them ran is not known: each is put right
-        for slot in slots:
-            slot._release_lost(sent_at, exc)
-        logger.warning("could not release %d slots (of %r, ...)", len(slots), slots[0].key,
-                       exc_info=True)  # fmt: skip
-        return
-    for slot, reply in zip(slots, replies, strict=True):
+        sent_at = time.monotonic()
         try:
-            if isinstance(reply, Exception):  # the store refused it: it did not run
-                raise reply
-            slot._take_release(reply)
-        except Exception:
-            logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
-
-
-class _ReleaseThread:
-    """This process's release thread (see :func:`release_later`)."""
-
-    def __init__(self) -> None:
-        self.pid = process.pid()
-        self.jobs: queue.SimpleQueue[Release | threading.Event] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="semaphore-release", daemon=True).start()
-
-    def _run(self) -> None:
-        jobs = self.jobs
-        while True:
-            batch = [jobs.get()]
-            # What was handed off while the last round trip was out goes in the next one.
-            while len(batch) < BATCH and not jobs.empty():
-                batch.append(jobs.get())
+            if len(rows) == 1:
+                rows[0][0]._give_back(rows[0][1])
+                continue
+            replies = rows[0][0]._scripts.run_many([s._release_call(v) for s, v in rows])
+        except Exception as exc:  # the lease runs out by itself; a lost reply is put right
+            lost = isinstance(exc, REDIS_ERRORS) and len(rows) > 1  # which ran is not known
+            replies = [s._release_lost(sent_at, exc) if lost else exc for s, _ in rows]
+        for (slot, _), reply in zip(rows, replies, strict=True):
             try:
-                give_back([job for job in batch if not isinstance(job, threading.Event)])
-            except Exception:  # the thread must outlive any bug: its slots lapse
-                logger.exception("could not release %d slots", len(batch))
-            for job in batch:
-                if isinstance(job, threading.Event):  # a flush waiting for what came before
-                    job.set()
+                slot._take_release(reply)  # raises an error instead of a reply
+            except Exception:
+                logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
 
 
-_releases: _ReleaseThread | None = None
+def _send_releases(jobs: queue.SimpleQueue[Release | threading.Event]) -> None:
+    while True:  # what was handed off while the last round trip was out goes in the next
+        batch = [jobs.get()]
+        while not jobs.empty() and len(batch) < 256:
+            batch.append(jobs.get())
+        give_back([job for job in batch if not isinstance(job, threading.Event)])
+        for job in batch:
+            if isinstance(job, threading.Event):  # a flush, waiting for what came before it
+                job.set()
+
+
+_releases: tuple[int, queue.SimpleQueue[Release | threading.Event]] | None = None
 
 
 def release_later(slot: Slot, verdict: tuple[str, ...]) -> None:
@@ -260,26 +221,20 @@ def release_later(slot: Slot, verdict: tuple[str, ...]) -> None:
     gone marks it lost then. What is still queued as the interpreter ends is sent first (an
     ``atexit`` hook); a Celery pool process, which ends without that, calls
     :func:`flush_releases`."""
-    releases = _releases
-    if releases is None or releases.pid != process.pid():  # a forked child's is new
-        releases = _release_thread()
-    releases.jobs.put((slot, verdict))
-
-
-def _release_thread() -> _ReleaseThread:
     global _releases
     with _renewer_lock:
-        if _releases is None or _releases.pid != process.pid():
-            _releases = _ReleaseThread()
-        return _releases
+        if _releases is None or _releases[0] != process.pid():  # a forked child's is new
+            _releases = process.pid(), queue.SimpleQueue()
+            threading.Thread(target=_send_releases, args=(_releases[1],), daemon=True,
+                             name="semaphore-release").start()  # fmt: skip
+        _releases[1].put((slot, verdict))
 
 
 def flush_releases() -> None:
     """Send what :func:`release_later` still holds, and wait until it is answered."""
-    releases = _releases
-    if releases is not None and releases.pid == process.pid():
-        done = threading.Event()
-        releases.jobs.put(done)
+    releases, done = _releases, threading.Event()
+    if releases is not None and releases[0] == process.pid():
+        releases[1].put(done)
         done.wait()
 
 

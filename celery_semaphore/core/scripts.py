@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisClusterException
 
 from ..errors import SemaphoreBackendError
 from . import calls
-from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, Renewal, acquire_argv, release_argv
+from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, acquire_argv, release_argv
 from .names import Keys, keys_named
 from .replies import (
     Admitted,
@@ -104,15 +104,6 @@ _NAMES_KEPT = 4096
 """Semaphore keys whose encoded names a :class:`Scripts` keeps (then it starts afresh)."""
 
 
-def _ascii(text: str) -> bytes:
-    return text.encode("ascii")
-
-
-def _text(value: str | bytes) -> str:
-    """``value`` as text (a reply is bytes unless the client decodes responses)."""
-    return value.decode("ascii") if isinstance(value, bytes) else value
-
-
 class _Names:
     """A semaphore's Redis key names, encoded once (see :meth:`Scripts._encoded`), and the
     head of an acquire's and of a release's EVALSHA arguments: the number of keys and the
@@ -180,7 +171,7 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._scripts = {name: client.register_script(src.text) for name, src in _SOURCES.items()}
-        self._shas = {name: _ascii(script.sha) for name, script in self._scripts.items()}
+        self._shas = {name: script.sha.encode() for name, script in self._scripts.items()}
         self._execute: Callable[..., Any] = client.execute_command
         encoder = client.get_encoder()
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
@@ -196,12 +187,6 @@ class Scripts:
             found = self._names[keys] = _Names(tuple(n.encode(*self._encoding) for n in keys))
         return found
 
-    def _evalsha(
-        self, name: str, keys: Sequence[str | bytes], args: Sequence[str | int | bytes]
-    ) -> Any:
-        """One EVALSHA of script ``name`` with ``keys`` and ``args`` (see :meth:`_send`)."""
-        return self._send(name, (len(keys), *keys, *args))
-
     def _send(self, name: str, args: tuple[str | int | bytes, ...]) -> Any:
         """``EVALSHA <sha of name> *args`` (``args`` open with the number of keys); after a
         NOSCRIPT (a restarted or failed-over server), loads the script and sends again.
@@ -214,16 +199,18 @@ class Scripts:
             try:
                 return self._execute("EVALSHA", self._shas[name], *args)
             except NoScriptError:
-                script = self._scripts[name]
-                script.sha = _text(self.client.script_load(script.script))
-                self._shas[name] = _ascii(script.sha)
+                self._load(name)
                 return self._execute("EVALSHA", self._shas[name], *args)
         except redis.ResponseError as exc:
             raise located(exc, name) from exc
 
+    def _load(self, name: str) -> None:
+        # The SHA is the text's SHA1, which redis-py computed on registering: it stays.
+        self.client.script_load(self._scripts[name].script)
+
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
-        return call.parse(self._evalsha(call.script, call.keys, call.args))
+        return call.parse(self._send(call.script, (len(call.keys), *call.keys, *call.args)))
 
     def run_many(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
         """Send ``calls`` in one pipelined round trip (not a transaction: each runs on its
@@ -239,9 +226,7 @@ class Scripts:
         replies = self._pipelined(calls)
         again = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         for name in {calls[n].script for n in again}:
-            script = self._scripts[name]
-            script.sha = _text(self.client.script_load(script.script))
-            self._shas[name] = _ascii(script.sha)
+            self._load(name)
         for n, reply in zip(again, self._pipelined([calls[n] for n in again]), strict=True):
             replies[n] = reply
         return [
@@ -270,11 +255,6 @@ class Scripts:
             "acquire_rated" if rated else "acquire", self._encoded(keys).acquire + args
         )
         return parse_acquire(reply, limit, lease_ms)
-
-    def extend(self, renewals: Sequence[Renewal]) -> list[int | None]:
-        """Renew each ``(keys, token, lease_ms, weight)`` in one call (see
-        :func:`extend_call`)."""
-        return self.run(calls.extend_call(renewals))
 
     def release(
         self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1,

@@ -161,8 +161,11 @@ class Slot(LeaseRecord[Scripts]):
                       sent_at, exc)  # fmt: skip
         return backend_error(exc, self.key, self.limit)
 
-    def _take_release(self, reply: Released) -> None:
-        """Take in a release's answer: released, lost if it was not ours, hand-offs sent on."""
+    def _take_release(self, reply: Released | Exception) -> None:
+        """Take in a release's answer: released, lost if it was not ours, hand-offs sent on;
+        an error in place of the answer is raised."""
+        if isinstance(reply, Exception):
+            raise reply
         owned, handed, cooling_ms = reply
         self.cooling_until = cooling_ms / 1000
         self._released = self._given_back(owned)
