@@ -36,7 +36,6 @@ from typing import Any
 
 from . import process
 from .lease import Flight, Renewals, RenewErrorCallback
-from .scripts import REDIS_ERRORS
 from .slot import Slot
 
 logger = logging.getLogger(__name__)
@@ -168,66 +167,61 @@ def renewer() -> Renewer:
         return _renewer
 
 
-Release = tuple[Slot, tuple[str, ...]]  # a slot to give back, and its verdict
-
-
-def give_back(releases: list[Release]) -> None:
-    """Give back each slot of ``releases`` not given back yet (see :func:`release_later`),
-    those of one client in one pipelined round trip (redis-py's cluster pipeline makes it
-    one per node); a slot whose release writes the room index first
-    (:meth:`HandoffRoute.mark_before`) in its own. Never raises: a failure is logged, and a
-    lost reply put right, as for :meth:`Slot.release`."""
-    clients: dict[int, list[Release]] = {}
-    for slot, verdict in releases:
+def give_back(slots: list[Slot]) -> None:
+    """Give back each of ``slots`` not given back yet, as a run that ended well (see
+    :func:`release_later`); those of one client in one pipelined round trip (redis-py's
+    cluster pipeline makes it one per node), and a slot whose release writes the room index
+    first (:meth:`HandoffRoute.mark_before`) in its own. Never raises: a failure is logged,
+    and a lost reply put right, as for :meth:`Slot.release`."""
+    clients: dict[int, list[Slot]] = {}
+    for slot in slots:
         if slot._released is None:  # not given back by the body itself
             alone = slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]
-            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append((slot, verdict))
+            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append(slot)
     for rows in clients.values():
         sent_at = time.monotonic()
         try:
             if len(rows) == 1:
-                rows[0][0]._give_back(rows[0][1])
+                rows[0].release()
                 continue
-            replies = rows[0][0]._scripts.run_many([s._release_call(v) for s, v in rows])
-        except Exception as exc:  # the lease runs out by itself; a lost reply is put right
-            lost = isinstance(exc, REDIS_ERRORS) and len(rows) > 1  # which ran is not known
-            replies = [s._release_lost(sent_at, exc) if lost else exc for s, _ in rows]
-        for (slot, _), reply in zip(rows, replies, strict=True):
+            replies = rows[0]._scripts.run_many([s._release_call(s._verdict()) for s in rows])
+        except Exception as exc:  # which ran is not known: each is put right if it may have
+            replies = [exc] * len(rows)
+        for slot, reply in zip(rows, replies, strict=True):
             try:
-                slot._take_release(reply)  # raises an error instead of a reply
+                slot._take_release(reply, sent_at)  # raises an error in place of an answer
             except Exception:
                 logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
 
 
-def _send_releases(jobs: queue.SimpleQueue[Release | threading.Event]) -> None:
+def _send_releases(jobs: queue.SimpleQueue[Slot | threading.Event]) -> None:
     while True:  # what was handed off while the last round trip was out goes in the next
         batch = [jobs.get()]
         while not jobs.empty() and len(batch) < 256:
             batch.append(jobs.get())
-        give_back([job for job in batch if not isinstance(job, threading.Event)])
+        give_back([job for job in batch if isinstance(job, Slot)])
         for job in batch:
             if isinstance(job, threading.Event):  # a flush, waiting for what came before it
                 job.set()
 
 
-_releases: tuple[int, queue.SimpleQueue[Release | threading.Event]] | None = None
+_releases: tuple[int, queue.SimpleQueue[Slot | threading.Event]] | None = None
 
 
-def release_later(slot: Slot, verdict: tuple[str, ...]) -> None:
-    """Give ``slot`` back with ``verdict`` (see ``LeaseRecord._verdict``) from this
-    process's release thread, which sends it at once (with any handed off while its last
-    round trip was out: :func:`give_back`); the caller does not wait. A failure is logged,
-    and a lost reply put right, as for :meth:`Slot.release`; a release that finds the slot
-    gone marks it lost then. What is still queued as the interpreter ends is sent first (an
-    ``atexit`` hook); a Celery pool process, which ends without that, calls
-    :func:`flush_releases`."""
+def release_later(slot: Slot) -> None:
+    """Give ``slot`` back, as a run that ended well, from this process's release thread,
+    which sends it at once (with any handed off while its last round trip was out:
+    :func:`give_back`); the caller does not wait. A failure is logged, and a lost reply put
+    right, as for :meth:`Slot.release`; a release that finds the slot gone marks it lost
+    then. What is still queued as the interpreter ends is sent first (an ``atexit`` hook); a
+    Celery pool process, which ends without that, calls :func:`flush_releases`."""
     global _releases
     with _renewer_lock:
         if _releases is None or _releases[0] != process.pid():  # a forked child's is new
             _releases = process.pid(), queue.SimpleQueue()
             threading.Thread(target=_send_releases, args=(_releases[1],), daemon=True,
                              name="semaphore-release").start()  # fmt: skip
-        _releases[1].put((slot, verdict))
+        _releases[1].put(slot)
 
 
 def flush_releases() -> None:

@@ -117,7 +117,7 @@ class guard(Generic[S]):
         slot._check_deadline()
         if self.later and not isinstance(exc, BackOff):
             for member in self._members:
-                release_later(member, member._verdict())
+                release_later(member)
         else:
             try:
                 slot.__exit__(exc_type, exc, tb)  # a release, or a back-off

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 
-from ..errors import SemaphoreBackendError
 from .calls import held_call
 from .feedback import BackOff
 from .lazy_event import LazyEvent
@@ -144,26 +143,24 @@ class Slot(LeaseRecord[Scripts]):
             try:
                 if mark:
                     self._scripts.client.zadd(index, mark, xx=True, lt=True)
-                reply = self._scripts.release(
+                reply: Released | Exception = self._scripts.release(
                     self._keys, self._member, self._handoffs.release_claim_ms, self.weight,
                     verdict,
                 )  # fmt: skip
             except REDIS_ERRORS as exc:
-                raise self._release_lost(sent_at, exc) from exc
-            self._take_release(reply)
+                reply = exc
+            self._take_release(reply, sent_at)
         return bool(self._released)
 
-    def _release_lost(self, sent_at: float, exc: BaseException) -> SemaphoreBackendError:
-        """The error to raise for a release sent at ``sent_at`` (``time.monotonic()``) that
-        failed with ``exc``, a redis-py error. It may have run: its hand-off, or the slot,
-        must not wait for a lease, so the call is put right once the store answers."""
-        recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
-                      sent_at, exc)  # fmt: skip
-        return backend_error(exc, self.key, self.limit)
-
-    def _take_release(self, reply: Released | Exception) -> None:
-        """Take in a release's answer: released, lost if it was not ours, hand-offs sent on;
-        an error in place of the answer is raised."""
+    def _take_release(self, reply: Released | Exception, sent_at: float) -> None:
+        """Take in the answer to a release sent at ``sent_at`` (``time.monotonic()``):
+        released, lost if it was not ours, its hand-offs sent on. An error in its place is
+        raised; a redis-py one as :class:`SemaphoreBackendError`, once the call is handed to
+        recovery (it may have run: its hand-off, or the slot, must not wait for a lease)."""
+        if isinstance(reply, REDIS_ERRORS):
+            recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
+                          sent_at, reply)  # fmt: skip
+            raise backend_error(reply, self.key, self.limit) from reply
         if isinstance(reply, Exception):
             raise reply
         owned, handed, cooling_ms = reply
