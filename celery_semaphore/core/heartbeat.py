@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import process
+from .calls import release_call
 from .lease import Flight, Renewals, RenewErrorCallback
 from .slot import Slot
 
@@ -184,7 +185,10 @@ def give_back(slots: list[Slot]) -> None:
             if len(rows) == 1:
                 rows[0].release()
                 continue
-            replies = rows[0]._scripts.run_many([s._release_call(s._verdict()) for s in rows])
+            replies = rows[0]._scripts.run_many([
+                release_call(s._keys, s._member, s._handoffs.release_claim_ms, s.weight,
+                             s._verdict()) for s in rows
+            ])  # fmt: skip
         except Exception as exc:  # which ran is not known: each is put right if it may have
             replies = [exc] * len(rows)
         for slot, reply in zip(rows, replies, strict=True):

@@ -28,11 +28,11 @@ from redis.crc import key_slot
 from ..errors import SemaphoreBackendError, SemaphoreLeaseLostError
 from . import process
 from . import validation as check
-from .calls import Call, Renewal, extend_call, release_call
+from .calls import Call, Renewal, extend_call
 from .feedback import retry_after_seconds
 from .handoff import HandoffRoute
 from .names import Keys
-from .replies import Admitted, Released
+from .replies import Admitted
 from .scripts import REDIS_ERRORS, backend_error
 
 logger = logging.getLogger(__name__)
@@ -256,11 +256,6 @@ class LeaseRecord(LossWatch, Generic[C]):
         hint_ms = -1 if hint is None else round(hint * 1000)
         by = f"{socket.gethostname()}:{process.pid()}"
         return spec, f"{hint_ms} {cap_ms} {round(self.acquired_at * 1000)}", by
-
-    def _release_call(self, verdict: tuple[str, ...]) -> Call[Released]:
-        """The release.lua call that gives the slot back with ``verdict``."""
-        return release_call(self._keys, self._member, self._handoffs.release_claim_ms,
-                            self.weight, verdict)  # fmt: skip
 
     def _given_back(self, owned: bool) -> bool:
         """What a release's answer (``owned``: the store still had the slot) means: ours

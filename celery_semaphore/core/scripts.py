@@ -41,10 +41,6 @@ from .replies import (
 T = TypeVar("T")
 
 
-def _lua(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
-
-
 _USES = re.compile(r"^--! uses: (.*)$", re.MULTILINE)
 _VARIANTS = {"acquire_rated": ("acquire", "rates"), "take_rated": ("take", "rates")}
 """Scripts sent as another file with one more helper: the plain ``acquire`` and ``take``, the
@@ -71,7 +67,8 @@ class Source:
         self.text = "\n".join(lines)
 
     def _add(self, file: str, lines: list[str], seen: set[str], extra: str = "") -> None:
-        for number, line in enumerate(_lua(file).split("\n"), 1):
+        text = resources.files(__package__).joinpath("lua", f"{file}.lua").read_text("utf-8")
+        for number, line in enumerate(text.split("\n"), 1):
             if not self._spans or self._spans[-1][1] != file:
                 self._spans.append((len(lines) + 1, file, number))
             lines.append(line)  # a "uses" line too: a comment, which keeps the count
