@@ -195,15 +195,11 @@ class Scripts:
         try:
             try:
                 return self._execute("EVALSHA", self._shas[name], *args)
-            except NoScriptError:
-                self._load(name)
+            except NoScriptError:  # the SHA stays: the text's SHA1, computed on registering
+                self.client.script_load(self._scripts[name].script)
                 return self._execute("EVALSHA", self._shas[name], *args)
         except redis.ResponseError as exc:
             raise located(exc, name) from exc
-
-    def _load(self, name: str) -> None:
-        # The SHA is the text's SHA1, which redis-py computed on registering: it stays.
-        self.client.script_load(self._scripts[name].script)
 
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
@@ -223,7 +219,7 @@ class Scripts:
         replies = self._pipelined(calls)
         again = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         for name in {calls[n].script for n in again}:
-            self._load(name)
+            self.client.script_load(self._scripts[name].script)
         for n, reply in zip(again, self._pipelined([calls[n] for n in again]), strict=True):
             replies[n] = reply
         return [
