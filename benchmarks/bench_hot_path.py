@@ -51,6 +51,7 @@ from rich.table import Table
 from celery_semaphore import Semaphore
 from celery_semaphore.asyncio import AsyncSemaphore
 from celery_semaphore.core import heartbeat
+from celery_semaphore.core.calls import extend_call
 from celery_semaphore.core.semaphore import guard
 from celery_semaphore.testing import RedisServer
 
@@ -322,7 +323,7 @@ def server(args: argparse.Namespace, console: Console) -> None:
 
             def renew(rows: list[Any] = renewals) -> None:
                 for i in range(0, len(rows), BATCH):
-                    sem._scripts.extend(rows[i : i + BATCH])
+                    sem._scripts.run(extend_call(rows[i : i + BATCH]))
 
             costs["extend"].append(usec(renew) / BATCH)
 

@@ -10,19 +10,21 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
 
 from celery_semaphore import Semaphore
 from celery_semaphore.core import heartbeat, recovery
+from celery_semaphore.core.scripts import Scripts
 from celery_semaphore.core.semaphore import guard
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import Published, prefork_worker_process, wait_for
+from .helpers import Published, prefork_worker_process, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,6 +80,73 @@ def test_a_lost_release_reply_is_put_right_and_its_handoff_published(
         client.close()
 
 
+def _counting_pipelines(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each pipelined round trip the scripts send from now on (each is sent)."""
+    sizes: list[int] = []
+    run_many = Scripts.run_many
+
+    def counted(self: Scripts, calls: Sequence[Any]) -> list[Any]:
+        sizes.append(len(calls))
+        return run_many(self, calls)
+
+    monkeypatch.setattr(Scripts, "run_many", counted)
+    return sizes
+
+
+def test_releases_that_come_together_go_in_one_round_trip(
+    make_semaphore: type[Semaphore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sem, other = make_semaphore(limit=50, lease=30.0), make_semaphore(limit=50, lease=30.0)
+    slots = [sem.acquire(key) for key in ("a", "b") * 10] + [other.acquire("c")]
+    sizes = _counting_pipelines(monkeypatch)
+    heartbeat.give_back([slot for slot in slots if slot is not None])
+    assert sizes == [20]  # the lone slot of the other client went on its own
+    assert all(slot is not None and slot.released for slot in slots)
+    assert sem.count("a") == sem.count("b") == other.count("c") == 0
+
+
+def test_releases_handed_off_while_one_is_out_go_together_in_the_next_round_trip(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sem = Semaphore(own_redis.url, limit=50, lease=30.0)
+    slots = [sem.acquire("k") for _ in range(11)]
+    sizes = _counting_pipelines(monkeypatch)
+    own_redis.client().execute_command("CLIENT", "PAUSE", 500, "WRITE")
+    for slot in slots:  # the first is out (held up by the paused store) as the rest queue
+        with guard(slot, None, later=True):
+            pass
+    heartbeat.flush_releases()
+    assert max(sizes) >= 10, sizes
+    assert sem.count("k") == 0
+    sem.close()
+
+
+def test_a_lost_reply_to_releases_sent_together_puts_each_right(
+    own_redis: RedisServer, published: Published
+) -> None:
+    recovery_times = recovery.FIRST_TRY, recovery.MAX_BACKOFF
+    recovery.FIRST_TRY, recovery.MAX_BACKOFF = 0.05, 0.1
+    client = own_redis.client(socket_timeout=0.3)
+    sem = Semaphore(client, limit=2, lease=60.0, on_handoff=published, handoff_grace=0)
+    try:
+        slots = [sem.acquire("k"), sem.acquire("k")]
+        sem.room.park("k", "w1", b"payload")
+        sem.room.park("k", "w2", b"payload")
+        own_redis.pause()  # the releases run when the store wakes; their reply is lost
+        heartbeat.give_back([slot for slot in slots if slot is not None])
+        assert not any(slot is not None and slot.released for slot in slots)
+        own_redis.resume()
+        # Each is put right and its hand-off published (a duplicate copy ends quietly).
+        assert wait_for(lambda: set(published.waiters) == {"w1", "w2"}, timeout=30)
+        assert wait_for(recovery.idle, timeout=10)
+        holders = {holder.token for holder in sem.admin.holders("k")}  # the reservations
+        assert not holders & {slot.token for slot in slots if slot is not None}
+    finally:
+        own_redis.resume()
+        recovery.FIRST_TRY, recovery.MAX_BACKOFF = recovery_times
+        client.close()
+
+
 @pytest.fixture
 def store(own_redis: RedisServer) -> Iterator[RedisServer]:
     """The semaphore's store, apart from the broker and the results: pausing its writes
@@ -118,6 +187,17 @@ def test_a_pool_process_killed_before_it_sent_its_release_leaves_the_slot_to_its
         store.client().execute_command("CLIENT", "UNPAUSE")
         [holder] = sem.admin.holders("paused-release")
         assert holder.metadata["pid"] == pid  # left to its 60 s lease, as before
+
+
+def test_a_worker_shut_down_warm_right_after_a_run_sends_its_release_first(
+    redis_server: RedisServer, store: RedisServer, tmp_path: Path
+) -> None:
+    with _worker(redis_server, store, tmp_path) as (app, proc):
+        pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
+        stop_process(proc)  # a warm shutdown, while the run's release waits on the store
+        assert proc.returncode is not None
+        assert not _alive(pid)
+    assert Semaphore(store.url, limit=4).count("paused-release") == 0
 
 
 def _alive(pid: int) -> bool:

@@ -20,20 +20,22 @@ forked child starts its own. A slot released before its first renewal is due nev
 the sender thread.
 
 The module also keeps the process's release thread (:func:`release_later`): a Celery run
-hands its slot's release to it and goes on, and it sends the release at once.
+hands its slot's release to it and goes on, and it sends the release at once; releases
+handed off while its round trip is out go together in the next one, one per client.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import process
+from .calls import release_call
 from .lease import Flight, Renewals, RenewErrorCallback
 from .slot import Slot
 
@@ -166,38 +168,75 @@ def renewer() -> Renewer:
         return _renewer
 
 
-def _give_back(slot: Slot, verdict: tuple[str, ...]) -> None:
-    try:
-        slot._give_back(verdict)
-    except Exception:  # the lease runs out by itself; a lost reply is put right
-        logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
+def give_back(slots: list[Slot]) -> None:
+    """Give back each of ``slots`` not given back yet, as a run that ended well (see
+    :func:`release_later`); those of one client in one pipelined round trip (redis-py's
+    cluster pipeline makes it one per node), and a slot whose release writes the room index
+    first (:meth:`HandoffRoute.mark_before`) in its own. Never raises: a failure is logged,
+    and a lost reply put right, as for :meth:`Slot.release`."""
+    clients: dict[int, list[Slot]] = {}
+    for slot in slots:
+        if slot._released is None:  # not given back by the body itself
+            alone = slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]
+            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append(slot)
+    for rows in clients.values():
+        sent_at = time.monotonic()
+        try:
+            if len(rows) == 1:
+                rows[0].release()
+                continue
+            replies = rows[0]._scripts.run_many([
+                release_call(s._keys, s._member, s._handoffs.release_claim_ms, s.weight,
+                             s._verdict()) for s in rows
+            ])  # fmt: skip
+        except Exception as exc:  # which ran is not known: each is put right if it may have
+            replies = [exc] * len(rows)
+        for slot, reply in zip(rows, replies, strict=True):
+            try:
+                slot._take_release(reply, sent_at)  # raises an error in place of an answer
+            except Exception:
+                logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
 
 
-_releases: tuple[int, ThreadPoolExecutor] | None = None  # this process's, and its pid
+def _send_releases(jobs: queue.SimpleQueue[Slot | threading.Event]) -> None:
+    while True:  # what was handed off while the last round trip was out goes in the next
+        batch = [jobs.get()]
+        while not jobs.empty() and len(batch) < 256:
+            batch.append(jobs.get())
+        give_back([job for job in batch if isinstance(job, Slot)])
+        for job in batch:
+            if isinstance(job, threading.Event):  # a flush, waiting for what came before it
+                job.set()
 
 
-def release_later(slot: Slot, verdict: tuple[str, ...]) -> None:
-    """Give ``slot`` back with ``verdict`` (see ``LeaseRecord._verdict``) from this
-    process's release thread, which sends it at once (after any handed off before it); the
-    caller does not wait. A failure is logged, and a lost reply put right, as for
-    :meth:`Slot.release`; a release that finds the slot gone marks it lost then. What is
-    still queued as the interpreter ends is sent first (:mod:`concurrent.futures` joins
-    its threads); a Celery pool process, which ends without that, calls
-    :func:`flush_releases`."""
+_releases: tuple[int, queue.SimpleQueue[Slot | threading.Event]] | None = None
+
+
+def release_later(slot: Slot) -> None:
+    """Give ``slot`` back, as a run that ended well, from this process's release thread,
+    which sends it at once (with any handed off while its last round trip was out:
+    :func:`give_back`); the caller does not wait. A failure is logged, and a lost reply put
+    right, as for :meth:`Slot.release`; a release that finds the slot gone marks it lost
+    then. What is still queued as the interpreter ends is sent first (an ``atexit`` hook); a
+    Celery pool process, which ends without that, calls :func:`flush_releases`."""
     global _releases
     with _renewer_lock:
         if _releases is None or _releases[0] != process.pid():  # a forked child's is new
-            _releases = process.pid(), ThreadPoolExecutor(1, "semaphore-release")
-        _releases[1].submit(_give_back, slot, verdict)
+            _releases = process.pid(), queue.SimpleQueue()
+            threading.Thread(target=_send_releases, args=(_releases[1],), daemon=True,
+                             name="semaphore-release").start()  # fmt: skip
+        _releases[1].put(slot)
 
 
 def flush_releases() -> None:
     """Send what :func:`release_later` still holds, and wait until it is answered."""
-    global _releases
-    with _renewer_lock:
-        releases, _releases = _releases, None
+    releases, done = _releases, threading.Event()
     if releases is not None and releases[0] == process.pid():
-        releases[1].shutdown()
+        releases[1].put(done)
+        done.wait()
+
+
+atexit.register(flush_releases)
 
 
 def threads() -> list[Any]:

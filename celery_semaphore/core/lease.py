@@ -16,7 +16,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -42,18 +42,6 @@ RenewErrorCallback = Callable[[BaseException], object]
 
 C = TypeVar("C")
 """The scripts (client) a slot's round trips go through: sync or asyncio."""
-T = TypeVar("T")
-
-
-def notify(callbacks: Sequence[Callable[[T], object]], subject: T) -> None:
-    """Call each of ``callbacks`` with ``subject`` (a slot or a group just found lost); one
-    that raises is logged, and the others still run: a broken hook must not stop an
-    interrupt or the renewer."""
-    for callback in callbacks:
-        try:
-            callback(subject)
-        except Exception:
-            logger.exception("lost-slot callback %r failed", callback)
 
 
 L = TypeVar("L", bound="LossWatch")
@@ -97,7 +85,11 @@ class LossWatch:
             self._lost_reason = reason
             self.lost.set()
             callbacks, self._lost_callbacks = self._lost_callbacks, []
-        notify(callbacks, self)
+        for callback in callbacks:  # one that raises must not stop the others, nor the renewer
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("lost-slot callback %r failed", callback)
 
 
 class LeaseRecord(LossWatch, Generic[C]):

@@ -19,7 +19,6 @@ asyncio client's by a task of its event loop
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
@@ -107,53 +106,47 @@ def lost_call(
     return Lost(scripts, keys, key, token, route, sent_at, time.monotonic() + FIRST_TRY)
 
 
-class _Recoverer:
-    """This process's lost calls of sync clients, and the thread that puts them right."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._pending: list[Lost[Scripts]] = []
-        self._pid = 0
-
-    def add(self, lost: Lost[Scripts]) -> None:
-        with self._lock:
-            if self._pid != process.pid():  # none yet, or one of the parent's before a fork
-                self._pid, self._pending = process.pid(), []
-                threading.Thread(target=self._run, name="semaphore-recovery", daemon=True).start()
-            self._pending.append(lost)
-        self._wake.set()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                self._wake.clear()  # set again by a call added from here on
-                now = time.monotonic()
-                due = [lost for lost in self._pending if lost.due <= now]
-            for lost in due:
-                try:
-                    reply = lost.scripts.run(lost.call(time.monotonic()))
-                except Exception as exc:  # a redis-py error, or a client closed under us
-                    if lost.retry(exc, time.monotonic()):
-                        continue
-                else:
-                    lost.route.deliver(lost.key, lost.answered(reply), lost.scripts)
-                with self._lock:
-                    self._pending.remove(lost)
-            with self._lock:
-                wait = min((lost.due for lost in self._pending), default=math.inf)
-            self._wake.wait(None if wait == math.inf else max(0.0, wait - time.monotonic()))
+_pending: list[Lost[Scripts]] = []  # this process's lost calls of sync clients
+_added = threading.Condition()  # held over _pending; notified as a call is added
+_pid = 0  # of the process whose thread puts them right (none yet: 0)
 
 
-_RECOVERER = _Recoverer()
+def _add(lost: Lost[Scripts]) -> None:
+    global _pid
+    with _added:
+        if _pid != process.pid():  # none yet, or one of the parent's before a fork
+            _pid = process.pid()
+            _pending.clear()
+            threading.Thread(target=_recover, name="semaphore-recovery", daemon=True).start()
+        _pending.append(lost)
+        _added.notify()
+
+
+def _recover() -> None:
+    while True:
+        with _added:
+            now = time.monotonic()
+            due = [lost for lost in _pending if lost.due <= now]
+            if not due:  # until the next is due, or one is added
+                _added.wait(min((lost.due - now for lost in _pending), default=None))
+        for lost in due:
+            try:
+                reply = lost.scripts.run(lost.call(time.monotonic()))
+            except Exception as exc:  # a redis-py error, or a client closed under us
+                if lost.retry(exc, time.monotonic()):
+                    continue
+            else:
+                lost.route.deliver(lost.key, lost.answered(reply), lost.scripts)
+            with _added:
+                _pending.remove(lost)
 
 
 def idle() -> bool:
     """Whether this process has no lost call left to put right: none waiting, none being put
     right now (each one leaves the recoverer's list once it is done with); a test waits for
     this before it reads what a recovery published."""
-    with _RECOVERER._lock:
-        return not _RECOVERER._pending
+    with _added:
+        return not _pending
 
 
 def recover_later(
@@ -164,7 +157,7 @@ def recover_later(
     sent at ``sent_at`` (``time.monotonic()``) that failed with ``error``; see the module
     and :func:`lost_call`. Never raises."""
     if (lost := lost_call(scripts, keys, key, token, route, sent_at, error)) is not None:
-        _RECOVERER.add(lost)
+        _add(lost)
 
 
 class recovering:

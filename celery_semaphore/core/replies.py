@@ -127,11 +127,9 @@ class Full:
         infinity when no unit is held (a weight above a lowered live limit: no lapse frees
         room, only a release elsewhere or a raised limit, both of which wake the caller).
         Refused by a rate: until the rate allows the call."""
-        if self.start_ms:
-            return max(0.001, (self.start_ms - now_ms) / 1000)
-        if not self.first_expiry_ms:
+        if not (until_ms := self.start_ms or self.first_expiry_ms):
             return math.inf
-        return max(0.001, (self.first_expiry_ms - now_ms) / 1000)
+        return max(0.001, (until_ms - now_ms) / 1000)
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:

@@ -27,7 +27,7 @@ from redis.exceptions import NoScriptError, RedisClusterException
 
 from ..errors import SemaphoreBackendError
 from . import calls
-from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, Renewal, acquire_argv, release_argv
+from .calls import ROOM_KEYS, SCRIPT_KEYS, Call, acquire_argv, release_argv
 from .names import Keys, keys_named
 from .replies import (
     Admitted,
@@ -39,10 +39,6 @@ from .replies import (
 )
 
 T = TypeVar("T")
-
-
-def _lua(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
 
 
 _USES = re.compile(r"^--! uses: (.*)$", re.MULTILINE)
@@ -71,7 +67,8 @@ class Source:
         self.text = "\n".join(lines)
 
     def _add(self, file: str, lines: list[str], seen: set[str], extra: str = "") -> None:
-        for number, line in enumerate(_lua(file).split("\n"), 1):
+        text = resources.files(__package__).joinpath("lua", f"{file}.lua").read_text("utf-8")
+        for number, line in enumerate(text.split("\n"), 1):
             if not self._spans or self._spans[-1][1] != file:
                 self._spans.append((len(lines) + 1, file, number))
             lines.append(line)  # a "uses" line too: a comment, which keeps the count
@@ -102,15 +99,6 @@ def located(exc: redis.ResponseError, script: str) -> redis.ResponseError:
 _SOURCES = {name: Source(name) for name in SCRIPT_KEYS}
 _NAMES_KEPT = 4096
 """Semaphore keys whose encoded names a :class:`Scripts` keeps (then it starts afresh)."""
-
-
-def _ascii(text: str) -> bytes:
-    return text.encode("ascii")
-
-
-def _text(value: str | bytes) -> str:
-    """``value`` as text (a reply is bytes unless the client decodes responses)."""
-    return value.decode("ascii") if isinstance(value, bytes) else value
 
 
 class _Names:
@@ -180,7 +168,7 @@ class Scripts:
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
         self._scripts = {name: client.register_script(src.text) for name, src in _SOURCES.items()}
-        self._shas = {name: _ascii(script.sha) for name, script in self._scripts.items()}
+        self._shas = {name: script.sha.encode() for name, script in self._scripts.items()}
         self._execute: Callable[..., Any] = client.execute_command
         encoder = client.get_encoder()
         self._encoding: tuple[str, str] = (encoder.encoding, encoder.encoding_errors)
@@ -196,12 +184,6 @@ class Scripts:
             found = self._names[keys] = _Names(tuple(n.encode(*self._encoding) for n in keys))
         return found
 
-    def _evalsha(
-        self, name: str, keys: Sequence[str | bytes], args: Sequence[str | int | bytes]
-    ) -> Any:
-        """One EVALSHA of script ``name`` with ``keys`` and ``args`` (see :meth:`_send`)."""
-        return self._send(name, (len(keys), *keys, *args))
-
     def _send(self, name: str, args: tuple[str | int | bytes, ...]) -> Any:
         """``EVALSHA <sha of name> *args`` (``args`` open with the number of keys); after a
         NOSCRIPT (a restarted or failed-over server), loads the script and sends again.
@@ -213,17 +195,15 @@ class Scripts:
         try:
             try:
                 return self._execute("EVALSHA", self._shas[name], *args)
-            except NoScriptError:
-                script = self._scripts[name]
-                script.sha = _text(self.client.script_load(script.script))
-                self._shas[name] = _ascii(script.sha)
+            except NoScriptError:  # the SHA stays: the text's SHA1, computed on registering
+                self.client.script_load(self._scripts[name].script)
                 return self._execute("EVALSHA", self._shas[name], *args)
         except redis.ResponseError as exc:
             raise located(exc, name) from exc
 
     def run(self, call: Call[T]) -> T:
         """Send ``call`` (one EVALSHA round trip) and return its parsed reply."""
-        return call.parse(self._evalsha(call.script, call.keys, call.args))
+        return call.parse(self._send(call.script, (len(call.keys), *call.keys, *call.args)))
 
     def run_many(self, calls: Sequence[Call[T]]) -> list[T | Exception]:
         """Send ``calls`` in one pipelined round trip (not a transaction: each runs on its
@@ -239,9 +219,7 @@ class Scripts:
         replies = self._pipelined(calls)
         again = [n for n, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         for name in {calls[n].script for n in again}:
-            script = self._scripts[name]
-            script.sha = _text(self.client.script_load(script.script))
-            self._shas[name] = _ascii(script.sha)
+            self.client.script_load(self._scripts[name].script)
         for n, reply in zip(again, self._pipelined([calls[n] for n in again]), strict=True):
             replies[n] = reply
         return [
@@ -270,11 +248,6 @@ class Scripts:
             "acquire_rated" if rated else "acquire", self._encoded(keys).acquire + args
         )
         return parse_acquire(reply, limit, lease_ms)
-
-    def extend(self, renewals: Sequence[Renewal]) -> list[int | None]:
-        """Renew each ``(keys, token, lease_ms, weight)`` in one call (see
-        :func:`extend_call`)."""
-        return self.run(calls.extend_call(renewals))
 
     def release(
         self, keys: Keys, token: str, claim_ms: int, weight: int | None = 1,

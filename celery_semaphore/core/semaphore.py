@@ -26,7 +26,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager
 from typing import Any, Generic, TypeVar, cast
 
 from redis import Redis, RedisCluster
@@ -39,7 +38,7 @@ from .clients import RedisClient, client_of
 from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive, BackOff
 from .group import SlotGroup, group_refused, take_group
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .heartbeat import Renewer, release_later, renewer
+from .heartbeat import give_back, release_later, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
@@ -88,36 +87,32 @@ class guard(Generic[S]):
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.
     """
 
-    __slots__ = ("_beat", "_members", "interval", "later", "on_renew_error", "slot")
+    __slots__ = ("_members", "interval", "later", "on_renew_error", "slot")
 
     def __init__(
         self, slot: S, interval: float | None, on_renew_error: RenewErrorCallback | None = None,
         later: bool = False,
     ) -> None:  # fmt: skip
-        self.slot = slot
-        self.interval = interval
-        self.on_renew_error = on_renew_error
-        self.later = later
-        self._beat: Renewer | None = None
+        self.slot, self.interval, self.on_renew_error, self.later = (
+            slot, interval, on_renew_error, later
+        )  # fmt: skip
         self._members: tuple[Slot, ...] = slot.slots if isinstance(slot, SlotGroup) else (slot,)
 
     def __enter__(self) -> S:
         if self.interval is not None:
-            beat = renewer()
             for member in self._members:
-                beat.add(member, self.interval, self.on_renew_error)
-            self._beat = beat
+                renewer().add(member, self.interval, self.on_renew_error)
         return self.slot
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
         slot = self.slot
-        if self._beat is not None:
+        if self.interval is not None:
             for member in self._members:
-                self._beat.remove(member)
+                renewer().remove(member)
         slot._check_deadline()
         if self.later and not isinstance(exc, BackOff):
             for member in self._members:
-                release_later(member, member._verdict())
+                release_later(member)
         else:
             try:
                 slot.__exit__(exc_type, exc, tb)  # a release, or a back-off
@@ -279,12 +274,8 @@ class Semaphore:
                         return self._slot(keys, key, token, seconds, reply, sent_at, weight)
                     # The reply came after a whole lease (a paused server, a stalled
                     # network): the slot cannot be trusted to be ours, so give it back (one
-                    # that cannot be lapses with its lease).
-                    late = self._slot(keys, key, token, seconds, reply, sent_at, weight)
-                    try:
-                        late.release()
-                    except SemaphoreBackendError:
-                        logger.warning("could not give back a late slot of %r; it lapses", key)
+                    # that cannot be lapses with its lease; give_back logs it).
+                    give_back([self._slot(keys, key, token, seconds, reply, sent_at, weight)])
             if wait and isinstance(reply, Full):
                 slot = self._wait(plan)
                 if slot is not None:
@@ -389,7 +380,8 @@ class Semaphore:
         if slot is None:
             raise not_acquired(key, self._plan.limit_of(limit), wait,
                                paused=is_paused(self.admin, key))  # fmt: skip
-        with guard(slot, interval, on_renew_error), _interrupting(slot, interrupt):
+        interrupter = Interrupter(slot) if interrupt else contextlib.nullcontext()
+        with guard(slot, interval, on_renew_error), interrupter:
             yield slot
 
     def acquire_many(
@@ -457,7 +449,8 @@ class Semaphore:
         )
         if group is None:
             raise group_refused(keys)
-        with guard(group, interval, on_renew_error), _interrupting(group, interrupt):
+        interrupter = Interrupter(group) if interrupt else contextlib.nullcontext()
+        with guard(group, interval, on_renew_error), interrupter:
             yield group
 
     def run(
@@ -511,7 +504,3 @@ class Semaphore:
         their holders' to release, and it can be used again. ``AsyncSemaphore.aclose``'s twin."""
         if self._owns_client:
             self.client.close()
-
-
-def _interrupting(slot: Slot | SlotGroup, interrupt: bool) -> AbstractContextManager[object]:
-    return Interrupter(slot) if interrupt else contextlib.nullcontext()

@@ -20,6 +20,7 @@ from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
+from .replies import Released
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
 
 
@@ -142,20 +143,31 @@ class Slot(LeaseRecord[Scripts]):
             try:
                 if mark:
                     self._scripts.client.zadd(index, mark, xx=True, lt=True)
-                owned, handed, cooling_ms = self._scripts.release(
+                reply: Released | Exception = self._scripts.release(
                     self._keys, self._member, self._handoffs.release_claim_ms, self.weight,
                     verdict,
                 )  # fmt: skip
             except REDIS_ERRORS as exc:
-                # It may have run: its hand-off, or the slot, must not wait for a lease.
-                recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
-                              sent_at, exc)  # fmt: skip
-                raise backend_error(exc, self.key, self.limit) from exc
-            self.cooling_until = cooling_ms / 1000
-            self._released = self._given_back(owned)
-            if handed:
-                self._handoffs.deliver(self.key, handed, self._scripts)
-        return self._released
+                reply = exc
+            self._take_release(reply, sent_at)
+        return bool(self._released)
+
+    def _take_release(self, reply: Released | Exception, sent_at: float) -> None:
+        """Take in the answer to a release sent at ``sent_at`` (``time.monotonic()``):
+        released, lost if it was not ours, its hand-offs sent on. An error in its place is
+        raised; a redis-py one as :class:`SemaphoreBackendError`, once the call is handed to
+        recovery (it may have run: its hand-off, or the slot, must not wait for a lease)."""
+        if isinstance(reply, REDIS_ERRORS):
+            recover_later(self._scripts, self._keys, self.key, self._member, self._handoffs,
+                          sent_at, reply)  # fmt: skip
+            raise backend_error(reply, self.key, self.limit) from reply
+        if isinstance(reply, Exception):
+            raise reply
+        owned, handed, cooling_ms = reply
+        self.cooling_until = cooling_ms / 1000
+        self._released = self._given_back(owned)
+        if handed:
+            self._handoffs.deliver(self.key, handed, self._scripts)
 
     def __enter__(self) -> Slot:
         return self
