@@ -42,33 +42,15 @@ def semaphore_options(limit: int | Adaptive, lease: float, prefix: str) -> tuple
     return checked_limit, float(lease), checked_prefix
 
 
-class AcquireArgs(NamedTuple):
-    """An acquire's arguments, checked (see :func:`acquire_args`)."""
-
-    key: str
-    seconds: float
-    ms: int
-    attempts: int
-    delay: float
-    wait: float
-
-
-def acquire_args(
-    key: str, lease: float | None, default_lease: float, retries: int, delay: float, wait: float
-) -> AcquireArgs:
-    """The arguments of ``acquire`` checked, with the lease in seconds and ms and the number
-    of attempts.
+def _check_timing(
+    lease: float | None, default_lease: float, retries: int, delay: float, wait: float
+) -> tuple[float, int, int, float, float]:
+    """An acquire's lease (seconds and ms), attempts, retry delay and wait, checked.
 
     Raises:
         SemaphoreValidationError: an argument is invalid, or both ``retries`` and ``wait``
             are given.
     """
-    return AcquireArgs(check.check_key(key), *_timing(lease, default_lease, retries, delay, wait))
-
-
-def _check_timing(
-    lease: float | None, default_lease: float, retries: int, delay: float, wait: float
-) -> tuple[float, int, int, float, float]:
     seconds = default_lease if lease is None else lease
     ms = check.lease_ms(seconds)
     attempts = check.check_retries(retries) + 1
@@ -160,10 +142,11 @@ class Planner:
         )  # fmt: skip
         checked = self._plain.get(key) if plain else None
         if checked is None:
-            timing = acquire_args(key, lease, self.lease, retries, retry_delay, wait)
+            checked_key = check.check_key(key)
+            timing = _timing(lease, self.lease, retries, retry_delay, wait)
             limit = self.limit_of(limit)
-            checked = AcquirePlan(*timing, limit, check.check_weight(weight, limit),
-                                  self.names.keys_of(timing.key), "", ())  # fmt: skip
+            checked = AcquirePlan(checked_key, *timing, limit, check.check_weight(weight, limit),
+                                  self.names.keys_of(checked_key), "", ())  # fmt: skip
             if plain:
                 if len(self._plain) >= PLAIN_KEPT:
                     self._plain.clear()
@@ -214,14 +197,13 @@ class Planner:
         refuse_for_many(self.rates)
         specs = many_args(keys)
         names = [key for key, _, _ in specs]
-        checked = acquire_args(names[0], lease, self.lease, retries, retry_delay, 0.0)
+        seconds, ms, attempts, delay, _ = _timing(lease, self.lease, retries, retry_delay, 0.0)
         info = self.record.encode(metadata, specs[0][1], specs[0][2])
         found = self.names.keys_of_many(names)
         token = process.new_token()
         groups = [(k, limit, weight) for k, (_, limit, weight) in zip(found, specs, strict=True)]
-        return ManyPlan(specs, found, names, "+".join(names), specs[0][1], checked.seconds,
-                        checked.attempts, checked.delay, token,
-                        acquire_many_call(groups, checked.ms, token, info))  # fmt: skip
+        return ManyPlan(specs, found, names, "+".join(names), specs[0][1], seconds, attempts,
+                        delay, token, acquire_many_call(groups, ms, token, info))  # fmt: skip
 
 
 def many_args(keys: object) -> list[tuple[str, int, int]]:
