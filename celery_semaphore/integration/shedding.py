@@ -153,6 +153,11 @@ def shed(
             refusal or Refusal.FULL,
         )
     delay = max(at_least, countdown(policy, sheds, random.random()))
+    # Celery's native delayed delivery (RabbitMQ quorum queues, Celery 5.5+) delays by whole
+    # seconds and fails the run for a countdown under one: such a shed asks again at once.
+    if delay < 1 and any(q.queue_arguments and q.queue_arguments.get("x-queue-type") == "quorum"
+                         for q in task.app.amqp.queues.values()):  # fmt: skip
+        delay = 0.0
     headers.update(
         {SHEDS_HEADER: sheds + 1, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt}
     )

@@ -208,14 +208,12 @@ def claim_or_end(
         redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
         # The same message while the slot its first delivery's run took is still held: a
         # copy, if that run renews it (it ends here); a redelivery after that run was lost,
-        # if the slot lapses or is freed (a dead pool process's, say).
-        copy = bool(result.holder) and semaphore.room.outlives(key, result.holder)
-        # A run that gave its slot back stores its result a moment later: wait for it.
-        settle = 3.0 if result.holder else 0.0
+        # if the slot lapses or is freed (a dead pool process's, say). A run that gave its
+        # slot back stores its result a moment later: wait for it (3 s).
         if (
-            not copy
+            not (result.holder and semaphore.room.outlives(key, result.holder))
             and (result.again or (redelivered and not result.recorded))
-            and not has_ended(task.app, task.request.id, settle)
+            and not has_ended(task.app, task.request.id, 3.0 if result.holder else 0.0)
         ):
             return None
         logger.info(
