@@ -91,6 +91,12 @@ def matrix_app(kind: str, redis_url: str) -> Celery:
                         ("m.eager", {"on_full": "wait", "wait_timeout": 30.0})]:  # fmt: skip
         app.task(name=name, **options, **extra)(body)
 
+    @app.task(name="m.busy", shared=False)
+    def busy(cell: str, seconds: float) -> None:
+        """Keeps a pool process busy (other work, unbounded), once it says it started."""
+        recorder.rpush(f"busy:{cell}", 1)
+        time.sleep(seconds)
+
     def shed(sender: Any = None, key: str = "", **_: Any) -> None:
         recorder.rpush(f"refused:{key[2:]}", 1)  # a plain acquire refused: its run was shed
 
@@ -196,6 +202,7 @@ class Cell:
     own: Semaphore
     eager_app: Celery | None = None
     sent: int = 0
+    busy: int = 0  # the busy bodies started for it (way "backlog")
     threads: list[threading.Thread] = field(default_factory=list)
 
     @property
@@ -237,8 +244,9 @@ def launch(cell: Cell, way: str, count: int, roles: list[str] | None = None) -> 
 
     * handoff: every slot is held until the runs are parked, then freed: each run starts by
       claiming the slot a release reserved for it (for its rate instant).
-    * backlog: a burst at once, so the first slots are handed off while the rest of the
-      burst still waits in the broker ahead of the hand-offs.
+    * backlog: as handoff, but every pool process of the runs' workers is busy with other
+      work (0.25 s) when the slots are freed: the hand-offs wait behind it, in the broker or
+      the worker's prefetch, and each claim comes after its rate instant.
     * wait: ``on_full="wait"`` runs, a burst, each waiting in its worker for its turn.
     * acquire: ``on_full="retry"`` runs, a burst: each try a plain acquire, shed when the
       rate refuses it (no room ever).
@@ -255,11 +263,19 @@ def launch(cell: Cell, way: str, count: int, roles: list[str] | None = None) -> 
         return cell.now()
     assert cell.fleet is not None
     queues = [cell.fleet.queues[role] for role in roles or ["correct"]]
-    held = [cell.sem.acquire(cell.key) for _ in range(LIMIT)] if way == "handoff" else []
+    handed = way in ("handoff", "backlog")
+    held = [cell.sem.acquire(cell.key) for _ in range(LIMIT)] if handed else []
     for n in numbers:
         task.apply_async((cell.name, n), queue=queues[n % len(queues)])
     if held:
         assert wait_for(lambda: len(cell.sem.room.waiters(cell.key)) == count, timeout=30)
+        if way == "backlog":
+            for role in roles or ["correct"]:
+                queue, processes = cell.fleet.queues[role], ROLES[role][2]
+                for _ in range(processes):
+                    cell.fleet.app.tasks["m.busy"].apply_async((cell.name, 0.25), queue=queue)
+                cell.busy += processes
+            assert wait_for(lambda: cell.client.llen(f"busy:{cell.name}") >= cell.busy, 30)
         at = cell.now()
         for slot in held:
             assert slot is not None
@@ -291,7 +307,7 @@ def _paused(cell: Cell, way: str) -> None:
     waiting, nor one already handed its slot (for a rate instant) before the pause; the
     resume starts them all."""
     admin = cell.admin
-    if way == "handoff":  # handed their slots first, each for its instant, then paused
+    if way in ("handoff", "backlog"):  # handed their slots, each for its instant, then paused
         launch(cell, way, 3)
         admin.pause(cell.key)
     else:
@@ -299,7 +315,7 @@ def _paused(cell: Cell, way: str) -> None:
         launch(cell, way, 3)
     assert wait_for(_held_back(cell, way, 3), timeout=20), (cell.starts(), cell.name)
     before = cell.starts()  # only a hand-off claimed before the pause may have started
-    assert len(before) <= (1 if way == "handoff" else 0), before
+    assert len(before) <= (1 if way in ("handoff", "backlog") else 0), before
     resumed_at = cell.now()
     admin.resume(cell.key)
     runs = started(cell, 3)
