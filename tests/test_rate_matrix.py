@@ -29,7 +29,7 @@ import pytest
 import redis
 from celery import Celery
 
-from celery_semaphore import Semaphore, SemaphoreTask
+from celery_semaphore import Semaphore, SemaphoreTask, current_slot
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
 from celery_semaphore.signals import semaphore_shed
 from celery_semaphore.testing import RedisServer
@@ -68,8 +68,9 @@ def matrix_app(kind: str, redis_url: str) -> Celery:
     """The module's app on broker ``kind`` ("redis", "classic", "quorum"), its store (and
     results) on ``redis_url``, with three tasks of one rated key per cell ("m:<cell>"), one
     per way a run waits: ``m.queue`` parks, ``m.wait`` waits in its worker first, ``m.retry``
-    sheds (a plain acquire each try). Each body records its start (the store's TIME), its
-    ``n`` and its worker's name in the list "starts:<cell>"."""
+    sheds (a plain acquire each try). Each body records its start (the store's TIME), when
+    the store granted its slot (the instant the rate is judged at, free of the body's own
+    delay), its ``n`` and its worker's name in the list "starts:<cell>"."""
     conf: dict[str, Any] = {"worker_prefetch_multiplier": 1}
     if kind == "quorum":  # Celery's native delayed delivery: quorum queues, topic exchanges
         conf |= {"task_default_queue_type": "quorum", "task_default_exchange_type": "topic",
@@ -80,7 +81,10 @@ def matrix_app(kind: str, redis_url: str) -> Celery:
 
     def body(task: Any, cell: str, n: int) -> None:
         seconds, micros = recorder.time()
-        start = {"n": n, "at": seconds + micros / 1e6, "host": task.request.hostname or "eager"}
+        slot = current_slot()
+        assert slot is not None
+        start = {"n": n, "at": seconds + micros / 1e6, "granted": slot.acquired_at,
+                 "host": task.request.hostname or "eager"}  # fmt: skip
         recorder.rpush(f"starts:{cell}", json.dumps(start))
 
     options = {"base": SemaphoreTask, "semaphore": "m:{cell}", "limit": LIMIT, "bind": True,
@@ -323,22 +327,30 @@ def _paused(cell: Cell, way: str) -> None:
     assert all(r["at"] - resumed_at < 10 for r in runs), runs  # then they start, promptly
 
 
+def _gaps(runs: list[dict[str, Any]]) -> list[float]:
+    """Seconds between the grants of successive runs, by the store's clock."""
+    granted = sorted(r["granted"] for r in runs)
+    return [b - a for a, b in itertools.pairwise(granted)]
+
+
 def _live(cell: Cell, way: str) -> None:
     """A live rate spaces the next starts; once cleared, the next runs follow the code's
     rate at once, not the cleared rate's schedule."""
     cell.admin.set_rate(cell.key, LIVE_RATE)
     launch(cell, way, 3)
-    slow = [r["at"] for r in started(cell, 3)]
-    # 2/s: instants 500 ms apart, each start within half a spacing of its own (the code's
-    # 10/s would put the three within about 200 ms).
-    assert slow[-1] - slow[0] > 2 * 0.5 - 0.25 - 0.05, slow
-    assert min(b - a for a, b in itertools.pairwise(slow)) > 0.2, slow
+    slow = _gaps(started(cell, 3))
+    # 2/s: instants 500 ms apart, each run granted within half a spacing of its own, else
+    # given a later one (the code's 10/s would grant the three within about 200 ms).
+    assert sum(slow) > 2 * 0.5 - 0.25 - 0.01, slow
+    assert min(slow) > 0.25 - 0.01, slow
     cell.admin.set_rate(cell.key, None)
     at = launch(cell, way, 4)
-    fast = [r["at"] for r in started(cell, 7)][3:]
-    # Under the cleared 2/s the last of four would start 1.5 s after the first at least.
-    assert fast[-1] - at < 1.2, (at, fast)
-    assert fast[-1] - fast[0] > 3 * 0.1 - 0.05 - 0.05, fast  # still the code's 10/s
+    runs = started(cell, 7)[3:]
+    # Under the cleared 2/s the last of four would start 1.5 s after `at` at the soonest.
+    assert max(r["at"] for r in runs) - at < 1.4, (at, runs)
+    fast = _gaps(runs)
+    assert min(fast) > 0.05 - 0.01, fast  # still held to the code's 10/s
+    assert sum(fast) > 3 * 0.1 - 0.05 - 0.01, fast
 
 
 def _skewed(cell: Cell, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -351,10 +363,10 @@ def _skewed(cell: Cell, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
     at = launch(cell, way, 6, roles=list(ROLES))
     runs = started(cell, 6, timeout=25)
     monkeypatch.undo()
-    starts = [r["at"] for r in runs]
-    assert starts[-1] - at < 10, (at, runs)  # far from 30 s
-    assert starts[-1] - starts[0] > 5 * 0.1 - 0.05 - 0.05, runs
-    assert min(b - a for a, b in itertools.pairwise(starts)) > 0.03, runs
+    assert max(r["at"] for r in runs) - at < 10, (at, runs)  # far from 30 s
+    gaps = _gaps(runs)
+    assert min(gaps) > 0.05 - 0.01, gaps  # 10/s, each within half a spacing of its instant
+    assert sum(gaps) > 5 * 0.1 - 0.05 - 0.01, gaps
     if cell.fleet is not None:  # the skewed workers ran runs of their own
         assert {r["host"].split("-")[0] for r in runs} == set(ROLES), runs
     assert wait_for(lambda: cell.own.count(cell.key) == 0, timeout=10)
@@ -413,9 +425,8 @@ def test_a_worker_whose_clock_is_off_starts_rate_hand_offs_on_the_stores_time(
     cell.admin.set_rate(cell.key, "1/s")  # instants a second apart: beyond the eta threshold
     at = launch(cell, "handoff", 3, roles=[role])  # the third's hand-off carries an eta
     runs = started(cell, 3, timeout=25)
-    starts = [r["at"] for r in runs]
-    assert starts[-1] - at < 2 + 2, (at, runs)  # 2 s of spacing, not 30 s of skew
-    assert min(b - a for a, b in itertools.pairwise(starts)) > 0.5, runs
+    assert max(r["at"] for r in runs) - at < 2 + 2, (at, runs)  # 2 s of spacing, not 30 s
+    assert min(_gaps(runs)) > 0.5 - 0.01, runs
     assert {r["host"].split("-")[0] for r in runs} == {role}, runs
     assert wait_for(lambda: cell.own.count(cell.key) == 0, timeout=10)
     assert sorted(r["n"] for r in cell.starts()) == [0, 1, 2], cell.starts()
