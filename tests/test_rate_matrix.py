@@ -334,8 +334,8 @@ def _gaps(runs: list[dict[str, Any]]) -> list[float]:
 
 
 def _live(cell: Cell, way: str) -> None:
-    """A live rate spaces the next starts; once cleared, the next runs follow the code's
-    rate at once, not the cleared rate's schedule."""
+    """A live rate spaces the next starts; a slow one set during an incident and cleared at
+    once leaves the next runs to the code's rate, not to its own schedule."""
     cell.admin.set_rate(cell.key, LIVE_RATE)
     launch(cell, way, 3)
     slow = _gaps(started(cell, 3))
@@ -343,11 +343,16 @@ def _live(cell: Cell, way: str) -> None:
     # given a later one (the code's 10/s would grant the three within about 200 ms).
     assert sum(slow) > 2 * 0.5 - 0.25 - 0.01, slow
     assert min(slow) > 0.25 - 0.01, slow
-    cell.admin.set_rate(cell.key, None)
+    last = max(r["granted"] for r in cell.starts())
+    assert wait_for(lambda: cell.now() > last + 0.5 + 0.01, timeout=5)  # 2/s's next instant
+    cell.admin.set_rate(cell.key, "6/m")  # the incident: one run takes the next 10 s...
+    launch(cell, way, 1)
+    started(cell, 4)
+    cell.admin.set_rate(cell.key, None)  # ...and the operator clears it at once
     at = launch(cell, way, 4)
-    runs = started(cell, 7)[3:]
-    # Under the cleared 2/s the last of four would start 1.5 s after `at` at the soonest.
-    assert max(r["at"] for r in runs) - at < 1.4, (at, runs)
+    runs = started(cell, 8)[4:]
+    # The cleared 6/m's schedule would start the first of them 10 s after the one before.
+    assert max(r["at"] for r in runs) - at < 3, (at, runs)
     fast = _gaps(runs)
     assert min(fast) > 0.05 - 0.01, fast  # still held to the code's 10/s
     assert sum(fast) > 3 * 0.1 - 0.05 - 0.01, fast

@@ -527,3 +527,21 @@ def test_a_hand_off_due_within_a_second_reaches_a_quorum_queue(
             connection.default_channel.queue_delete(queue)
             connection.default_channel.exchange_delete(queue)
         app.close()
+
+
+def test_a_cleared_live_rate_no_longer_holds_a_plain_acquire(redis_server: RedisServer) -> None:
+    # A refused acquire takes nothing: the slow rate's TAT, scaled to the code's rate from
+    # each ask's own now and never written back, receded with every ask, and the call
+    # waited out the whole cleared schedule (10 s) instead of the code's 100 ms.
+    sem = Semaphore(redis_server.url, limit=2, rate="10/s")
+    sem.admin.set_rate("k", "6/m")
+    slot = sem.acquire("k")
+    assert slot is not None
+    slot.release()
+    sem.admin.set_rate("k", None)
+    started = time.monotonic()
+    again = sem.acquire("k", wait=15.0)
+    assert again is not None
+    assert time.monotonic() - started < 2.0
+    assert again.acquired_at - slot.acquired_at < 2.0  # by the store's clock too
+    sem.client.close()
