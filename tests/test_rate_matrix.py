@@ -6,7 +6,9 @@ with a correct clock, one whose clock is 30 s behind (prefork) and one 30 s ahea
 each consuming its own queue. The clocks are faked by :data:`SKEWED`, a wrapper that offsets
 ``time.time``, ``time.time_ns`` and ``datetime.now`` before Celery starts: what this host's
 clock answers, not Redis's, nor Celery's own code (which reads them). Bodies record their
-start by the Redis server's ``TIME``, the one clock every rule is judged by.
+start by the Redis server's ``TIME``, the one clock every rule is judged by, and the
+instant the store granted their slot. Each cell has a key of its own; eager runs have no
+broker, so they make one row of cells, run in this process.
 """
 
 from __future__ import annotations
@@ -66,11 +68,12 @@ matrix_app(sys.argv[2], sys.argv[3]).worker_main(["worker", *sys.argv[4:]])
 
 def matrix_app(kind: str, redis_url: str) -> Celery:
     """The module's app on broker ``kind`` ("redis", "classic", "quorum"), its store (and
-    results) on ``redis_url``, with three tasks of one rated key per cell ("m:<cell>"), one
-    per way a run waits: ``m.queue`` parks, ``m.wait`` waits in its worker first, ``m.retry``
-    sheds (a plain acquire each try). Each body records its start (the store's TIME), when
-    the store granted its slot (the instant the rate is judged at, free of the body's own
-    delay), its ``n`` and its worker's name in the list "starts:<cell>"."""
+    results) on ``redis_url``, with a task per way a run waits, each on one rated key per
+    cell ("m:<cell>", limit 2, 10/s): ``m.queue`` parks, ``m.wait`` waits in its worker
+    first, ``m.retry`` sheds (a plain acquire each try), ``m.eager`` waits in its caller;
+    and ``m.busy``, other work that keeps a pool process busy. Each body records its start
+    (the store's TIME), when the store granted its slot (the instant the rate is judged at,
+    free of the body's own delay), its ``n`` and its worker's name in "starts:<cell>"."""
     conf: dict[str, Any] = {"worker_prefetch_multiplier": 1}
     if kind == "quorum":  # Celery's native delayed delivery: quorum queues, topic exchanges
         conf |= {"task_default_queue_type": "quorum", "task_default_exchange_type": "topic",
