@@ -189,10 +189,10 @@ def acquire_rates(rates: Sequence[Rate], units: Mapping[str, int] | None) -> tup
     found = units_for(rates, units)
     if not rates:
         return ()
-    args: list[str | int] = [len(rates)]
-    for rate in rates:
-        args += [rate.name, f"{rate.interval_ms:.6f}", rate.burst, found[rate.name]]
-    return tuple(args)
+    return (
+        len(rates),
+        *[item for r in rates for item in (r.name, f"{r.interval_ms:.6f}", r.burst, found[r.name])],
+    )
 
 
 def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
