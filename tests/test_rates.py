@@ -545,3 +545,34 @@ def test_a_cleared_live_rate_no_longer_holds_a_plain_acquire(redis_server: Redis
     assert time.monotonic() - started < 2.0
     assert again.acquired_at - slot.acquired_at < 2.0  # by the store's clock too
     sem.client.close()
+
+
+def test_the_stores_clock_offset_is_asked_once_a_minute_and_an_outage_waits_on_nothing(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hand-offs for a rate's instant are timed by this host's offset to the store's clock
+    (a worker re-times each one it fetches): one TIME a minute, and a store out of reach
+    costs one try a minute, never one per message in the worker's main loop."""
+    from celery_semaphore.integration.waiting_room import handoffs
+
+    asked: list[bool] = []
+    real = handoffs.client_for
+
+    def client_for(app: Celery) -> redis.Redis:
+        asked.append(True)
+        return real(app)
+
+    monkeypatch.setattr(handoffs, "client_for", client_for)
+    assert abs(handoffs.store_clock_offset(app)) < 1.0  # the store runs on this host
+    assert abs(handoffs.store_clock_offset(app)) < 1.0
+    assert len(asked) == 1
+
+    def unreachable(app: Celery) -> redis.Redis:
+        asked.append(True)
+        raise redis.ConnectionError("the store is down")
+
+    monkeypatch.setattr(handoffs, "client_for", unreachable)
+    app.__dict__["_semaphore_clock"] = (-1, 2.5)  # measured in another minute: stale
+    assert handoffs.store_clock_offset(app) == 2.5  # the last offset measured
+    assert handoffs.store_clock_offset(app) == 2.5
+    assert len(asked) == 2  # one try for the minute

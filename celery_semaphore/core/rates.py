@@ -203,8 +203,6 @@ def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
         SemaphoreValidationError: a rate or a unit count is invalid.
     """
     found = units_for(rates := rates_of(spec), units)
-    if not rates:
-        return "", ""
     return (" ".join(rate.lua() for rate in rates),
             ",".join(f"{name}={u}" for name, u in found.items() if u != 1))  # fmt: skip
 

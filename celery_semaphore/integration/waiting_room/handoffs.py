@@ -128,11 +128,14 @@ def store_clock_offset(app: Celery) -> float:
     # is followed within the minute.
     minute, measured = int(time.monotonic() // 60), app.__dict__.get("_semaphore_clock")
     if measured is None or measured[0] != minute:
+        offset = measured[1] if measured else 0.0
         try:
             seconds, micros = client_for(app).time()
-        except Exception:  # the store out of reach: a hand-off is published all the same
-            return float(measured[1]) if measured else 0.0
-        measured = app.__dict__["_semaphore_clock"] = (minute, time.time() - seconds - micros / 1e6)
+            offset = time.time() - seconds - micros / 1e6
+        except Exception as exc:  # out of reach: the last offset (or none), with no new try
+            # for a minute, so neither a publish nor the worker's main loop waits on it
+            logger.debug("the store's clock is unknown for now: %r", exc)
+        measured = app.__dict__["_semaphore_clock"] = (minute, offset)
     return float(measured[1])
 
 
