@@ -68,8 +68,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--soak-seed", type=int, default=1234, help="the soak's random seed")
 
 
-HEAVY = ("test_soak.py", "test_room_faults.py", "test_model.py")
-"""The heaviest files (many worker processes, servers frozen and killed, timing windows).
+HEAVY = ("test_soak.py", "test_room_faults.py", "test_model.py", "test_rate_matrix.py")
+"""The heaviest files (many worker processes, servers frozen and killed, timing windows; the
+rate matrix's module-wide fleets, which each process would otherwise start again).
 With pytest-xdist they run first (the longest chain of work starts at once) and one after
 another in one process, never beside each other: see :func:`pytest_xdist_make_scheduler`."""
 

@@ -527,3 +527,52 @@ def test_a_hand_off_due_within_a_second_reaches_a_quorum_queue(
             connection.default_channel.queue_delete(queue)
             connection.default_channel.exchange_delete(queue)
         app.close()
+
+
+def test_a_cleared_live_rate_no_longer_holds_a_plain_acquire(redis_server: RedisServer) -> None:
+    # A refused acquire takes nothing: the slow rate's TAT, scaled to the code's rate from
+    # each ask's own now and never written back, receded with every ask, and the call
+    # waited out the whole cleared schedule (10 s) instead of the code's 100 ms.
+    sem = Semaphore(redis_server.url, limit=2, rate="10/s")
+    sem.admin.set_rate("k", "6/m")
+    slot = sem.acquire("k")
+    assert slot is not None
+    slot.release()
+    sem.admin.set_rate("k", None)
+    started = time.monotonic()
+    again = sem.acquire("k", wait=15.0)
+    assert again is not None
+    assert time.monotonic() - started < 2.0
+    assert again.acquired_at - slot.acquired_at < 2.0  # by the store's clock too
+    sem.client.close()
+
+
+def test_the_stores_clock_offset_is_asked_once_a_minute_and_an_outage_waits_on_nothing(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hand-offs for a rate's instant are timed by this host's offset to the store's clock
+    (a worker re-times each one it fetches): one TIME a minute, and a store out of reach
+    costs one try a minute, never one per message in the worker's main loop."""
+    from celery_semaphore.integration.waiting_room import handoffs
+
+    asked: list[bool] = []
+    real = handoffs.client_for
+
+    def client_for(app: Celery) -> redis.Redis:
+        asked.append(True)
+        return real(app)
+
+    monkeypatch.setattr(handoffs, "client_for", client_for)
+    assert abs(handoffs.store_clock_offset(app)) < 1.0  # the store runs on this host
+    assert abs(handoffs.store_clock_offset(app)) < 1.0
+    assert len(asked) == 1
+
+    def unreachable(app: Celery) -> redis.Redis:
+        asked.append(True)
+        raise redis.ConnectionError("the store is down")
+
+    monkeypatch.setattr(handoffs, "client_for", unreachable)
+    app.__dict__["_semaphore_clock"] = (-1, 2.5)  # measured in another minute: stale
+    assert handoffs.store_clock_offset(app) == 2.5  # the last offset measured
+    assert handoffs.store_clock_offset(app) == 2.5
+    assert len(asked) == 2  # one try for the minute

@@ -163,11 +163,8 @@ def units_for(rates: Sequence[Rate], units: Mapping[str, int] | None) -> dict[st
     unknown = sorted(set(given) - {rate.name for rate in rates})
     if unknown:
         raise SemaphoreValidationError(f"units for no rate of the key: {unknown}")
-    found = {}
-    for rate in rates:
-        value = given.get(rate.name, rate.units if not callable(rate.units) else 1)
-        found[rate.name] = check_units(rate, value)
-    return found
+    fixed = {r.name: 1 if callable(r.units) else r.units for r in rates}  # a callable's: 1
+    return {r.name: check_units(r, given.get(r.name, fixed[r.name])) for r in rates}
 
 
 def units_from(
@@ -192,10 +189,10 @@ def acquire_rates(rates: Sequence[Rate], units: Mapping[str, int] | None) -> tup
     found = units_for(rates, units)
     if not rates:
         return ()
-    args: list[str | int] = [len(rates)]
-    for rate in rates:
-        args += [rate.name, f"{rate.interval_ms:.6f}", rate.burst, found[rate.name]]
-    return tuple(args)
+    return (
+        len(rates),
+        *[item for r in rates for item in (r.name, f"{r.interval_ms:.6f}", r.burst, found[r.name])],
+    )
 
 
 def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
@@ -205,10 +202,7 @@ def rated(spec: object, units: Mapping[str, int] | None) -> tuple[str, str]:
     Raises:
         SemaphoreValidationError: a rate or a unit count is invalid.
     """
-    rates = rates_of(spec)
-    found = units_for(rates, units)
-    if not rates:
-        return "", ""
+    found = units_for(rates := rates_of(spec), units)
     return (" ".join(rate.lua() for rate in rates),
             ",".join(f"{name}={u}" for name, u in found.items() if u != 1))  # fmt: skip
 

@@ -180,6 +180,11 @@ def shed(
     if delay > policy.shed_max_countdown:  # a cool-down: waited out in pieces (see above)
         headers[COOL_DOWN_HEADER] = time.time() + delay
         delay = policy.shed_max_countdown
+    # Celery's native delayed delivery (RabbitMQ quorum queues, Celery 5.5+) delays by whole
+    # seconds and fails the run for a countdown under one: such a shed asks again at once.
+    if delay < 1 and any(q.queue_arguments and q.queue_arguments.get("x-queue-type") == "quorum"
+                         for q in task.app.amqp.queues.values()):  # fmt: skip
+        delay = 0.0
     sheds += cooling <= 0  # a piece of a cool-down is not a shed of its own
     headers.update({SHEDS_HEADER: sheds, FIRST_SHED_HEADER: first, SHED_ATTEMPT_HEADER: attempt})
     # RETRY, stored before the message is published again (see above for why before),

@@ -18,7 +18,8 @@
 -- burst, ...), each with its live override and TAT read in one HMGET:
 -- {{name, interval, burst, tat}, ...}. A TAT is kept with the interval it was reckoned
 -- under ("<tat> <interval_ms>"): under another interval now (an operator set or cleared a
--- live rate, or a deploy changed the code's), what it is ahead of now is scaled to it, so
+-- live rate, or a deploy changed the code's), what it is ahead of now is scaled to it (and
+-- written back so), so
 -- the runs already counted weigh as many units under the new rate, and a slow rate just
 -- cleared no longer spaces the next starts (a TAT with no interval is taken as it is).
 local function rates_read(limits, list, first, count, stride, now)
@@ -42,6 +43,10 @@ local function rates_read(limits, list, first, count, stride, now)
     tat, under = tonumber(tat) or 0, tonumber(under)
     if under and under ~= interval and tat > now then
       tat = now + (tat - now) * interval / under
+      -- Kept as scaled: a call the rate refuses takes nothing, and would otherwise ask
+      -- again against the old TAT scaled anew from its later now, an instant that recedes
+      -- with each ask until the old TAT itself has passed (a plain acquire, a shed run).
+      redis.call('HSET', limits, 'tat:' .. list[at], string.format('%.3f %s', tat, interval))
     end
     rates[#rates + 1] = {list[at], interval, burst, tat}
   end

@@ -22,13 +22,14 @@ from typing import Any
 
 from celery import Celery, Task
 from celery.exceptions import Ignore
+from celery.signals import task_received
 
 from ...core.group import SlotGroup
 from ...core.handoff import Publisher
 from ...core.replies import Handoff, NotWaiting, Parked
 from ...core.semaphore import Semaphore
 from ...core.slot import Slot
-from ..settings import app_settings, forget
+from ..settings import app_settings, client_for, forget
 from ..shedding import GIVE_UP_HEADER, HANDOFF_HEADER, HANDOFF_ID_HEADER, HANDOFF_QUEUE_HEADER
 from ..signals import task_label
 from ..stats import bump
@@ -36,6 +37,8 @@ from .parking import INCARNATION_HEADER, has_ended, message_of, stamp_of
 from .queues import handoff_queue
 
 logger = logging.getLogger(__name__)
+
+DUE_HEADER = "semaphore_due_ms"  # an eta'd hand-off's instant, epoch ms, store's clock
 
 _PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
 """The AsyncResults of this process's latest hand-off publishes (see :func:`publisher_for`)."""
@@ -93,12 +96,14 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
             # A start rate's instant: the worker holds the run until then. One less than a
             # second away goes without an eta: native delayed delivery (quorum queues) turns
             # an eta into whole seconds and refuses 0, and the claim waits for the instant
-            # by the store's clock all the same.
-            if handoff.start_ms > time.time() * 1000 + 1000:
+            # by the store's clock all the same. The eta is the instant on this host's clock
+            # (Celery turns it into a broker delay with this clock); the worker that fetches
+            # it holds it by its own, corrected from the header (see _on_the_stores_clock).
+            due = handoff.start_ms / 1000 + store_clock_offset(app)
+            if due > time.time() + 1:
+                headers[DUE_HEADER] = handoff.start_ms
                 signature.options.pop("countdown", None)
-                signature.options["eta"] = datetime.fromtimestamp(
-                    handoff.start_ms / 1000, timezone.utc
-                )
+                signature.options["eta"] = datetime.fromtimestamp(due, timezone.utc)
             lane = headers.get(HANDOFF_QUEUE_HEADER)
             if handoff_queues and isinstance(lane, str):
                 signature.options["queue"] = handoff_queue(app, lane)
@@ -115,6 +120,37 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
             )
 
     return publish
+
+
+def store_clock_offset(app: Celery) -> float:
+    # How many seconds this host's clock is ahead of the app's store's (behind: below 0),
+    # measured by one TIME at most once a minute per process: a clock stepped by NTP since
+    # is followed within the minute.
+    minute, measured = int(time.monotonic() // 60), app.__dict__.get("_semaphore_clock")
+    if measured is None or measured[0] != minute:
+        offset = measured[1] if measured else 0.0
+        try:
+            seconds, micros = client_for(app).time()
+            offset = time.time() - seconds - micros / 1e6
+        except Exception as exc:  # out of reach: the last offset (or none), with no new try
+            # for a minute, so neither a publish nor the worker's main loop waits on it
+            logger.debug("the store's clock is unknown for now: %r", exc)
+        measured = app.__dict__["_semaphore_clock"] = (minute, offset)
+    return float(measured[1])
+
+
+@task_received.connect  # type: ignore[untyped-decorator]
+def _on_the_stores_clock(request: Any, **_: Any) -> None:
+    # Celery holds a message with an eta until then by the clock of the worker that fetched
+    # it, so a publisher or a worker whose clock is off would start a hand-off early (its
+    # claim then waits, holding a pool process) or late by as much. Sent before Celery reads
+    # the eta: it becomes the instant by the store's clock, on this host's (an error here is
+    # logged by Celery's signal, and the eta stays as published).
+    due = request.request_dict.get(DUE_HEADER)
+    if due is not None and request.eta is not None:
+        request._eta = datetime.fromtimestamp(
+            due / 1000 + store_clock_offset(request.task.app), timezone.utc
+        )
 
 
 def claim_or_end(
@@ -178,14 +214,12 @@ def claim_or_end(
         redelivered = bool((task.request.delivery_info or {}).get("redelivered"))
         # The same message while the slot its first delivery's run took is still held: a
         # copy, if that run renews it (it ends here); a redelivery after that run was lost,
-        # if the slot lapses or is freed (a dead pool process's, say).
-        copy = bool(result.holder) and semaphore.room.outlives(key, result.holder)
-        # A run that gave its slot back stores its result a moment later: wait for it.
-        settle = 3.0 if result.holder else 0.0
+        # if the slot lapses or is freed (a dead pool process's, say). A run that gave its
+        # slot back stores its result a moment later: wait for it (3 s).
         if (
-            not copy
+            not (result.holder and semaphore.room.outlives(key, result.holder))
             and (result.again or (redelivered and not result.recorded))
-            and not has_ended(task.app, task.request.id, settle)
+            and not has_ended(task.app, task.request.id, 3.0 if result.holder else 0.0)
         ):
             return None
         logger.info(
