@@ -576,3 +576,29 @@ def test_the_stores_clock_offset_is_asked_once_a_minute_and_an_outage_waits_on_n
     assert handoffs.store_clock_offset(app) == 2.5  # the last offset measured
     assert handoffs.store_clock_offset(app) == 2.5
     assert len(asked) == 2  # one try for the minute
+
+
+def test_a_retry_from_a_rate_hand_off_keeps_its_own_countdown(app: Celery) -> None:
+    """Proves: a run that came as a rate hand-off held for its instant (a message with the
+    store's instant in a header, re-timed by the worker that fetches it) and then retries
+    with ``countdown=8`` waits its 8 s: Celery's ``retry()`` copies the message's headers,
+    and the copied instant, long past, must not re-time the retry's own eta. (Before: the
+    retry ran at once, held only by the rate, about 3 s after the hand-off.)"""
+    starts: list[tuple[int, int, float]] = []
+
+    @app.task(base=SemaphoreTask, semaphore="due-retry", limit=1, rate="20/m", bind=True,
+              on_full="queue", shared=False, name="csem.due_retry")  # fmt: skip
+    def due_retry(self: Any, n: int) -> int:
+        starts.append((n, self.request.retries, time.time()))
+        if n == 1 and not self.request.retries:
+            raise self.retry(countdown=8)
+        return n
+
+    with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        first = due_retry.delay(0)
+        assert first.get(timeout=30) == 0
+        handed = due_retry.delay(1)  # parks: the rate's next instant is 3 s after the first
+        assert handed.get(timeout=60) == 1
+    (_, _, handed_at), (_, retries, retried_at) = [s for s in starts if s[0] == 1]
+    assert retries == 1
+    assert retried_at - handed_at >= 6.0, starts

@@ -38,7 +38,10 @@ from .queues import handoff_queue
 
 logger = logging.getLogger(__name__)
 
-DUE_HEADER = "semaphore_due_ms"  # an eta'd hand-off's instant, epoch ms, store's clock
+DUE_HEADER = "semaphore_due_ms"
+"""An eta'd hand-off's instant (epoch ms, the store's clock) and the eta it was published
+with (epoch ms, the publisher's), as ``"<instant> <eta>"``: only that eta is re-timed, not
+the eta of a message that copied the header (a ``retry()`` from the run's body)."""
 
 _PUBLISHED: collections.deque[Any] = collections.deque(maxlen=4096)
 """The AsyncResults of this process's latest hand-off publishes (see :func:`publisher_for`)."""
@@ -101,7 +104,7 @@ def publisher_for(app: Celery, handoff_queues: bool = True) -> Publisher:
             # it holds it by its own, corrected from the header (see _on_the_stores_clock).
             due = handoff.start_ms / 1000 + store_clock_offset(app)
             if due > time.time() + 1:
-                headers[DUE_HEADER] = handoff.start_ms
+                headers[DUE_HEADER] = f"{handoff.start_ms} {round(due * 1000)}"
                 signature.options.pop("countdown", None)
                 signature.options["eta"] = datetime.fromtimestamp(due, timezone.utc)
             lane = headers.get(HANDOFF_QUEUE_HEADER)
@@ -145,11 +148,12 @@ def _on_the_stores_clock(request: Any, **_: Any) -> None:
     # it, so a publisher or a worker whose clock is off would start a hand-off early (its
     # claim then waits, holding a pool process) or late by as much. Sent before Celery reads
     # the eta: it becomes the instant by the store's clock, on this host's (an error here is
-    # logged by Celery's signal, and the eta stays as published).
-    due = request.request_dict.get(DUE_HEADER)
-    if due is not None and request.eta is not None:
+    # logged by Celery's signal, and the eta stays as published). A message that copied
+    # the header (a retry() from the body) has an eta of its own: it is left alone.
+    instant, _space, eta = str(request.request_dict.get(DUE_HEADER, "")).partition(" ")
+    if eta and request.eta is not None and abs(request.eta.timestamp() * 1000 - int(eta)) < 1:
         request._eta = datetime.fromtimestamp(
-            due / 1000 + store_clock_offset(request.task.app), timezone.utc
+            int(instant) / 1000 + store_clock_offset(request.task.app), timezone.utc
         )
 
 
