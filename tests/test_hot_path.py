@@ -13,7 +13,7 @@ import redis
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.core.lazy_event import LazyEvent
-from celery_semaphore.core.options import acquire_args
+from celery_semaphore.core.options import _timing
 from celery_semaphore.core.process import new_token, pid
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.testing import RedisServer
@@ -75,12 +75,13 @@ def test_a_lazy_event_wakes_every_waiter() -> None:
 def test_memoised_acquire_checks_still_refuse_a_bool(
     retries: object, delay: object, wait: object
 ) -> None:
-    assert acquire_args("k", None, 60.0, 1, 0.1, 0.0).attempts == 2  # 1, 0.1 and 0.0 cached
-    assert acquire_args("k", None, 60.0, 0, 0.1, 0.0).attempts == 1
+    # (lease seconds, lease ms, attempts, delay, wait)
+    assert _timing(None, 60.0, 1, 0.1, 0.0)[2] == 2  # 1, 0.1 and 0.0 cached
+    assert _timing(None, 60.0, 0, 0.1, 0.0)[2] == 1
     with pytest.raises(SemaphoreValidationError):
-        acquire_args("k", None, 60.0, retries, delay, wait)  # type: ignore[arg-type]
+        _timing(None, 60.0, retries, delay, wait)
     with pytest.raises(SemaphoreValidationError):
-        acquire_args("k", [1.0], 60.0, 0, 0.1, 0.0)  # type: ignore[arg-type]
+        _timing([1.0], 60.0, 0, 0.1, 0.0)
 
 
 def test_a_slot_due_before_the_renewers_plan_wakes_it(redis_server: RedisServer) -> None:
