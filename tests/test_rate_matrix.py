@@ -74,7 +74,12 @@ def matrix_app(kind: str, redis_url: str) -> Celery:
     and ``m.busy``, other work that keeps a pool process busy. Each body records its start
     (the store's TIME), when the store granted its slot (the instant the rate is judged at,
     free of the body's own delay), its ``n`` and its worker's name in "starts:<cell>"."""
-    conf: dict[str, Any] = {"worker_prefetch_multiplier": 1}
+    # A default queue (and exchange) of the module's own: RabbitMQ keeps what is declared,
+    # and a "celery" exchange left declared as a topic one refuses every other test's.
+    conf: dict[str, Any] = {
+        "worker_prefetch_multiplier": 1,
+        "task_default_queue": f"m-{kind}-default-{uuid.uuid4().hex[:8]}",
+    }
     if kind == "quorum":  # Celery's native delayed delivery: quorum queues, topic exchanges
         conf |= {"task_default_queue_type": "quorum", "task_default_exchange_type": "topic",
                  "task_create_missing_queue_type": "quorum",
@@ -188,7 +193,7 @@ def _stop(fleets: list[Fleet]) -> None:
     for fleet in fleets:
         if fleet.kind != "redis":
             with fleet.app.connection_for_write() as connection:
-                for queue in fleet.queues.values():
+                for queue in [*fleet.queues.values(), fleet.app.conf.task_default_queue]:
                     for name in (queue, f"{queue}.semaphore-handoffs"):
                         connection.default_channel.queue_delete(name)
                     connection.default_channel.exchange_delete(queue)
