@@ -179,7 +179,7 @@ def test_a_pool_process_that_ends_after_its_run_sends_its_release_first(
         assert wait_for(lambda: sem.count("paused-release") == 0, timeout=15)  # its slot too
 
 
-def test_a_pool_process_sends_its_release_inline_and_one_killed_first_leaves_it_to_its_lease(
+def test_a_pool_process_sends_its_release_inline_and_one_killed_first_has_it_freed(
     redis_server: RedisServer, store: RedisServer, tmp_path: Path
 ) -> None:
     with _worker(redis_server, store, tmp_path) as (app, _):
@@ -190,8 +190,9 @@ def test_a_pool_process_sends_its_release_inline_and_one_killed_first_leaves_it_
         time.sleep(1.0)  # the body has ended; its release waits on the paused store
         os.kill(pid, signal.SIGKILL)  # the same pool process (-c 1)
         store.client().execute_command("CLIENT", "UNPAUSE")
-        [holder] = sem.admin.holders("paused-release")
-        assert holder.metadata["pid"] == pid  # left to its 60 s lease, as before
+        # Killed mid-run (its release is part of it now): the worker frees the slot of a run
+        # lost so (WorkerLostError), well within the 60 s lease it was left to before.
+        assert wait_for(lambda: sem.count("paused-release") == 0, timeout=30)
 
 
 def test_a_worker_shut_down_warm_right_after_a_run_sends_its_release_first(
