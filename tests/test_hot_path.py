@@ -13,7 +13,6 @@ import redis
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.core.lazy_event import LazyEvent
-from celery_semaphore.core.options import _timing
 from celery_semaphore.core.process import new_token, pid
 from celery_semaphore.core.replies import Parked
 from celery_semaphore.testing import RedisServer
@@ -73,15 +72,15 @@ def test_a_lazy_event_wakes_every_waiter() -> None:
     ("retries", "delay", "wait"), [(True, 0.1, 0.0), (0, True, 0.0), (0, 0.1, False)]
 )
 def test_memoised_acquire_checks_still_refuse_a_bool(
-    retries: object, delay: object, wait: object
+    redis_server: RedisServer, retries: object, delay: object, wait: object
 ) -> None:
-    # (lease seconds, lease ms, attempts, delay, wait)
-    assert _timing(None, 60.0, 1, 0.1, 0.0)[2] == 2  # 1, 0.1 and 0.0 cached
-    assert _timing(None, 60.0, 0, 0.1, 0.0)[2] == 1
+    sem = Semaphore(redis_server.url, limit=5)
+    for _ in range(2):  # 1, 0.1 and 0.0 memoised by the first
+        slot = sem.acquire("k", retries=1, retry_delay=0.1, wait=0.0)
+        assert slot is not None
+        slot.release()
     with pytest.raises(SemaphoreValidationError):
-        _timing(None, 60.0, retries, delay, wait)
-    with pytest.raises(SemaphoreValidationError):
-        _timing([1.0], 60.0, 0, 0.1, 0.0)
+        sem.acquire("k", retries=retries, retry_delay=delay, wait=wait)  # type: ignore[arg-type]
 
 
 def test_a_slot_due_before_the_renewers_plan_wakes_it(redis_server: RedisServer) -> None:

@@ -21,7 +21,8 @@ the sender thread.
 
 The module also keeps the process's release thread (:func:`release_later`): a Celery run
 hands its slot's release to it and goes on, and it sends the release at once; releases
-handed off while its round trip is out go together in the next one, one per client.
+handed off while its round trip is out go together in the next one, one per client. A
+process that runs one task at a time (:data:`INLINE`) sends them itself instead.
 """
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ def _send_releases(jobs: queue.SimpleQueue[Slot | threading.Event]) -> None:
 
 
 _releases: tuple[int, queue.SimpleQueue[Slot | threading.Event]] | None = None
+# Whether release_later gives the slot back in the caller's thread: set in a Celery prefork
+# pool process, which runs one task at a time and has nothing to do while the release is out;
+# there the hand-off to the thread (its wake-up, the GIL passed back and forth) costs more CPU
+# than the wait it saves (see the performance page).
+INLINE = False
 
 
 def release_later(slot: Slot) -> None:
@@ -218,7 +224,11 @@ def release_later(slot: Slot) -> None:
     :func:`give_back`); the caller does not wait. A failure is logged, and a lost reply put
     right, as for :meth:`Slot.release`; a release that finds the slot gone marks it lost
     then. What is still queued as the interpreter ends is sent first (an ``atexit`` hook); a
-    Celery pool process, which ends without that, calls :func:`flush_releases`."""
+    Celery pool process, which ends without that, calls :func:`flush_releases`. With
+    :data:`INLINE` set, the same is done before this returns."""
+    if INLINE:
+        give_back([slot])
+        return
     global _releases
     with _renewer_lock:
         if _releases is None or _releases[0] != process.pid():  # a forked child's is new

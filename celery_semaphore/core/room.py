@@ -182,7 +182,9 @@ class WaitingRoom:
         check_waiter(waiter, b"" if make is not None else payload)
         if tenant != "":
             check.check_key(tenant, "tenant")
-        ahead_ms, (rates_arg, units_arg) = check.head_start_ms(head_start), rated(rates, units)
+        # No rate and no units (most runs): nothing to check or encode again, per run.
+        ahead_ms, (rates_arg, units_arg) = check.head_start_ms(head_start), (
+            rated(rates, units) if units or rates not in (None, ()) else ("", ""))  # fmt: skip
         deadline_at = deadline_ms(deadline, budget)
         ask = self._ask(key, limit, weight, lease, metadata, room_ttl, arrival, max_queued, waited)
         with self._round_trip(ask) as record:
@@ -200,8 +202,9 @@ class WaitingRoom:
                           rates_arg, units_arg)  # fmt: skip
             sent_at = time.monotonic()
             result, handed = self._scripts.run(
-                park_call(*ask.slot, waiter, payload, self._settings(ask), place)
-            )
+                park_call(*ask.slot, waiter, payload, room_settings(
+                    self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms), place)
+            )  # fmt: skip
             record(1, OUTCOMES[type(result)])
         self._after(ask, result, handed, deadline_at)
         return self._slot(ask, result, sent_at) if isinstance(result, Admitted) else result
@@ -239,7 +242,8 @@ class WaitingRoom:
         check_delivery(delivery)
         check_waiter(waiter, b"")
         ask = self._ask(key, limit, weight, lease, metadata, room_ttl)
-        call = claim_call(*ask.slot, waiter, delivery, self._settings(ask))
+        call = claim_call(*ask.slot, waiter, delivery, room_settings(
+            self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms))  # fmt: skip
         while True:
             with self._round_trip(ask) as record:
                 sent_at = time.monotonic()
@@ -265,11 +269,8 @@ class WaitingRoom:
         weight = check.check_weight(weight, limit)
         # The holder's record rides in its member (see process.member_of), not in a hash.
         token = member_of(self._record.encode(metadata, limit, weight))
-        slot = (self.names.keys_of(key), limit, ms, token, weight)
-        return _Ask(key, slot, seconds, arrival_ms, max_queued, ttl_ms)
-
-    def _settings(self, ask: _Ask) -> str:
-        return room_settings(self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms)
+        return _Ask(key, (self.names.keys_of(key), limit, ms, token, weight), seconds,
+                    arrival_ms, max_queued, ttl_ms)  # fmt: skip
 
     @contextlib.contextmanager
     def _round_trip(self, ask: _Ask) -> Iterator[Record]:

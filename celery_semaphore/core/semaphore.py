@@ -79,9 +79,10 @@ class guard(Generic[S]):
         on_renew_error: see :meth:`Semaphore.hold`.
         later (bool): hand the release to the process's release thread
             (:func:`~celery_semaphore.core.heartbeat.release_later`) and leave the block at
-            once: the Celery glue's run path. Its answer then comes after the block, so a slot
-            only the release finds gone is marked lost then, not raised here (the deadline
-            still is). A back-off is sent before the block is left, as ever.
+            once: the Celery glue's run path (a prefork pool process sends it inline, before
+            the block is left: ``heartbeat.INLINE``). A slot only the release finds gone is
+            marked lost then, not raised here (the deadline still is). A back-off is sent
+            before the block is left, as ever.
 
     Raises:
         SemaphoreLeaseLostError: the block ended normally but the slot was lost meanwhile.

@@ -249,7 +249,6 @@ def park_or_take(
     key, limit, weight, many = ask.key, ask.limit, ask.weight, ask.many
     request = task.request
     attempt = request.retries or 0
-    marks = request.headers or {}
     # A retry the task asked for itself carries the headers on: it is a new arrival.
     arrival = first_asked(request) or (time.time() if asked is None else asked)
     made: list[bytes] = []
@@ -294,7 +293,7 @@ def park_or_take(
             weight=weight, tenant=ask.tenant, head_start=ask.head_start, rates=policy.rates,
             units=ask.units, **options,
         )  # fmt: skip
-    if not isinstance(result, Parked) and (made or HANDOFF_HEADER in marks):
+    if not isinstance(result, Parked) and (made or HANDOFF_HEADER in (request.headers or {})):
         forget(task.app, task.request.id)  # journaled to park, or parked before: not waiting
     if isinstance(result, (Slot, SlotGroup)):
         return result
