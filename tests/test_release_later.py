@@ -57,29 +57,34 @@ def test_an_interpreter_that_ends_sends_the_releases_it_queued(redis_server: Red
     assert Semaphore(redis_server.url, limit=1).count("exit") == 0
 
 
+@pytest.fixture
+def lost_replies(own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A client of the test's own server whose replies a pause of the server loses (a 1 s
+    socket timeout: long enough for a loaded machine's replies, short for the test), with
+    the recoverer trying again within 0.1 s; the server resumed after the test."""
+    monkeypatch.setattr(recovery, "FIRST_TRY", 0.05)
+    monkeypatch.setattr(recovery, "MAX_BACKOFF", 0.1)
+    client = own_redis.client(socket_timeout=1.0)
+    yield client
+    own_redis.resume()
+    client.close()
+
+
 def test_a_lost_release_reply_is_put_right_and_its_handoff_published(
-    own_redis: RedisServer, published: Published
+    own_redis: RedisServer, published: Published, lost_replies: Any
 ) -> None:
-    recovery_times = recovery.FIRST_TRY, recovery.MAX_BACKOFF
-    recovery.FIRST_TRY, recovery.MAX_BACKOFF = 0.05, 0.1
-    client = own_redis.client(socket_timeout=0.3)
-    sem = Semaphore(client, limit=1, lease=60.0, on_handoff=published, handoff_grace=0)
-    try:
-        slot = sem.acquire("k")
-        assert slot is not None
-        sem.room.park("k", "w1", b"payload")
-        own_redis.pause()  # the release runs when the store wakes; its reply is lost
-        with guard(slot, None, later=True):
-            pass
-        heartbeat.flush_releases()  # waits for the release thread: the reply timed out
-        assert not slot.released
-        own_redis.resume()
-        assert wait_for(lambda: published.waiters, timeout=30)  # put right, and published
-        assert published.waiters == ["w1"]
-    finally:
-        own_redis.resume()
-        recovery.FIRST_TRY, recovery.MAX_BACKOFF = recovery_times
-        client.close()
+    sem = Semaphore(lost_replies, limit=1, lease=60.0, on_handoff=published, handoff_grace=0)
+    slot = sem.acquire("k")
+    assert slot is not None
+    sem.room.park("k", "w1", b"payload")
+    own_redis.pause()  # the release runs when the store wakes; its reply is lost
+    with guard(slot, None, later=True):
+        pass
+    heartbeat.flush_releases()  # waits for the release thread: the reply timed out
+    assert not slot.released
+    own_redis.resume()
+    assert wait_for(lambda: published.waiters, timeout=30)  # put right, and published
+    assert published.waiters == ["w1"]
 
 
 def _counting_pipelines(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -124,29 +129,21 @@ def test_releases_handed_off_while_one_is_out_go_together_in_the_next_round_trip
 
 
 def test_a_lost_reply_to_releases_sent_together_puts_each_right(
-    own_redis: RedisServer, published: Published
+    own_redis: RedisServer, published: Published, lost_replies: Any
 ) -> None:
-    recovery_times = recovery.FIRST_TRY, recovery.MAX_BACKOFF
-    recovery.FIRST_TRY, recovery.MAX_BACKOFF = 0.05, 0.1
-    client = own_redis.client(socket_timeout=0.3)
-    sem = Semaphore(client, limit=2, lease=60.0, on_handoff=published, handoff_grace=0)
-    try:
-        slots = [sem.acquire("k"), sem.acquire("k")]
-        sem.room.park("k", "w1", b"payload")
-        sem.room.park("k", "w2", b"payload")
-        own_redis.pause()  # the releases run when the store wakes; their reply is lost
-        heartbeat.give_back([slot for slot in slots if slot is not None])
-        assert not any(slot is not None and slot.released for slot in slots)
-        own_redis.resume()
-        # Each is put right and its hand-off published (a duplicate copy ends quietly).
-        assert wait_for(lambda: set(published.waiters) == {"w1", "w2"}, timeout=30)
-        assert wait_for(recovery.idle, timeout=10)
-        holders = {holder.token for holder in sem.admin.holders("k")}  # the reservations
-        assert not holders & {slot.token for slot in slots if slot is not None}
-    finally:
-        own_redis.resume()
-        recovery.FIRST_TRY, recovery.MAX_BACKOFF = recovery_times
-        client.close()
+    sem = Semaphore(lost_replies, limit=2, lease=60.0, on_handoff=published, handoff_grace=0)
+    slots = [sem.acquire("k"), sem.acquire("k")]
+    sem.room.park("k", "w1", b"payload")
+    sem.room.park("k", "w2", b"payload")
+    own_redis.pause()  # the releases run when the store wakes; their reply is lost
+    heartbeat.give_back([slot for slot in slots if slot is not None])
+    assert not any(slot is not None and slot.released for slot in slots)
+    own_redis.resume()
+    # Each is put right and its hand-off published (a duplicate copy ends quietly).
+    assert wait_for(lambda: set(published.waiters) == {"w1", "w2"}, timeout=30)
+    assert wait_for(recovery.idle, timeout=10)
+    holders = {holder.token for holder in sem.admin.holders("k")}  # the reservations
+    assert not holders & {slot.token for slot in slots if slot is not None}
 
 
 @pytest.fixture
