@@ -9,6 +9,7 @@ for 2 s (``_holder``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -27,7 +28,7 @@ from celery.exceptions import TaskRevokedError
 from celery.exceptions import TimeoutError as CeleryTimeoutError
 from celery.signals import task_postrun
 
-from celery_semaphore import Semaphore
+from celery_semaphore import Semaphore, Slot
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.waiting_room import incarnation
 from celery_semaphore.integration.waiting_room.handoffs import publisher_for
@@ -332,6 +333,23 @@ def test_a_handed_off_run_whose_pool_process_is_killed(
 # -- the store restarts with the room in it ------------------------------------------------
 
 
+@contextlib.contextmanager
+def _three_parked(
+    redis_server: RedisServer, store: RedisServer
+) -> Iterator[tuple[Semaphore, Slot, list[Any]]]:
+    """Three runs (0, 1, 2) parked in ``KEY``'s room on ``store`` behind a slot held from
+    this process, a threads worker of 2 running: the semaphore, the held slot, the runs."""
+    app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url))
+    sem = _holder(app)
+    held = sem.acquire(KEY)
+    assert held is not None
+    try:
+        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+            yield sem, held, _park(app, sem, (0,), (1,), (2,))
+    finally:
+        app.close()
+
+
 @pytest.mark.parametrize("persistence", ["appendonly", "snapshot"])
 def test_a_room_survives_a_restart_of_a_persistent_store_and_drains(
     persistence: str, redis_server: RedisServer, client: redis.Redis
@@ -341,25 +359,17 @@ def test_a_room_survives_a_restart_of_a_persistent_store_and_drains(
     the same order afterwards, the holder's slot is still its own, and its release starts
     the room draining; each parked run then runs exactly once, one at a time."""
     args = ("--appendonly", "yes") if persistence == "appendonly" else ()
-    with RedisServer(extra_args=args) as store:
-        app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url))
-        sem = _holder(app)
-        held = sem.acquire(KEY)
-        assert held is not None
-        try:
-            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-                parked = _park(app, sem, (0,), (1,), (2,))
-                if persistence == "snapshot":
-                    admin = store.client()
-                    assert admin.save()
-                    admin.close()
-                store.restart()
-                assert _room(sem) == [r.id for r in parked]
-                assert held.release()  # still its slot: the restart did not take it away
-                assert [r.get(timeout=60) for r in parked] == [0, 1, 2]
-                assert wait_for(lambda: _drained(sem), timeout=30)
-        finally:
-            app.close()
+    with RedisServer(extra_args=args) as store, _three_parked(redis_server, store) as found:
+        sem, held, parked = found
+        if persistence == "snapshot":
+            admin = store.client()
+            assert admin.save()
+            admin.close()
+        store.restart()
+        assert _room(sem) == [r.id for r in parked]
+        assert held.release()  # still its slot: the restart did not take it away
+        assert [r.get(timeout=60) for r in parked] == [0, 1, 2]
+        assert wait_for(lambda: _drained(sem), timeout=30)
     _check(client, *(r.id for r in parked))
     assert _started(client) == [0, 1, 2]
 
@@ -373,32 +383,24 @@ def test_a_store_restored_from_an_older_snapshot_runs_no_served_run_again(
     store, finds its result stored, gives the slot on and ends, said in a WARNING line; and
     the room drains. (Before, the three bodies ran again, said at INFO at most.)"""
     caplog.set_level(logging.INFO, logger="celery_semaphore")
-    with RedisServer() as store:
-        app = add_room_fault_tasks(make_app(redis_server.url, semaphore_url=store.url))
-        sem = _holder(app)
-        held = sem.acquire(KEY)
-        assert held is not None
-        try:
-            with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
-                parked = _park(app, sem, (0,), (1,), (2,))
-                assert store.client().save()  # the snapshot: three runs parked, the slot held
-                assert held.release()
-                assert [r.get(timeout=60) for r in parked] == [0, 1, 2]
-                store.stop(kill=True)
-                store.start()
-                assert _room(sem) == [r.id for r in parked]
-                # A worker's keeper sees the restart (a new marker) within its interval.
-                marker = lambda: store.client().get("semaphore:incarnation") or b""  # noqa: E731
-                before = marker()
-                assert wait_for(lambda: marker() != before, timeout=30)
-                # A process trusts the marker it read for a second (a documented window):
-                # this worker's last claim before the restart may have read it just now.
-                incarnation._cached.clear()
-                assert sem.admin.force_release_all(KEY) == 1  # the snapshot's holder
-                assert wait_for(lambda: len(_ran_before(caplog)) == 3 and _drained(sem), 60), (
-                    _ran_before(caplog), _room(sem), sem.count(KEY))  # fmt: skip
-        finally:
-            app.close()
+    with RedisServer() as store, _three_parked(redis_server, store) as found:
+        sem, held, parked = found
+        assert store.client().save()  # the snapshot: three runs parked, the slot held
+        assert held.release()
+        assert [r.get(timeout=60) for r in parked] == [0, 1, 2]
+        store.stop(kill=True)
+        store.start()
+        assert _room(sem) == [r.id for r in parked]
+        # A worker's keeper sees the restart (a new marker) within its interval.
+        marker = lambda: store.client().get("semaphore:incarnation") or b""  # noqa: E731
+        before = marker()
+        assert wait_for(lambda: marker() != before, timeout=30)
+        # A process trusts the marker it read for a second (a documented window): this
+        # worker's last claim before the restart may have read it just now.
+        incarnation._cached.clear()
+        assert sem.admin.force_release_all(KEY) == 1  # the snapshot's holder
+        assert wait_for(lambda: len(_ran_before(caplog)) == 3 and _drained(sem), 60), (
+            _ran_before(caplog), _room(sem), sem.count(KEY))  # fmt: skip
     _check(client, *(r.id for r in parked))
     assert sorted(_ran_before(caplog)) == sorted(r.id for r in parked)
 
