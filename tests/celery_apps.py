@@ -254,6 +254,8 @@ if "CSEM_TEST_REDIS_URL" in os.environ:
         _extra["semaphore_sweep_interval"] = float(os.environ["CSEM_TEST_SWEEP_INTERVAL"])
     if "CSEM_TEST_MAX_TASKS_PER_CHILD" in os.environ:
         _extra["worker_max_tasks_per_child"] = int(os.environ["CSEM_TEST_MAX_TASKS_PER_CHILD"])
+    if os.environ.get("CSEM_TEST_POOL_RESTARTS"):
+        _extra["worker_pool_restarts"] = True
     if "CSEM_TEST_DEFAULT_QUEUE" in os.environ:
         _extra["task_default_queue"] = os.environ["CSEM_TEST_DEFAULT_QUEUE"]
     app = make_app(

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_semaphore import Semaphore
 from celery_semaphore.core import heartbeat, recovery
@@ -198,6 +201,41 @@ def test_a_pool_process_sends_its_release_inline_and_one_killed_first_has_it_fre
         # Killed mid-run (its release is part of it now): the worker frees the slot of a run
         # lost so (WorkerLostError), well within the 60 s lease it was left to before.
         assert wait_for(lambda: sem.count("paused-release") == 0, timeout=30)
+
+
+def test_a_pool_restart_during_a_runs_release_sends_it_first(
+    redis_server: RedisServer, store: RedisServer, tmp_path: Path
+) -> None:
+    # `celery control pool_restart`: each pool process ends when it is next idle, so one in
+    # the middle of its run's release (held up by the paused store) sends it, then goes.
+    with _worker(redis_server, store, tmp_path, CSEM_TEST_POOL_RESTARTS="1") as (app, _):
+        sem = Semaphore(store.url, limit=4)
+        result = app.tasks["csem.pause_writes_then_end"].delay(3000)
+        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
+        replies = app.control.pool_restart(reply=True, timeout=5)
+        assert replies
+        assert all("ok" in r for answer in replies for r in answer.values())
+        pid = result.get(timeout=60)
+        assert wait_for(lambda: not _alive(pid), timeout=30)
+        assert sem.count("paused-release") == 0
+        # The new pool process runs bounded tasks as before.
+        assert app.tasks["csem.pause_writes_then_end"].delay(1).get(timeout=60) != pid
+        assert sem.count("paused-release") == 0
+
+
+def _writes_paused(store: RedisServer) -> bool:
+    """Whether the store holds writes back (``CLIENT PAUSE ... WRITE``): a write then times
+    out (it runs when the pause ends)."""
+    probe = redis.Redis(
+        host="127.0.0.1", port=store.port, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )  # one try: redis-py retries by default
+    try:
+        probe.set("test:probe", 1)
+    except redis.exceptions.TimeoutError:
+        return True
+    finally:
+        probe.close()
+    return False
 
 
 def test_a_worker_shut_down_warm_right_after_a_run_sends_its_release_first(
