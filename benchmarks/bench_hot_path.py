@@ -6,9 +6,13 @@ Sections, each printing a table:
 
 * ``pairs``: uncontended acquire+release pairs per second, one client, against the physical
   limit (two EVALSHA of a trivial script through redis-py ``Script`` objects on the same
-  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds; and the
-  pair a Celery run makes, whose release is handed to the release thread (``guard(...,
-  later=True)``) on its own client, timed until the release is queued.
+  connection), redis-py's ``Lock`` and python-redis-lock, in interleaved rounds; the pair
+  of a Celery run in a pool of threads or green threads, whose release is handed to the
+  release thread (``guard(..., later=True)``) on its own client, timed until the release
+  is queued; and the floor under ours: the same two scripts with the same arguments, sent
+  bare through :class:`~celery_semaphore.core.scripts.Scripts` (no checks, no slot, no
+  reply read beyond the script's own), what is left of the pair with none of this
+  library's Python around its round trips.
 * ``async-pairs``: the same for :class:`AsyncSemaphore` on one ``redis.asyncio`` client,
   against two async EVALSHA of a trivial script (``redis.asyncio`` ``Script`` objects) on the
   same connection, in interleaved rounds.
@@ -121,6 +125,13 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
             with guard(later.acquire("bench"), None, later=True):  # type: ignore[type-var]
                 pass
 
+        plan = sem._plan.acquire("bench", None, 1, None, 0, 0.1, None, 0.0, None)
+        scripts, bare_keys, member = sem._scripts, plan.keys, plan.token
+
+        def bare() -> None:
+            scripts.acquire(bare_keys, 10, 60_000, member)
+            scripts.release(bare_keys, member, 1000)
+
         def redis_py_lock() -> None:
             assert lock.acquire(blocking=False)
             lock.release()
@@ -132,7 +143,8 @@ def pairs(args: argparse.Namespace, console: Console) -> None:
         setups = {
             "two EVALSHA of a trivial script (the limit)": anchor,
             "celery-semaphore acquire + release": ours,
-            "celery-semaphore acquire + release sent later (a Celery run's path)": ours_later,
+            "the same, release handed to the release thread (a threads pool's run)": ours_later,
+            "its two scripts alone, sent bare (the floor under the pair)": bare,
             "redis-py Lock acquire + release": redis_py_lock,
             "python-redis-lock acquire + release": python_redis_lock,
         }
