@@ -24,6 +24,7 @@ from redis.retry import Retry
 
 from celery_semaphore import Semaphore
 from celery_semaphore.core import heartbeat, recovery
+from celery_semaphore.core import slot as slot_module
 from celery_semaphore.core.scripts import Scripts
 from celery_semaphore.core.semaphore import guard
 from celery_semaphore.testing import RedisServer
@@ -116,7 +117,7 @@ def test_releases_that_come_together_go_in_one_round_trip(
     sem, other = make_semaphore(limit=50, lease=30.0), make_semaphore(limit=50, lease=30.0)
     slots = [sem.acquire(key) for key in ("a", "b") * 10] + [other.acquire("c")]
     sizes = _counting_pipelines(monkeypatch)
-    heartbeat.give_back([slot for slot in slots if slot is not None])
+    slot_module.give_back([slot for slot in slots if slot is not None])
     assert sizes == [20]  # the lone slot of the other client went on its own
     assert all(slot is not None and slot.released for slot in slots)
     assert sem.count("a") == sem.count("b") == other.count("c") == 0
@@ -146,7 +147,7 @@ def test_a_lost_reply_to_releases_sent_together_puts_each_right(
     sem.room.park("k", "w1", b"payload")
     sem.room.park("k", "w2", b"payload")
     own_redis.pause()  # the releases run when the store wakes; their reply is lost
-    heartbeat.give_back([slot for slot in slots if slot is not None])
+    slot_module.give_back([slot for slot in slots if slot is not None])
     assert not any(slot is not None and slot.released for slot in slots)
     own_redis.resume()
     # Each is put right and its hand-off published (a duplicate copy ends quietly).

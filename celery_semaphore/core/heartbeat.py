@@ -28,7 +28,6 @@ process that runs one task at a time (:data:`INLINE`) sends them itself instead.
 from __future__ import annotations
 
 import atexit
-import logging
 import queue
 import threading
 import time
@@ -36,11 +35,8 @@ from collections.abc import Callable
 from typing import Any
 
 from . import process
-from .calls import release_call
 from .lease import Flight, Renewals, RenewErrorCallback
-from .slot import Slot
-
-logger = logging.getLogger(__name__)
+from .slot import Slot, give_back
 
 LINGER = 2.0
 """Seconds the renewal thread outlives the last slot it renewed, so that a worker running
@@ -167,36 +163,6 @@ def renewer() -> Renewer:
         if _renewer is None or _renewer.pid != process.pid():
             _renewer = Renewer()
         return _renewer
-
-
-def give_back(slots: list[Slot]) -> None:
-    """Give back each of ``slots`` not given back yet, as a run that ended well (see
-    :func:`release_later`); those of one client in one pipelined round trip (redis-py's
-    cluster pipeline makes it one per node), and a slot whose release writes the room index
-    first (:meth:`HandoffRoute.mark_before`) in its own. Never raises: a failure is logged,
-    and a lost reply put right, as for :meth:`Slot.release`."""
-    clients: dict[int, list[Slot]] = {}
-    for slot in slots:
-        if slot._released is None:  # not given back by the body itself
-            alone = slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]
-            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append(slot)
-    for rows in clients.values():
-        sent_at = time.monotonic()
-        try:
-            if len(rows) == 1:
-                rows[0].release()
-                continue
-            replies = rows[0]._scripts.run_many([
-                release_call(s._keys, s._member, s._handoffs.release_claim_ms, s.weight,
-                             s._verdict()) for s in rows
-            ])  # fmt: skip
-        except Exception as exc:  # which ran is not known: each is put right if it may have
-            replies = [exc] * len(rows)
-        for slot, reply in zip(rows, replies, strict=True):
-            try:
-                slot._take_release(reply, sent_at)  # raises an error in place of an answer
-            except Exception:
-                logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
 
 
 def _send_releases(jobs: queue.SimpleQueue[Slot | threading.Event]) -> None:

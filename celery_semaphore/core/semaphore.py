@@ -38,7 +38,7 @@ from .clients import RedisClient, client_of
 from .feedback import DEFAULT_MAX_COOL_DOWN, Adaptive, BackOff
 from .group import SlotGroup, group_refused, take_group
 from .handoff import DEFAULT_CLAIM_TIMEOUT, DEFAULT_HANDOFF_GRACE, HandoffRoute, Publisher
-from .heartbeat import give_back, release_later, renewer
+from .heartbeat import release_later, renewer
 from .interrupt import Interrupter
 from .lease import RenewErrorCallback
 from .names import Keys, Namespace
@@ -48,7 +48,7 @@ from .refusals import is_paused, not_acquired
 from .replies import Admitted, Full
 from .room import WaitingRoom
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
-from .slot import Slot
+from .slot import Slot, give_back
 from .tracing import acquire_span
 
 logger = logging.getLogger(__name__)

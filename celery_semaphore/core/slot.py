@@ -12,16 +12,19 @@ reference and of a user's completion.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
-from .calls import held_call
+from .calls import held_call, release_call
 from .feedback import BackOff
 from .lazy_event import LazyEvent
 from .lease import LeaseRecord
 from .recovery import recover_later
 from .replies import Released
 from .scripts import REDIS_ERRORS, Scripts, backend_error, backend_errors
+
+logger = logging.getLogger(__name__)
 
 
 class Slot(LeaseRecord[Scripts]):
@@ -177,3 +180,37 @@ class Slot(LeaseRecord[Scripts]):
             self.back_off(exc.retry_after)
         else:
             self.release()
+
+
+def give_back(slots: list[Slot]) -> None:
+    """Give back each of ``slots`` not given back yet, as runs that ended well (the release
+    thread's and a prefork pool process's path:
+    :func:`~celery_semaphore.core.heartbeat.release_later`). Those of one client go in one
+    pipelined round trip (redis-py's cluster pipeline makes it one per node); a slot whose
+    release writes the room index first
+    (:meth:`~celery_semaphore.core.handoff.HandoffRoute.mark_before`) goes in its own.
+
+    Never raises: a failure is logged, and a lost reply put right, as for
+    :meth:`Slot.release`."""
+    clients: dict[int, list[Slot]] = {}
+    for slot in slots:
+        if slot._released is None:  # not given back by the body itself
+            alone = slot._handoffs.mark_before(slot._keys, slot.key, slot.lease)[1]
+            clients.setdefault(id(slot) if alone else id(slot._scripts), []).append(slot)
+    for rows in clients.values():
+        sent_at = time.monotonic()
+        try:
+            if len(rows) == 1:
+                rows[0].release()
+                continue
+            replies = rows[0]._scripts.run_many([
+                release_call(s._keys, s._member, s._handoffs.release_claim_ms, s.weight,
+                             s._verdict()) for s in rows
+            ])  # fmt: skip
+        except Exception as exc:  # which ran is not known: each is put right if it may have
+            replies = [exc] * len(rows)
+        for slot, reply in zip(rows, replies, strict=True):
+            try:
+                slot._take_release(reply, sent_at)  # raises an error in place of an answer
+            except Exception:
+                logger.warning("could not release slot of semaphore %r", slot.key, exc_info=True)
