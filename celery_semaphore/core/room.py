@@ -202,9 +202,8 @@ class WaitingRoom:
                           rates_arg, units_arg)  # fmt: skip
             sent_at = time.monotonic()
             result, handed = self._scripts.run(
-                park_call(*ask.slot, waiter, payload, room_settings(
-                    self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms), place)
-            )  # fmt: skip
+                park_call(*ask.slot, waiter, payload, self._settings(ask), place)
+            )
             record(1, OUTCOMES[type(result)])
         self._after(ask, result, handed, deadline_at)
         return self._slot(ask, result, sent_at) if isinstance(result, Admitted) else result
@@ -242,8 +241,7 @@ class WaitingRoom:
         check_delivery(delivery)
         check_waiter(waiter, b"")
         ask = self._ask(key, limit, weight, lease, metadata, room_ttl)
-        call = claim_call(*ask.slot, waiter, delivery, room_settings(
-            self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms))  # fmt: skip
+        call = claim_call(*ask.slot, waiter, delivery, self._settings(ask))
         while True:
             with self._round_trip(ask) as record:
                 sent_at = time.monotonic()
@@ -271,6 +269,10 @@ class WaitingRoom:
         token = member_of(self._record.encode(metadata, limit, weight))
         return _Ask(key, (self.names.keys_of(key), limit, ms, token, weight), seconds,
                     arrival_ms, max_queued, ttl_ms)  # fmt: skip
+
+    def _settings(self, ask: _Ask) -> str:
+        """The room's settings for ``ask``'s park or claim (see :func:`room_settings`)."""
+        return room_settings(self.handoffs.claim_ms, ask.ttl_ms, self.handoffs.grace_ms)
 
     @contextlib.contextmanager
     def _round_trip(self, ask: _Ask) -> Iterator[Record]:

@@ -19,9 +19,9 @@
 -- {{name, interval, burst, tat}, ...}. A TAT is kept with the interval it was reckoned
 -- under ("<tat> <interval_ms>"): under another interval now (an operator set or cleared a
 -- live rate, or a deploy changed the code's), what it is ahead of now is scaled to it (and
--- written back so), so
--- the runs already counted weigh as many units under the new rate, and a slow rate just
--- cleared no longer spaces the next starts (a TAT with no interval is taken as it is).
+-- written back so), so the runs already counted weigh as many units under the new rate,
+-- and a slow rate just cleared no longer spaces the next starts (a TAT with no interval is
+-- taken as it is).
 local function rates_read(limits, list, first, count, stride, now)
   local fields = {}
   for i = 0, count - 1 do
