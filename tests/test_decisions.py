@@ -10,7 +10,6 @@ import json
 import logging
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -18,20 +17,18 @@ import redis.asyncio as aioredis
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
-from celery_semaphore import Adaptive, Semaphore, SemaphoreAdmin, Slot
+from celery_semaphore import Adaptive, Semaphore, SemaphoreAdmin
 from celery_semaphore.asyncio import AsyncSemaphoreAdmin
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.rates import Rate
-from celery_semaphore.integration.settings import journal_for
 from celery_semaphore.integration.waiting_room import keeper
-from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
-from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
+from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
 from .helpers import wait_for
 from .test_asyncio import close
-from .test_journal import _payload
+from .test_journal import park_journaled
 
 KEEPER = "celery_semaphore.integration.waiting_room.keeper"
 
@@ -219,6 +216,7 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
     store_app: Celery,
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Proves: when the store restarts without its rooms, the fleet says once, in one ERROR
     line per key, how many runs the room held before the restart (5), how many the journals
@@ -230,26 +228,18 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
     monkeypatch.setattr(keeper, "REPORT_AFTER", 1.0, raising=False)
     sem = Semaphore(store.url, limit=1)
     assert sem.acquire("loss:k") is not None
-    journal = journal_for(store_app)
-    assert journal is not None
-    stamp = checked_incarnation(store.client(), "semaphore")
-    for n in range(5):
-        task_id = str(uuid.uuid4())
-        payload = _payload(store_app, task_id)
-        assert not isinstance(sem.room.park("loss:k", task_id, payload), Slot)
-        if n < 2:  # journaled by this host (long enough ago to be judged at once)
-            journal.record(task_id, ["loss:k"], payload, stamp, at=time.time() - 2 * SETTLE)
+    park_journaled(store_app, sem, "loss:k", 5, journaled=2)  # 2 journaled by this host
     workers = [JournalKeeper(store_app), JournalKeeper(store_app)]  # two workers of a fleet
     for worker in workers:
         worker.keep()
     # Two more hosts of the fleet tick before the restart: one with no journal, and one that
     # is gone (with its journal) by the time the store comes back.
     bare = make_app(store_app.conf.broker_url, semaphore_url=store.url, semaphore_journal=False)
+    request.addfinalizer(bare.close)
     for host, app in (("bare-host", bare), ("gone-host", store_app)):
-        monkeypatch.setattr(socket, "gethostname", lambda host=host: host)
-        JournalKeeper(app).keep()
-    monkeypatch.undo()
-    monkeypatch.setattr(keeper, "REPORT_AFTER", 1.0, raising=False)
+        with monkeypatch.context() as m:
+            m.setattr(socket, "gethostname", lambda host=host: host)
+            JournalKeeper(app).keep()
     for worker in workers:  # the hosts as listed before the restart, as a worker sees them
         worker.keep()
     _restart(store, "none")
@@ -270,7 +260,6 @@ def test_the_runs_a_restart_lost_are_counted_in_one_line_per_key_for_the_fleet(
         "worker of theirs running: bare-host (no journal), gone-host (not seen since)), and "
         "are lost"
     ]
-    bare.close()
     resent = [r for r in caplog.records if "sent lost run" in r.getMessage()]
     assert [r.levelno for r in resent] == [logging.INFO] * 2
 

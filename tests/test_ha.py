@@ -1,8 +1,8 @@
 """High availability: the semaphore on a Redis Cluster and behind Redis Sentinel.
 
 Each set-up is started once for the module (a 3-primary cluster; a primary, a replica and one
-Sentinel) and emptied before each test. The failover tests run last: they swap the Sentinel
-set's primary.
+Sentinel) and emptied before each test. The failover tests swap the Sentinel set's primary:
+the tests after them run on the promoted one, found through the Sentinel as a user's are.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -30,8 +29,8 @@ from celery_semaphore.core.admin import SemaphoreAdmin
 from celery_semaphore.core.clients import client_from_url
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.integration.settings import app_settings, journal_for
-from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation, marker_key
-from celery_semaphore.integration.waiting_room.keeper import SETTLE, JournalKeeper
+from celery_semaphore.integration.waiting_room.incarnation import marker_key
+from celery_semaphore.integration.waiting_room.keeper import JournalKeeper
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.inspection import views
 
@@ -39,7 +38,7 @@ from .celery_apps import make_app
 from .helpers import acquire_at_once, assert_force_release_is_reported, run_callers, wait_for
 from .history import BODIES, History
 from .servers import ClusterServers, SentinelServers
-from .test_journal import _payload
+from .test_journal import park_journaled
 
 MakeSemaphore = Callable[..., Semaphore]
 
@@ -460,14 +459,7 @@ def test_a_failover_to_a_replica_that_missed_writes_loses_no_decision_and_no_par
     admin.set_limit("fo:limited", 1, by="ops")
     sem = Semaphore(sentinel_set.url, limit=1)
     assert sem.acquire("fo:room") is not None
-    journal = journal_for(app)
-    assert journal is not None
-    stamp = checked_incarnation(master, "semaphore")
-    parked = [str(uuid.uuid4()) for _ in range(3)]
-    for task_id in parked:
-        payload = _payload(app, task_id)
-        assert not isinstance(sem.room.park("fo:room", task_id, payload), Slot)
-        journal.record(task_id, ["fo:room"], payload, stamp, at=time.time() - 2 * SETTLE)
+    parked = park_journaled(app, sem, "fo:room", 3)
     worker.keep()  # the decisions, as the worker saw them before the failover
     replica = sentinel_set.replica().client()
     room = redis_keys("semaphore", "fo:room").room
@@ -494,6 +486,8 @@ def test_a_failover_to_a_replica_that_missed_writes_loses_no_decision_and_no_par
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert sum("a restart of the store lost its pause" in line for line in lines) == 1
     assert sum("a restart of the store lost its live limit 1" in line for line in lines) == 1
+    journal = journal_for(app)
+    assert journal is not None
     assert not {entry.waiter for entry in journal.page(0, 1000)} & set(parked)
     sem.client.close()
     app.close()

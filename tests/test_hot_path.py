@@ -69,14 +69,17 @@ def test_a_lazy_event_wakes_every_waiter() -> None:
 
 
 @pytest.mark.parametrize(
-    ("retries", "delay", "wait"), [(True, 0.1, 0.0), (0, True, 0.0), (0, 0.1, False)]
+    ("retries", "delay", "wait"),
+    [(False, 0.1, 0.0), (0, 0.1, False), (True, 0.1, 0.0), (0, True, 0.0)],
 )
 def test_memoised_acquire_checks_still_refuse_a_bool(
     redis_server: RedisServer, retries: object, delay: object, wait: object
 ) -> None:
+    # A plain call's checked plan is kept per key: a bool equal to a default (False == 0,
+    # False == 0.0) must not pass for it.
     sem = Semaphore(redis_server.url, limit=5)
-    for _ in range(2):  # 1, 0.1 and 0.0 memoised by the first
-        slot = sem.acquire("k", retries=1, retry_delay=0.1, wait=0.0)
+    for _ in range(2):
+        slot = sem.acquire("k")
         assert slot is not None
         slot.release()
     with pytest.raises(SemaphoreValidationError):

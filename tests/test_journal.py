@@ -20,6 +20,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from kombu.serialization import dumps
 
+from celery_semaphore import Semaphore, Slot
 from celery_semaphore.integration.settings import app_settings, journal_for
 from celery_semaphore.integration.waiting_room.incarnation import checked_incarnation
 from celery_semaphore.integration.waiting_room.journal import Journal, default_directories
@@ -47,6 +48,24 @@ def _journaled(app: Celery, stamp: str, age: float) -> str:
     assert journal is not None
     journal.record(task_id, [KEY], _payload(app, task_id), stamp, at=time.time() - age)
     return task_id
+
+
+def park_journaled(
+    app: Celery, sem: Semaphore, key: str, count: int, journaled: int | None = None
+) -> list[str]:
+    """Park ``count`` runs of ``csem.gate`` on ``key`` (which the caller holds full) and
+    journal the first ``journaled`` of them (None: all) on this host, long enough ago to be
+    judged at once; their task ids."""
+    journal = journal_for(app)
+    assert journal is not None
+    stamp = checked_incarnation(sem.client, sem.prefix)
+    parked = [str(uuid.uuid4()) for _ in range(count)]
+    for n, task_id in enumerate(parked):
+        payload = _payload(app, task_id)
+        assert not isinstance(sem.room.park(key, task_id, payload), Slot)
+        if journaled is None or n < journaled:
+            journal.record(task_id, [key], payload, stamp, at=time.time() - 2 * SETTLE)
+    return parked
 
 
 def _entries(app: Celery) -> list[str]:

@@ -38,9 +38,9 @@ def test_hand_offs_outlive_a_store_outage_with_one_task_per_child(
 ) -> None:
     """Proves: with ``--max-tasks-per-child 1``, a backlog of 36 runs in the waiting room
     (weight 3 of 6: two run at a time), the store stopped for 6 s mid-backlog and started
-    again, twice, empty or from its append-only file, every run ends in SUCCESS, no body runs
-    twice, and no start puts the key over its limit (an empty store's slots count until
-    it came back)."""
+    again, twice, empty or from its append-only file, every run ends in SUCCESS or is named
+    lost in a log line of the worker's (the module's contract), no body runs twice, and no
+    start puts the key over its limit (an empty store's slots count until it came back)."""
     args = ("--appendonly", "yes", "--appendfsync", "always") if persistent else ()
     store = RedisServer(extra_args=args).start()
     app = add_soak_tasks(make_app(redis_server.url, semaphore_url=store.url))

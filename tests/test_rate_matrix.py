@@ -306,8 +306,9 @@ def _held_back(cell: Cell, way: str, count: int) -> Callable[[], bool]:
     """Whether ``count`` runs of the cell have asked for a slot and been held back, by the
     way they start: parked (a room), or refused and shed (``acquire``), or refused and
     waiting (``eager``)."""
-    if way == "eager":  # each call blocks on the key's wake list
-        return lambda: sum(c["cmd"] == "blpop" for c in cell.client.client_list()) >= count
+    if way == "eager":  # each call blocks on the key's wake list ("b": blocked right now)
+        return lambda: sum(c["cmd"] == "blpop" and "b" in c["flags"]
+                           for c in cell.client.client_list()) >= count  # fmt: skip
     if way == "acquire":
         return lambda: cell.client.llen(f"refused:{cell.name}") >= count
     return lambda: (len(cell.sem.room.waiters(cell.key)) + len(cell.starts()) == count
@@ -438,7 +439,7 @@ def test_a_worker_whose_clock_is_off_starts_rate_hand_offs_on_the_stores_time(
     cell.admin.set_rate(cell.key, "1/s")  # instants a second apart: beyond the eta threshold
     at = launch(cell, "handoff", 3, roles=[role])  # the third's hand-off carries an eta
     runs = started(cell, 3, timeout=25)
-    assert max(r["at"] for r in runs) - at < 2 + 2, (at, runs)  # 2 s of spacing, not 30 s
+    assert max(r["at"] for r in runs) - at < 2 + 5, (at, runs)  # 2 s of spacing, not 30 s
     assert min(_gaps(runs)) > 0.5 - 0.01, runs
     assert {r["host"].split("-")[0] for r in runs} == {role}, runs
     assert wait_for(lambda: cell.own.count(cell.key) == 0, timeout=10)

@@ -28,7 +28,7 @@ from celery_semaphore import (
 from celery_semaphore.core.names import redis_keys
 from celery_semaphore.core.rates import Rate
 from celery_semaphore.core.replies import Handoff
-from celery_semaphore.integration.waiting_room.handoffs import publisher_for
+from celery_semaphore.integration.waiting_room.handoffs import DUE_HEADER, publisher_for
 from celery_semaphore.testing import RedisServer
 from celery_semaphore.views.cli import semaphore as semaphore_cli
 
@@ -585,11 +585,14 @@ def test_a_retry_from_a_rate_hand_off_keeps_its_own_countdown(app: Celery) -> No
     and the copied instant, long past, must not re-time the retry's own eta. (Before: the
     retry ran at once, held only by the rate, about 3 s after the hand-off.)"""
     starts: list[tuple[int, int, float]] = []
+    due: list[object] = []  # the instant header each run of n=1 came with
 
     @app.task(base=SemaphoreTask, semaphore="due-retry", limit=1, rate="20/m", bind=True,
               on_full="queue", shared=False, name="csem.due_retry")  # fmt: skip
     def due_retry(self: Any, n: int) -> int:
         starts.append((n, self.request.retries, time.time()))
+        if n == 1:
+            due.append(getattr(self.request, DUE_HEADER, None))
         if n == 1 and not self.request.retries:
             raise self.retry(countdown=8)
         return n
@@ -600,5 +603,6 @@ def test_a_retry_from_a_rate_hand_off_keeps_its_own_countdown(app: Celery) -> No
         handed = due_retry.delay(1)  # parks: the rate's next instant is 3 s after the first
         assert handed.get(timeout=60) == 1
     (_, _, handed_at), (_, retries, retried_at) = [s for s in starts if s[0] == 1]
+    assert due[0] is not None, starts  # it came as a hand-off held for the rate's instant
     assert retries == 1
     assert retried_at - handed_at >= 6.0, starts

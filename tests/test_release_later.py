@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -126,17 +125,16 @@ def test_releases_that_come_together_go_in_one_round_trip(
 def test_releases_handed_off_while_one_is_out_go_together_in_the_next_round_trip(
     own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sem = Semaphore(own_redis.url, limit=50, lease=30.0)
-    slots = [sem.acquire("k") for _ in range(11)]
-    sizes = _counting_pipelines(monkeypatch)
-    own_redis.client().execute_command("CLIENT", "PAUSE", 500, "WRITE")
-    for slot in slots:  # the first is out (held up by the paused store) as the rest queue
-        with guard(slot, None, later=True):
-            pass
-    heartbeat.flush_releases()
-    assert max(sizes) >= 10, sizes
-    assert sem.count("k") == 0
-    sem.close()
+    with contextlib.closing(Semaphore(own_redis.url, limit=50, lease=30.0)) as sem:
+        slots = [sem.acquire("k") for _ in range(11)]
+        sizes = _counting_pipelines(monkeypatch)
+        sem.client.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+        for slot in slots:  # the first is out (held up by the paused store) as the rest queue
+            with guard(slot, None, later=True):
+                pass
+        heartbeat.flush_releases()
+        assert max(sizes) >= 10, sizes
+        assert sem.count("k") == 0
 
 
 def test_a_lost_reply_to_releases_sent_together_puts_each_right(
@@ -179,13 +177,16 @@ def _worker(
 def test_a_pool_process_that_ends_after_its_run_sends_its_release_first(
     redis_server: RedisServer, store: RedisServer, tmp_path: Path
 ) -> None:
-    # Each pool process runs one task, then ends (a pool restart): its release, held up by
-    # the paused store, must still be sent before it goes.
+    # Each pool process runs one task, then ends (max_tasks_per_child): its release, held
+    # up by the paused store, must still be sent before it goes.
     with _worker(redis_server, store, tmp_path, CSEM_TEST_MAX_TASKS_PER_CHILD="1") as (app, _):
         sem = Semaphore(store.url, limit=4)
-        pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
+        result = app.tasks["csem.pause_writes_then_end"].delay(1500)
+        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
+        assert _held(store) == 1  # its release is out
+        pid = result.get(timeout=60)
         assert wait_for(lambda: not _alive(pid), timeout=30)  # the process is gone...
-        assert wait_for(lambda: sem.count("paused-release") == 0, timeout=15)  # its slot too
+        assert sem.count("paused-release") == 0  # ...and its slot was given back first
 
 
 def test_a_pool_process_sends_its_release_inline_and_one_killed_first_has_it_freed(
@@ -196,7 +197,8 @@ def test_a_pool_process_sends_its_release_inline_and_one_killed_first_has_it_fre
         pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
         assert sem.count("paused-release") == 0  # released before the result was stored
         app.tasks["csem.pause_writes_then_end"].delay(3000)
-        time.sleep(1.0)  # the body has ended; its release waits on the paused store
+        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
+        assert _held(store) == 1  # its release waits on the paused store
         os.kill(pid, signal.SIGKILL)  # the same pool process (-c 1)
         store.client().execute_command("CLIENT", "UNPAUSE")
         # Killed mid-run (its release is part of it now): the worker frees the slot of a run
@@ -243,11 +245,22 @@ def test_a_worker_shut_down_warm_right_after_a_run_sends_its_release_first(
     redis_server: RedisServer, store: RedisServer, tmp_path: Path
 ) -> None:
     with _worker(redis_server, store, tmp_path) as (app, proc):
-        pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
-        stop_process(proc)  # a warm shutdown, while the run's release waits on the store
-        assert proc.returncode is not None
+        result = app.tasks["csem.pause_writes_then_end"].delay(1500)
+        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
+        assert _held(store) == 1  # its release waits on the paused store
+        stop_process(proc)  # a warm shutdown: the run, its release included, ends first
+        pid = result.get(timeout=60)
         assert not _alive(pid)
     assert Semaphore(store.url, limit=4).count("paused-release") == 0
+
+
+def _held(store: RedisServer) -> int:
+    """Holders of ``paused-release``, by a plain read (a script would wait out a pause)."""
+    sem = Semaphore(store.url, limit=4)
+    try:
+        return int(sem.client.zcard(sem.names.keys_of("paused-release").slots))
+    finally:
+        sem.close()
 
 
 def _alive(pid: int) -> bool:

@@ -25,18 +25,22 @@ def _per_second(starts: list[float]) -> float:
 
 def test_waiters_start_at_the_rate(redis_server: RedisServer) -> None:
     """Proves: three threads that each take a slot with ``wait``, hold it 50 ms and take
-    another, start at the rate (within 10 %), not at half of it (a waiter the rate refused
-    blocked on a BLPOP that Redis timed out only on its next tick, up to 100 ms after the
-    instant, and the rate's schedule then ran from that late start)."""
+    another, start at the rate (within 25 %: a noisy machine's wake-ups), not at half of it
+    (a waiter the rate refused blocked on a BLPOP that Redis timed out only on its next
+    tick, up to 100 ms after the instant, and the rate's schedule then ran from that late
+    start)."""
     sem = Semaphore(redis_server.url, limit=5, rate=f"{RATE:g}/s")
     starts: list[float] = []
+    missed: list[str] = []  # an assert in a thread would not fail the test
     stop = time.monotonic() + SPAN
 
     def waiter() -> None:
         while time.monotonic() < stop:
             slot = sem.acquire("waits", wait=5)
-            assert slot is not None
-            starts.append(time.time())
+            if slot is None:
+                missed.append("no slot within 5 s")
+                return
+            starts.append(slot.acquired_at)  # the grant, by the store's clock
             time.sleep(0.05)
             slot.release()
 
@@ -45,7 +49,8 @@ def test_waiters_start_at_the_rate(redis_server: RedisServer) -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert _per_second(starts) >= 0.9 * RATE, starts
+    assert missed == []
+    assert _per_second(starts) >= 0.75 * RATE, starts
 
 
 def test_async_waiters_start_at_the_rate(redis_server: RedisServer) -> None:
@@ -60,7 +65,7 @@ def test_async_waiters_start_at_the_rate(redis_server: RedisServer) -> None:
                 while time.monotonic() < stop:
                     slot = await sem.acquire("waits", wait=5)
                     assert slot is not None
-                    starts.append(time.time())
+                    starts.append(slot.acquired_at)  # the grant, by the store's clock
                     await asyncio.sleep(0.05)
                     await slot.release()
 
@@ -68,4 +73,4 @@ def test_async_waiters_start_at_the_rate(redis_server: RedisServer) -> None:
         return starts
 
     starts = asyncio.run(main())
-    assert _per_second(starts) >= 0.9 * RATE, starts
+    assert _per_second(starts) >= 0.75 * RATE, starts
