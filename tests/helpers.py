@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -73,12 +73,20 @@ def prefork_worker_process(
         proc = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=out,
                                 stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        ready = wait_for(lambda: proc.poll() is not None or _answers(app, name), timeout=60)
-        assert ready, log.read_text()
-        assert proc.poll() is None, log.read_text()
+        wait_until_ready(app, proc, name, log)
         yield proc
     finally:
         stop_process(proc)
+
+
+def wait_until_ready(
+    app: Any, proc: subprocess.Popen[bytes], name: str, log: Path, timeout: float = 60
+) -> None:
+    """Wait until worker ``name`` (the process ``proc``, writing ``log``) answers a ping;
+    fail with its log if it ends first or does not answer within ``timeout`` seconds."""
+    ready = wait_for(lambda: proc.poll() is not None or _answers(app, name), timeout=timeout)
+    assert ready, log.read_text()
+    assert proc.poll() is None, log.read_text()
 
 
 def _answers(app: Any, name: str) -> bool:
@@ -242,3 +250,13 @@ def cli(app: Any, *args: str) -> str:
     out = CliRunner().invoke(semaphore_cli, list(args), obj=ctx)
     assert out.exit_code == 0, out.output
     return out.output
+
+
+def delete_queues(app: Any, queues: Iterable[str], exchanges: Iterable[str] = ()) -> None:
+    """Delete ``queues`` and ``exchanges`` on ``app``'s broker: a shared RabbitMQ keeps what
+    a test declared, and a later test that declares the same name differently fails."""
+    with app.connection_for_write() as connection:
+        for name in queues:
+            connection.default_channel.queue_delete(name)
+        for name in exchanges:
+            connection.default_channel.exchange_delete(name)

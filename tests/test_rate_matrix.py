@@ -37,7 +37,15 @@ from celery_semaphore.signals import semaphore_shed
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import AMQP_URL, ROOT, _answers, rabbitmq_up, stop_process, wait_for
+from .helpers import (
+    AMQP_URL,
+    ROOT,
+    delete_queues,
+    rabbitmq_up,
+    stop_process,
+    wait_for,
+    wait_until_ready,
+)
 
 LIMIT = 2
 CODE_RATE = "10/s"  # one start every 100 ms
@@ -152,10 +160,7 @@ def _start(kind: str, url: str, logs: Path) -> Fleet:
 def _ready(fleet: Fleet, logs: Path) -> None:
     for role, proc in zip(ROLES, fleet.procs, strict=True):
         name = f"{role}-{fleet.queues[role].rsplit('-', 1)[1]}@{fleet.kind}"
-        ok = wait_for(lambda p=proc, n=name: p.poll() is not None or _answers(fleet.app, n), 90)
-        log = (logs / f"{fleet.kind}-{role}.log").read_text()
-        assert ok, log
-        assert proc.poll() is None, log
+        wait_until_ready(fleet.app, proc, name, logs / f"{fleet.kind}-{role}.log", timeout=90)
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +197,9 @@ def _stop(fleets: list[Fleet]) -> None:
         stop_process(proc, timeout=10)
     for fleet in fleets:
         if fleet.kind != "redis":
-            with fleet.app.connection_for_write() as connection:
-                for queue in [*fleet.queues.values(), fleet.app.conf.task_default_queue]:
-                    for name in (queue, f"{queue}.semaphore-handoffs"):
-                        connection.default_channel.queue_delete(name)
-                    connection.default_channel.exchange_delete(queue)
+            queues = [*fleet.queues.values(), fleet.app.conf.task_default_queue]
+            handoffs = [f"{queue}.semaphore-handoffs" for queue in queues]
+            delete_queues(fleet.app, queues + handoffs, queues)
         fleet.sem.client.close()
         fleet.app.close()
 

@@ -34,7 +34,7 @@ from celery_semaphore.views.cli import semaphore as semaphore_cli
 
 from . import history
 from .celery_apps import make_app
-from .helpers import AMQP_URL, Published, rabbitmq_up, wait_for
+from .helpers import AMQP_URL, Published, delete_queues, rabbitmq_up, wait_for
 from .history import BODIES, History
 
 
@@ -523,9 +523,7 @@ def test_a_hand_off_due_within_a_second_reaches_a_quorum_queue(
                             timeout=10)  # fmt: skip
         assert got[-1].headers["id"] == task_id
     finally:
-        with app.connection_for_write() as connection:
-            connection.default_channel.queue_delete(queue)
-            connection.default_channel.exchange_delete(queue)
+        delete_queues(app, [queue], [queue])
         app.close()
 
 

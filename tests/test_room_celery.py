@@ -23,7 +23,15 @@ from celery_semaphore.integration.waiting_room.queues import SUFFIX
 from celery_semaphore.testing import RedisServer
 
 from .celery_apps import make_app
-from .helpers import AMQP_URL, QUEUES, prefork_worker_process, rabbitmq_up, spearman, wait_for
+from .helpers import (
+    AMQP_URL,
+    QUEUES,
+    delete_queues,
+    prefork_worker_process,
+    rabbitmq_up,
+    spearman,
+    wait_for,
+)
 from .history import BODIES, History
 
 
@@ -349,9 +357,8 @@ def test_a_hand_off_is_fetched_ahead_of_the_backlog(
     finally:
         gc.collect()
         if broker == "rabbitmq":
-            with app.connection_for_write() as conn:
-                for name in (app.conf.task_default_queue, app.conf.task_default_queue + SUFFIX):
-                    conn.default_channel.queue_delete(name)
+            default = app.conf.task_default_queue
+            delete_queues(app, [default, default + SUFFIX])
         app.close()
 
 

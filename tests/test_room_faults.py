@@ -39,6 +39,7 @@ from .celery_apps import BLOCKING, GATE_OPEN, STALLED_PUBLISH, add_room_fault_ta
 from .helpers import (
     AMQP_URL,
     child_pids,
+    delete_queues,
     kill_worker,
     prefork_worker_process,
     queued,
@@ -458,9 +459,8 @@ def test_a_restart_of_the_store_loses_no_parked_run(
                 assert wait_for(lambda: _drained(sem), timeout=30)
         finally:
             if broker == "rabbitmq":
-                with app.connection_for_write() as conn:
-                    for name in (app.conf.task_default_queue, app.conf.task_default_queue + SUFFIX):
-                        conn.default_channel.queue_delete(name)
+                default = app.conf.task_default_queue
+                delete_queues(app, [default, default + SUFFIX])
             app.close()
     _check(client, *(r.id for r in runs))
 
