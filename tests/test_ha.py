@@ -446,18 +446,21 @@ def test_a_failover_to_a_replica_that_missed_writes_loses_no_decision_and_no_par
     master: redis.Redis,
     redis_server: RedisServer,
     caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Proves the guarantees table's failover row: a promoted replica that missed the last
     writes (a pause, a live limit, three parks) is a new incarnation of the store (its own
     ``run_id``), so a worker's next ticks put the decisions back, in one ERROR line each, and
     its host's journal sends the three parked runs again, as after an older snapshot."""
     app = make_app(redis_server.url, semaphore_url=sentinel_set.url)
+    request.addfinalizer(app.close)
     admin = SemaphoreAdmin(master, "semaphore")
     worker = JournalKeeper(app)
     worker.keep()  # the incarnation the writes below are made under
     admin.pause("fo:paused", by="ops")
     admin.set_limit("fo:limited", 1, by="ops")
     sem = Semaphore(sentinel_set.url, limit=1)
+    request.addfinalizer(sem.close)
     assert sem.acquire("fo:room") is not None
     parked = park_journaled(app, sem, "fo:room", 3)
     worker.keep()  # the decisions, as the worker saw them before the failover
@@ -489,5 +492,3 @@ def test_a_failover_to_a_replica_that_missed_writes_loses_no_decision_and_no_par
     journal = journal_for(app)
     assert journal is not None
     assert not {entry.waiter for entry in journal.page(0, 1000)} & set(parked)
-    sem.client.close()
-    app.close()

@@ -430,7 +430,7 @@ def test_a_rate_under_each_broker_way_and_control(
 
 @pytest.mark.parametrize("role", ["behind", "ahead"])
 def test_a_worker_whose_clock_is_off_starts_rate_hand_offs_on_the_stores_time(
-    role: str, fleets: dict[str, Fleet], store: RedisServer
+    role: str, fleets: dict[str, Fleet], store: RedisServer, request: pytest.FixtureRequest
 ) -> None:
     """Hand-offs for instants more than a second away carry an eta, which Celery holds by
     the clock of the worker that fetches it. A worker 30 s behind (publishing its runs' next
@@ -438,6 +438,7 @@ def test_a_worker_whose_clock_is_off_starts_rate_hand_offs_on_the_stores_time(
     fetched them at once, and only the claim kept them from starting early. Each is now
     held until its instant by the store's clock, and the rate's spacing holds."""
     fleet, client = fleets["redis"], store.client()
+    request.addfinalizer(client.close)
     cell = Cell(f"clock-{role}", fleet, client, Semaphore(client, limit=LIMIT))
     cell.admin.set_rate(cell.key, "1/s")  # instants a second apart: beyond the eta threshold
     at = launch(cell, "handoff", 3, roles=[role])  # the third's hand-off carries an eta
@@ -447,4 +448,3 @@ def test_a_worker_whose_clock_is_off_starts_rate_hand_offs_on_the_stores_time(
     assert {r["host"].split("-")[0] for r in runs} == {role}, runs
     assert wait_for(lambda: cell.own.count(cell.key) == 0, timeout=10)
     assert sorted(r["n"] for r in cell.starts()) == [0, 1, 2], cell.starts()
-    client.close()
