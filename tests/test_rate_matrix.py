@@ -363,8 +363,9 @@ def _live(cell: Cell, way: str) -> None:
     cell.admin.set_rate(cell.key, None)  # ...and the operator clears it at once
     at = launch(cell, way, 4)
     runs = started(cell, 8)[4:]
-    # The cleared 6/m's schedule would start the first of them 10 s after the one before.
-    assert max(r["at"] for r in runs) - at < 3, (at, runs)
+    # The cleared 6/m's schedule would start the first of them 10 s after the one before
+    # (the code's 10/s: all four within half a second, and a busy machine's hand-offs).
+    assert max(r["at"] for r in runs) - at < 7, (at, runs)
     fast = _gaps(runs)
     assert min(fast) > 0.05 - 0.01, fast  # still held to the code's 10/s
     assert sum(fast) > 3 * 0.1 - 0.05 - 0.01, fast
