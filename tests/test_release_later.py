@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -180,30 +181,23 @@ def test_a_pool_process_that_ends_after_its_run_sends_its_release_first(
     # Each pool process runs one task, then ends (max_tasks_per_child): its release, held
     # up by the paused store, must still be sent before it goes.
     with _worker(redis_server, store, tmp_path, CSEM_TEST_MAX_TASKS_PER_CHILD="1") as (app, _):
-        sem = Semaphore(store.url, limit=4)
-        result = app.tasks["csem.pause_writes_then_end"].delay(1500)
-        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
-        assert _held(store) == 1  # its release is out
-        pid = result.get(timeout=60)
+        pid = _release_held_up(app, store, 1500).get(timeout=60)
         assert wait_for(lambda: not _alive(pid), timeout=30)  # the process is gone...
-        assert sem.count("paused-release") == 0  # ...and its slot was given back first
+        assert _held(store) == 0  # ...and its slot was given back first
 
 
 def test_a_pool_process_sends_its_release_inline_and_one_killed_first_has_it_freed(
     redis_server: RedisServer, store: RedisServer, tmp_path: Path
 ) -> None:
     with _worker(redis_server, store, tmp_path) as (app, _):
-        sem = Semaphore(store.url, limit=4)
         pid = app.tasks["csem.pause_writes_then_end"].delay(1500).get(timeout=60)
-        assert sem.count("paused-release") == 0  # released before the result was stored
-        app.tasks["csem.pause_writes_then_end"].delay(3000)
-        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
-        assert _held(store) == 1  # its release waits on the paused store
+        assert _held(store) == 0  # released before the result was stored
+        _release_held_up(app, store, 3000)
         os.kill(pid, signal.SIGKILL)  # the same pool process (-c 1)
         store.client().execute_command("CLIENT", "UNPAUSE")
         # Killed mid-run (its release is part of it now): the worker frees the slot of a run
         # lost so (WorkerLostError), well within the 60 s lease it was left to before.
-        assert wait_for(lambda: sem.count("paused-release") == 0, timeout=30)
+        assert wait_for(lambda: _held(store) == 0, timeout=30)
 
 
 def test_a_pool_restart_during_a_runs_release_sends_it_first(
@@ -212,18 +206,16 @@ def test_a_pool_restart_during_a_runs_release_sends_it_first(
     # `celery control pool_restart`: each pool process ends when it is next idle, so one in
     # the middle of its run's release (held up by the paused store) sends it, then goes.
     with _worker(redis_server, store, tmp_path, CSEM_TEST_POOL_RESTARTS="1") as (app, _):
-        sem = Semaphore(store.url, limit=4)
-        result = app.tasks["csem.pause_writes_then_end"].delay(3000)
-        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
+        result = _release_held_up(app, store, 3000)
         replies = app.control.pool_restart(reply=True, timeout=5)
         assert replies
         assert all("ok" in r for answer in replies for r in answer.values())
         pid = result.get(timeout=60)
         assert wait_for(lambda: not _alive(pid), timeout=30)
-        assert sem.count("paused-release") == 0
+        assert _held(store) == 0
         # The new pool process runs bounded tasks as before.
         assert app.tasks["csem.pause_writes_then_end"].delay(1).get(timeout=60) != pid
-        assert sem.count("paused-release") == 0
+        assert _held(store) == 0
 
 
 def _writes_paused(store: RedisServer) -> bool:
@@ -245,13 +237,21 @@ def test_a_worker_shut_down_warm_right_after_a_run_sends_its_release_first(
     redis_server: RedisServer, store: RedisServer, tmp_path: Path
 ) -> None:
     with _worker(redis_server, store, tmp_path) as (app, proc):
-        result = app.tasks["csem.pause_writes_then_end"].delay(1500)
-        assert wait_for(lambda: _writes_paused(store), timeout=30)  # the body has ended
-        assert _held(store) == 1  # its release waits on the paused store
+        result = _release_held_up(app, store, 1500)
         stop_process(proc)  # a warm shutdown: the run, its release included, ends first
         pid = result.get(timeout=60)
         assert not _alive(pid)
-    assert Semaphore(store.url, limit=4).count("paused-release") == 0
+    assert _held(store) == 0
+
+
+def _release_held_up(app: Celery, store: RedisServer, ms: int) -> AsyncResult[Any]:
+    """Send a run of ``csem.pause_writes_then_end`` that pauses the store's writes for
+    ``ms``, and return once its body has ended and its release is held up (the slot still
+    held, the store paused)."""
+    result = app.tasks["csem.pause_writes_then_end"].delay(ms)
+    assert wait_for(lambda: _writes_paused(store), timeout=30)
+    assert _held(store) == 1
+    return result
 
 
 def _held(store: RedisServer) -> int:
