@@ -8,9 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from celery_semaphore import Semaphore, SemaphoreValidationError, Slot
 from celery_semaphore.core.names import redis_keys
+from celery_semaphore.core.replies import MIN_BLOCK, Full
 from celery_semaphore.testing import RedisServer
 
 from .helpers import wait_for
@@ -82,6 +85,23 @@ def test_a_caller_that_is_never_woken_gives_up_after_its_wait(
     holder.release()
     for name in redis_keys("semaphore", "k"):  # nothing left without a TTL
         assert client.pttl(name) != -1, name
+
+
+def test_a_wait_with_under_a_millisecond_left_blocks_for_a_moment(
+    redis_server: RedisServer,
+) -> None:
+    # Redis 6.2 truncates a BLPOP timeout to whole ms, and reads 0 as "until a push": a
+    # waiter with 0.2 ms of its budget left blocked until its socket timed out, and the call
+    # failed as a backend error (it did in CI, on Redis 6.2) instead of finding the key full.
+    full = Full(holders=1, now_ms=1_000, first_expiry_ms=61_000, limit=1)
+    lapse = full.first_lapse(1_000, 0.0002)
+    assert lapse == MIN_BLOCK
+    client = redis.Redis(host="127.0.0.1", port=redis_server.port, socket_timeout=2.0,
+                         retry=Retry(NoBackoff(), 0))  # fmt: skip
+    try:
+        assert client.blpop(["test:wake"], timeout=lapse) is None  # on each Redis supported
+    finally:
+        client.close()
 
 
 def test_a_slot_handed_to_a_parked_run_wakes_nobody(

@@ -211,7 +211,7 @@ class Acquirer:
                 if isinstance(reply, Admitted):
                     slot = self.slot(keys, key, token, plan.seconds, reply, sent_at, plan.weight)
                     return slot
-                lapse = min(remaining, reply.first_lapse(now_ms), MAX_BLOCK)
+                lapse = reply.first_lapse(now_ms, min(remaining, MAX_BLOCK))
                 if reply.start_ms:  # a rate's instant: slept out here (see Semaphore._wait)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), lapse)

@@ -110,6 +110,13 @@ class Declined:
     did nothing: the caller parks with its payload instead."""
 
 
+MIN_BLOCK = 0.01
+"""Shortest BLPOP timeout a waiter sends, seconds. Redis 6.2 turns a timeout into whole
+milliseconds by truncating, so 0.001 s can become 0, which means "block until a push": a
+waiter with its last fraction of a millisecond left then blocked until its socket timed out.
+Redis 6.2 times blocked calls out on its 100 ms tick anyway."""
+
+
 @dataclass(frozen=True)
 class Full:
     """acquire.lua found every slot held by ``holders`` live holders, the first of whose
@@ -122,14 +129,15 @@ class Full:
     start_ms: int = 0
     """When a start rate allows the call (epoch ms), if a rate refused it; 0: the slots."""
 
-    def first_lapse(self, now_ms: int) -> float:
-        """Seconds from ``now_ms`` (epoch ms) until the soonest lease lapses, at least 1 ms;
-        infinity when no unit is held (a weight above a lowered live limit: no lapse frees
-        room, only a release elsewhere or a raised limit, both of which wake the caller).
-        Refused by a rate: until the rate allows the call."""
-        if not (until_ms := self.start_ms or self.first_expiry_ms):
-            return math.inf
-        return max(0.001, (until_ms - now_ms) / 1000)
+    def first_lapse(self, now_ms: int, within: float) -> float:
+        """Seconds a caller that waits blocks for: from ``now_ms`` (epoch ms) until the
+        soonest lease lapses (no unit held: a weight above a lowered live limit, which no
+        lapse frees, only a release elsewhere or a raised limit, both of which wake the
+        caller), or, refused by a rate, until the rate allows the call; at most ``within``
+        seconds, and at least :data:`MIN_BLOCK`."""
+        until_ms = self.start_ms or self.first_expiry_ms
+        lapse = (until_ms - now_ms) / 1000 if until_ms else math.inf
+        return max(MIN_BLOCK, min(within, lapse))
 
 
 def _handoffs(reply: Any, start: int, give_up: bool = False) -> list[Handoff]:

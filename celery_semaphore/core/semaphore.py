@@ -316,7 +316,7 @@ class Semaphore:
                     if isinstance(reply, Admitted):
                         return self._slot(plan.keys, plan.key, plan.token, plan.seconds, reply,
                                           sent_at, plan.weight)  # fmt: skip
-                    lapse = min(remaining, reply.first_lapse(now_ms), MAX_BLOCK)
+                    lapse = reply.first_lapse(now_ms, min(remaining, MAX_BLOCK))
                     if reply.start_ms:
                         # Only a rate's instant ends this wait; Redis times a BLPOP out on
                         # its next tick (hz 10: up to 100 ms late), which spent the rate.
